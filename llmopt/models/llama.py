@@ -1,0 +1,191 @@
+"""The Llama family in one file: llama, mistral (sliding window), qwen2 (qkv bias), qwen3 (q/k norm).
+
+Module and parameter names mirror Hugging Face's, so checkpoints (and quantized checkpoints, whose
+linear layers are swapped by llmopt.quant before loading) map one to one. The forward takes token
+ids, positions and an attention context (see attention.py) and returns hidden states;
+`compute_logits` applies the head, so callers can score only the positions they need.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from llmopt.models.config import ModelConfig
+
+AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, "int | None"], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies for RoPE, with the `linear` and `llama3` scalings."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = cfg.rope_scaling
+    if not s:
+        return inv
+    if s["rope_type"] == "linear":
+        return inv / s["factor"]
+    # llama3: low frequencies divided by `factor`, high kept, a smooth ramp between.
+    factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old = s["original_max_position_embeddings"]
+    lo_wavelen, hi_wavelen = old / lo, old / hi
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > lo_wavelen, inv / factor, inv)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= hi_wavelen) & (wavelen <= lo_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    freqs = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x: [..., heads, head_dim]; cos/sin: [..., head_dim]."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    h = x.shape[-1] // 2
+    rot = torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+    return x * cos + rot * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.window = cfg.layer_windows[layer_idx] if cfg.layer_windows else None
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
+        lead = x.shape[:-1]
+        q = self.q_proj(x).view(*lead, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = attn(self.layer_idx, q, k, v, self.window)
+        return self.o_proj(o.reshape(*lead, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, attn: AttentionFn) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states after the final norm, shape [*input_ids.shape, hidden]."""
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, attn)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, device) -> set[str]:
+        """Fill parameters (on meta or real storage) from (HF name, tensor) pairs; returns the names
+        it set. This is the one place a tensor-parallel rank would slice its shard."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        buffers = dict(self.named_buffers())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name not in params and name not in buffers:
+                if self.config.tie_word_embeddings and name == "lm_head.weight":
+                    continue
+                raise KeyError(name)
+            target = params.get(name, buffers.get(name))
+            keep_dtype = target.dtype if not target.is_floating_point() else dtype
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(target.shape)}")
+            new = tensor.to(device=device, dtype=keep_dtype)
+            _set_tensor(self, name, new, is_param=name in params)
+            loaded.add(name)
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+            loaded.add("lm_head.weight")
+        return loaded
+
+
+def _set_tensor(root: nn.Module, name: str, value: torch.Tensor, is_param: bool) -> None:
+    mod_name, _, attr = name.rpartition(".")
+    mod = root.get_submodule(mod_name) if mod_name else root
+    if is_param:
+        old = getattr(mod, attr)
+        setattr(mod, attr, nn.Parameter(value, requires_grad=False) if isinstance(old, nn.Parameter) else value)
+    else:
+        mod._buffers[attr] = value

