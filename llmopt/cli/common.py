@@ -1,0 +1,15 @@
+"""Options shared by every command that loads a model, so flags read the same everywhere."""
+
+from __future__ import annotations
+
+import typer
+
+from llmopt import defaults
+
+ModelOpt = typer.Option(None, "--model", "-m", help="Checkpoint folder, .gguf file, Hugging Face id in the local "
+                        f"cache, or a built-in name (default: {defaults.DEFAULT_MODEL}).")
+DtypeOpt = typer.Option(defaults.DTYPE, "--dtype", help="auto|float32|bfloat16|float16 (auto: float32 on the CPU, "
+                        "the checkpoint's dtype on a GPU).")
+DeviceOpt = typer.Option(defaults.DEVICE, "--device", help="auto|cpu|cuda.")
+JsonOpt = typer.Option(False, "--json", help="Print one JSON object on stdout.")
+QuietOpt = typer.Option(False, "--quiet", "-q", help="No progress bar.")
