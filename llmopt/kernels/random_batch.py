@@ -1,0 +1,115 @@
+"""Random paged-attention batches for kernel tests and scripts/gpu_check.py.
+
+`make_batch` builds dense K/V per sequence, writes them into a paged cache whose blocks are a random
+permutation of the pool (with NaN garbage in every unwritten slot, so a kernel that reads past a
+sequence's end shows it), and returns what `paged_attention` takes plus the dense K/V.
+`dense_attention` is the independent float64 oracle: explicit scores, mask and softmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmopt.kernels.reference import kv_cache_torch_dtype, write_kv
+
+
+@dataclass
+class PagedBatch:
+    q: torch.Tensor                 # [Nq, Hq, D]
+    k_new: torch.Tensor             # [Ntok, Hkv, D] every context token, in sequence order
+    v_new: torch.Tensor
+    slot_mapping: torch.Tensor      # [Ntok] int64
+    key_cache: torch.Tensor         # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor
+    k_scale_cache: torch.Tensor | None
+    v_scale_cache: torch.Tensor | None
+    block_tables: torch.Tensor      # [S, max_blocks] int32, padded with -1
+    seq_lens: torch.Tensor          # [S] int32
+    query_start_loc: torch.Tensor   # [S + 1] int32
+    specs: list                     # [(context_len, query_len)]
+    kv_dtype: str
+    k_scale: float
+    v_scale: float
+
+
+def empty_cache(num_blocks: int, block_size: int, hkv: int, d: int, kv_dtype: str, dtype, device):
+    """Cache tensors filled with NaN garbage (0x7F bytes are NaN in both fp8 formats)."""
+    cdt = kv_cache_torch_dtype(kv_dtype, dtype)
+    shape = (num_blocks, block_size, hkv, d)
+    caches = []
+    for _ in range(2):
+        c = torch.empty(shape, dtype=cdt, device=device)
+        if cdt.is_floating_point and c.element_size() > 1:
+            c.fill_(float("nan"))
+        elif cdt == torch.int8:
+            c.copy_(torch.randint(-127, 128, shape, dtype=torch.int8, device=device))
+        else:
+            c.view(torch.uint8).fill_(0x7F)
+        caches.append(c)
+    scales = [None, None]
+    if kv_dtype == "int8":
+        scales = [torch.full(shape[:3], float("nan"), device=device) for _ in range(2)]
+    return caches[0], caches[1], scales[0], scales[1]
+
+
+def make_batch(specs, hq: int, hkv: int, d: int, block_size: int, kv_dtype: str = "auto",
+               dtype=torch.float32, device="cpu", seed: int = 0, k_scale: float = 1.0, v_scale: float = 1.0,
+               extra_blocks: int = 3) -> PagedBatch:
+    """specs: [(context_len, query_len)] per sequence, query_len <= context_len."""
+    g = torch.Generator().manual_seed(seed)
+    nblocks = [-(-c // block_size) for c, _ in specs]
+    total = sum(nblocks) + extra_blocks
+    perm = torch.randperm(total, generator=g)
+    tables = torch.full((len(specs), max(nblocks) + 1), -1, dtype=torch.int32)
+    slots, ks, vs, qs = [], [], [], []
+    used = 0
+    for s, (ctx, n) in enumerate(specs):
+        blocks = perm[used:used + nblocks[s]]
+        used += nblocks[s]
+        tables[s, :nblocks[s]] = blocks.to(torch.int32)
+        pos = torch.arange(ctx)
+        slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+        ks.append(torch.randn(ctx, hkv, d, generator=g))
+        vs.append(torch.randn(ctx, hkv, d, generator=g))
+        qs.append(torch.randn(n, hq, d, generator=g))
+    kc, vc, ksc, vsc = empty_cache(total, block_size, hkv, d, kv_dtype, dtype, device)
+    k_new = torch.cat(ks).to(device=device, dtype=dtype)
+    v_new = torch.cat(vs).to(device=device, dtype=dtype)
+    slot_mapping = torch.cat(slots).to(device)
+    write_kv(kc, vc, k_new, v_new, slot_mapping, kv_dtype, k_scale, v_scale, ksc, vsc)
+    qsl = torch.zeros(len(specs) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor([n for _, n in specs]), 0)
+    return PagedBatch(
+        q=torch.cat(qs).to(device=device, dtype=dtype), k_new=k_new, v_new=v_new, slot_mapping=slot_mapping,
+        key_cache=kc, value_cache=vc, k_scale_cache=ksc, v_scale_cache=vsc, block_tables=tables.to(device),
+        seq_lens=torch.tensor([c for c, _ in specs], dtype=torch.int32, device=device),
+        query_start_loc=qsl.to(device), specs=list(specs), kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
+
+
+def run_paged(fn, b: PagedBatch, scale: float, window):
+    """Call a `paged_attention` implementation on a batch."""
+    return fn(b.q, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.query_start_loc, scale, window,
+              b.kv_dtype, b.k_scale, b.v_scale, b.k_scale_cache, b.v_scale_cache)
+
+
+def dense_attention(q, k_seqs, v_seqs, specs, scale: float, window) -> torch.Tensor:
+    """float64 oracle: per sequence, explicit causal (+window) GQA softmax attention of its last
+    query_len positions over its dense K/V [ctx, Hkv, D]."""
+    outs = []
+    start = 0
+    for (ctx, n), k, v in zip(specs, k_seqs, v_seqs):
+        qs = q[start:start + n].double()
+        start += n
+        group = qs.shape[1] // k.shape[1]
+        kk = k.double().repeat_interleave(group, dim=1)  # head h reads kv head h // group
+        vv = v.double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("ihd,jhd->hij", qs, kk) * scale
+        i = torch.arange(ctx - n, ctx)[:, None]
+        j = torch.arange(ctx)[None, :]
+        allowed = (j <= i) if window is None else (j <= i) & (i - j < window)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        p = torch.softmax(scores, dim=-1)
+        outs.append(torch.einsum("hij,jhd->ihd", p, vv))
+    return torch.cat(outs)

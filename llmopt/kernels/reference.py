@@ -1,0 +1,200 @@
+"""PyTorch reference path for the paged KV cache: quantized writes, varlen paged attention, RMSNorm
+and rotary embedding. It is the CPU default and the oracle the Triton kernels are tested against.
+
+Layout (docs/design.md, "Paged KV cache"): per layer `key_cache`/`value_cache` of shape
+[num_blocks, block_size, num_kv_heads, head_dim]; a token's slot is `block_id * block_size + offset`.
+KV dtypes: `auto` (model dtype), `fp8`/`fp8_e4m3`, `fp8_e5m2` (per-tensor scales, stored =
+clamp(x / scale, ±max) cast to fp8) and `int8` (symmetric per (token, kv head), scale = absmax / 127
+kept in `k_scale_cache`/`v_scale_cache` of shape [num_blocks, block_size, num_kv_heads]).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from llmopt.errors import UserInputError
+
+KV_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+INT8_MAX = 127.0
+
+
+def kv_cache_torch_dtype(kv_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype of the cache tensors for a `--kv-cache-dtype` value."""
+    if kv_dtype == "auto":
+        return model_dtype
+    if kv_dtype in ("fp8", "fp8_e4m3"):
+        return torch.float8_e4m3fn
+    if kv_dtype == "fp8_e5m2":
+        return torch.float8_e5m2
+    if kv_dtype == "int8":
+        return torch.int8
+    raise UserInputError(f"unknown KV-cache dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
+
+
+def kv_block_bytes(block_size: int, num_kv_heads: int, head_dim: int, kv_dtype: str,
+                   model_dtype: torch.dtype) -> int:
+    """Bytes of one block of one layer (K and V, plus the int8 scales)."""
+    elem = torch.empty(0, dtype=kv_cache_torch_dtype(kv_dtype, model_dtype)).element_size()
+    n = 2 * block_size * num_kv_heads * head_dim * elem
+    if kv_dtype == "int8":
+        n += 2 * block_size * num_kv_heads * 4
+    return n
+
+
+def _check_int8_scales(kv_dtype: str, k_scale_cache, v_scale_cache) -> None:
+    if kv_dtype == "int8" and (k_scale_cache is None or v_scale_cache is None):
+        raise UserInputError("the int8 KV cache needs k_scale_cache and v_scale_cache")
+
+
+def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, kv_dtype: str, scale: float):
+    """Quantize new K or V rows [N, Hkv, D] for the cache. Returns (stored, per-row scales or None)."""
+    if kv_dtype == "int8":
+        xf = x.float()
+        s = xf.abs().amax(-1) / INT8_MAX  # [N, Hkv]
+        codes = torch.round(xf / s.clamp_min(1e-30)[..., None]).clamp_(-INT8_MAX, INT8_MAX)
+        return codes.to(torch.int8), s
+    if cache_dtype in FP8_MAX:
+        m = FP8_MAX[cache_dtype]
+        return (x.float() / float(scale)).clamp_(-m, m).to(cache_dtype), None
+    return x.to(cache_dtype), None
+
+
+def dequantize_kv(stored: torch.Tensor, kv_dtype: str, scale: float, row_scales, out_dtype) -> torch.Tensor:
+    """Inverse of `quantize_kv` for gathered rows [..., Hkv, D] (row_scales [..., Hkv] for int8)."""
+    if kv_dtype == "int8":
+        return stored.to(out_dtype) * row_scales.to(out_dtype)[..., None]
+    if stored.dtype in FP8_MAX:
+        return stored.to(out_dtype) * float(scale)
+    return stored.to(out_dtype)
+
+
+def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor, kv_dtype: str, k_scale: float, v_scale: float,
+             k_scale_cache: torch.Tensor | None = None, v_scale_cache: torch.Tensor | None = None) -> None:
+    """Store k, v [N, Hkv, D] at `slot_mapping` [N] (negative slots are skipped, as padding)."""
+    _check_int8_scales(kv_dtype, k_scale_cache, v_scale_cache)
+    slots = slot_mapping.long()
+    if slots.numel() and bool((slots < 0).any()):
+        keep = slots >= 0
+        slots, k, v = slots[keep], k[keep], v[keep]
+    if slots.numel() == 0:
+        return
+    nb, bs, hkv, d = key_cache.shape
+    for cache, x, scale, scache in ((key_cache, k, k_scale, k_scale_cache), (value_cache, v, v_scale, v_scale_cache)):
+        stored, row_scales = quantize_kv(x, cache.dtype, kv_dtype, scale)
+        # indexed assignment: torch on the CPU lacks index_copy_/scatter_ for float8
+        cache.view(nb * bs, hkv, d)[slots] = stored
+        if row_scales is not None:
+            scache.view(nb * bs, hkv)[slots] = row_scales.to(scache.dtype)
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, kv_dtype: str, scale: float,
+            scale_cache: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Dequantized rows of the given blocks: blocks [..., nb] -> [..., nb * block_size, Hkv, D]."""
+    g = cache[blocks]
+    rs = scale_cache[blocks] if kv_dtype == "int8" else None
+    x = dequantize_kv(g, kv_dtype, scale, rs, dtype)
+    return x.flatten(-4, -3)
+
+
+def _compute_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                    scale: float, window: int | None, kv_dtype: str, k_scale: float, v_scale: float,
+                    k_scale_cache: torch.Tensor | None = None,
+                    v_scale_cache: torch.Tensor | None = None) -> torch.Tensor:
+    """Varlen causal attention over the paged cache. q [Nq, Hq, D] -> [Nq, Hq, D].
+
+    Sequence s owns queries q[query_start_loc[s]:query_start_loc[s+1]], the last positions of its
+    context of seq_lens[s] tokens (already in the cache). A query at position i sees keys j with
+    j <= i and i - j < window. Decode rows (one query) are batched; longer ones go one by one.
+    """
+    _check_int8_scales(kv_dtype, k_scale_cache, v_scale_cache)
+    out = torch.empty_like(q)
+    if q.shape[0] == 0:
+        return out
+    cdt = _compute_dtype(q)
+    bs = key_cache.shape[1]
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    kv = (key_cache, value_cache, kv_dtype, k_scale, v_scale, k_scale_cache, v_scale_cache)
+    decode = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1]
+    if decode:
+        _decode_batch(q, out, kv, block_tables, decode, starts, lens, bs, scale, window, cdt)
+    for s in range(len(lens)):
+        n = starts[s + 1] - starts[s]
+        if n > 1 or (n == 1 and not decode):
+            _one_sequence(q, out, kv, block_tables[s], starts[s], n, lens[s], bs, scale, window, cdt)
+    return out
+
+
+def _keys_values(kv, blocks, cdt):
+    key_cache, value_cache, kv_dtype, k_scale, v_scale, k_sc, v_sc = kv
+    k = _gather(key_cache, blocks, kv_dtype, k_scale, k_sc, cdt)
+    v = _gather(value_cache, blocks, kv_dtype, v_scale, v_sc, cdt)
+    return k, v
+
+
+def _one_sequence(q, out, kv, table, start, n, length, bs, scale, window, cdt):
+    nblocks = -(-length // bs)
+    k, v = _keys_values(kv, table[:nblocks].long(), cdt)
+    k, v = k[:length], v[:length]
+    i = torch.arange(length - n, length, device=q.device)
+    j = torch.arange(length, device=q.device)
+    d = i[:, None] - j[None, :]
+    mask = d >= 0
+    if window is not None:
+        mask &= d < window
+    qs = q[start:start + n].to(cdt).transpose(0, 1)  # [Hq, n, D]
+    o = F.scaled_dot_product_attention(qs, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+                                       scale=scale, enable_gqa=qs.shape[0] != k.shape[1])
+    out[start:start + n] = o.transpose(0, 1).to(out.dtype)
+
+
+def _decode_batch(q, out, kv, block_tables, seqs, starts, lens, bs, scale, window, cdt):
+    dev = q.device
+    idx = torch.tensor(seqs, device=dev)
+    rows = torch.tensor([starts[s] for s in seqs], device=dev)
+    lens_t = torch.tensor([lens[s] for s in seqs], device=dev)
+    nblocks = -(-max(lens[s] for s in seqs) // bs)
+    blocks = block_tables[idx, :nblocks].long().clamp_min(0)  # unused table entries may be padding
+    k, v = _keys_values(kv, blocks, cdt)  # [S, L, Hkv, D]
+    j = torch.arange(k.shape[1], device=dev)
+    d = (lens_t - 1)[:, None] - j[None, :]
+    mask = d >= 0
+    # slots past a sequence's end hold stale data (maybe NaN): zero them, a masked NaN still poisons p @ v
+    k, v = (torch.where(mask[:, :, None, None], x, 0.0) for x in (k, v))
+    if window is not None:
+        mask &= d < window
+    qs = q[rows].to(cdt)[:, :, None, :]  # [S, Hq, 1, D]
+    o = F.scaled_dot_product_attention(qs, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :],
+                                       scale=scale, enable_gqa=qs.shape[1] != k.shape[2])
+    out[rows] = o[:, :, 0, :].to(out.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """RMSNorm as the model computes it (float32 statistics, result cast back, times weight).
+
+    With `residual`, first x = x + residual and return (normed, x): the fused add + norm of a
+    decoder layer."""
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    y = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (y, x) if residual is not None else y
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotate-half RoPE on q [N, Hq, D] and k [N, Hkv, D] with cos/sin [N, D]; returns (q, k)."""
+    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
+
+    def rot(x):
+        h = x.shape[-1] // 2
+        return x * c + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * s
+
+    return rot(q), rot(k)

@@ -1,0 +1,175 @@
+"""The PyTorch reference kernels against independent float64 computations."""
+
+import math
+
+import pytest
+import torch
+
+from llmopt import kernels
+from llmopt.errors import UserInputError
+from llmopt.kernels import reference as ref
+from llmopt.kernels.random_batch import dense_attention, make_batch, run_paged
+
+# (context_len, query_len): decode, full prefill, extend (chunked prefill), on and off block ends
+SPECS = [(1, 1), (16, 1), (37, 1), (16, 16), (23, 23), (40, 7), (33, 1), (48, 16), (5, 2)]
+
+
+def _dense_kv(b):
+    """Per-sequence dense K/V as the cache should hold them (dequantized with an independent formula)."""
+    k, v = b.k_new.double(), b.v_new.double()
+    if b.kv_dtype == "int8":
+        k, v = (_int8_roundtrip(x) for x in (k, v))
+    elif b.kv_dtype != "auto":
+        fp8 = ref.kv_cache_torch_dtype(b.kv_dtype, torch.float32)
+        m = ref.FP8_MAX[fp8]
+        k = (k / b.k_scale).clamp(-m, m).float().to(fp8).double() * b.k_scale
+        v = (v / b.v_scale).clamp(-m, m).float().to(fp8).double() * b.v_scale
+    lens = [c for c, _ in b.specs]
+    return list(k.split(lens)), list(v.split(lens))
+
+
+def _int8_roundtrip(x):
+    s = x.abs().amax(-1, keepdim=True) / 127
+    return torch.round(x / s) * s
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (8, 2)])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_attention_matches_dense_float64(hq, hkv, block_size, window):
+    b = make_batch(SPECS, hq, hkv, 8, block_size, seed=hq * 100 + block_size)
+    scale = 1 / math.sqrt(8)
+    out = run_paged(ref.paged_attention, b, scale, window)
+    ks, vs = _dense_kv(b)
+    want = dense_attention(b.q, ks, vs, b.specs, scale, window)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "fp8_e5m2", "int8"])
+def test_quantized_cache_attention_matches_dense(kv_dtype):
+    b = make_batch(SPECS, 6, 2, 8, 16, kv_dtype=kv_dtype, seed=7, k_scale=0.5, v_scale=0.25)
+    out = run_paged(ref.paged_attention, b, 0.3, None)
+    ks, vs = _dense_kv(b)
+    torch.testing.assert_close(out.double(), dense_attention(b.q, ks, vs, b.specs, 0.3, None), atol=2e-6, rtol=2e-6)
+    # and the quantization error stays small against the exact K/V
+    exact = dense_attention(b.q, b.k_new.split([c for c, _ in SPECS]), b.v_new.split([c for c, _ in SPECS]),
+                            b.specs, 0.3, None)
+    assert (out.double() - exact).abs().max() < {"fp8": 0.2, "fp8_e5m2": 0.4, "int8": 0.05}[kv_dtype]
+
+
+def test_float64_and_bfloat16_inputs():
+    b = make_batch(SPECS, 4, 2, 8, 4, dtype=torch.float64, seed=3)
+    out = run_paged(ref.paged_attention, b, 0.5, 6)
+    ks, vs = _dense_kv(b)
+    torch.testing.assert_close(out, dense_attention(b.q, ks, vs, b.specs, 0.5, 6), atol=1e-12, rtol=1e-12)
+    b = make_batch(SPECS, 4, 2, 8, 4, dtype=torch.bfloat16, seed=3)
+    out = run_paged(ref.paged_attention, b, 0.5, None)
+    assert out.dtype == torch.bfloat16
+    ks, vs = _dense_kv(b)
+    torch.testing.assert_close(out.double(), dense_attention(b.q, ks, vs, b.specs, 0.5, None), atol=2e-2, rtol=2e-2)
+
+
+def _fp8_error_ok(x, stored, scale, fp8):
+    """fp8 rounding: relative error <= 2^-(mantissa bits + 1) for normals, half a subnormal step below."""
+    mant, min_normal = (3, 2.0 ** -6) if fp8 == torch.float8_e4m3fn else (2, 2.0 ** -14)
+    y = x / scale
+    m = ref.FP8_MAX[fp8]
+    target = y.clamp(-m, m)
+    got = stored.double()
+    bound = torch.maximum(target.abs() * 2.0 ** -(mant + 1), torch.full_like(target, min_normal * 2.0 ** -(mant + 1)))
+    return bool(((got - target).abs() <= bound + 1e-12).all())
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_write_kv_fp8_rounds_and_clamps(kv_dtype):
+    fp8 = ref.kv_cache_torch_dtype(kv_dtype, torch.float32)
+    kc, vc, _, _ = (torch.zeros(4, 2, 2, 8, dtype=fp8) for _ in range(4))
+    k = torch.randn(5, 2, 8, dtype=torch.float64) * 3
+    k[0, 0, 0] = 1e6  # beyond the range: clamped to the max, not inf/NaN
+    v = torch.randn(5, 2, 8, dtype=torch.float64)
+    slots = torch.tensor([7, 0, 3, -1, 4])
+    ref.write_kv(kc, vc, k, v, slots, kv_dtype, 0.01, 2.0)
+    keep = slots >= 0
+    got_k = kc.view(8, 2, 8)[slots[keep]]
+    assert _fp8_error_ok(k[keep].double(), got_k, 0.01, fp8)
+    assert _fp8_error_ok(v[keep].double(), vc.view(8, 2, 8)[slots[keep]], 2.0, fp8)
+    assert got_k[0, 0, 0].double() == ref.FP8_MAX[fp8]
+    untouched = torch.ones(8, dtype=torch.bool)
+    untouched[slots[keep]] = False
+    assert (kc.view(8, -1)[untouched].double() == 0).all()  # the -1 slot wrote nothing
+
+
+def test_write_kv_int8_per_token_head_scales():
+    kc = torch.zeros(3, 4, 2, 8, dtype=torch.int8)
+    vc = torch.zeros_like(kc)
+    ksc, vsc = torch.zeros(3, 4, 2), torch.zeros(3, 4, 2)
+    k, v = torch.randn(6, 2, 8), torch.randn(6, 2, 8)
+    k[2, 1] = 0.0  # an all-zero row stays zero (no division by zero)
+    slots = torch.tensor([11, 0, 5, 6, 2, 9])
+    ref.write_kv(kc, vc, k, v, slots, "int8", 1.0, 1.0, ksc, vsc)
+    for x, c, sc in ((k, kc, ksc), (v, vc, vsc)):
+        s = sc.view(12, 2)[slots]
+        torch.testing.assert_close(s, x.abs().amax(-1) / 127)
+        codes = c.view(12, 2, 8)[slots].float()
+        assert codes.abs().max() <= 127
+        assert ((codes * s[..., None] - x).abs() <= s[..., None] / 2 + 1e-6).all()
+    assert (kc.view(12, 2, 8)[5, 1] == 0).all()  # slot of k[2]
+
+
+def test_int8_needs_scale_caches():
+    b = make_batch([(4, 1)], 2, 2, 8, 4)
+    with pytest.raises(UserInputError):
+        ref.write_kv(b.key_cache, b.value_cache, b.k_new, b.v_new, b.slot_mapping, "int8", 1.0, 1.0)
+
+
+def test_rms_norm_and_fused_residual():
+    x = torch.randn(5, 32)
+    w = torch.randn(32)
+    want = x.double() / torch.sqrt((x.double() ** 2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    torch.testing.assert_close(ref.rms_norm(x, w, 1e-6).double(), want, atol=1e-5, rtol=1e-5)
+    r = torch.randn(5, 32)
+    y, new_r = ref.rms_norm(x, w, 1e-6, residual=r)
+    s = (x + r).double()
+    torch.testing.assert_close(new_r, x + r)
+    torch.testing.assert_close(y.double(), s / torch.sqrt((s ** 2).mean(-1, keepdim=True) + 1e-6) * w.double(),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_rotary_is_a_complex_rotation():
+    n, d = 6, 16
+    q, k = torch.randn(n, 3, d, dtype=torch.float64), torch.randn(n, 1, d, dtype=torch.float64)
+    theta = torch.rand(n, d // 2, dtype=torch.float64) * 10
+    cos, sin = torch.cat([theta.cos()] * 2, -1), torch.cat([theta.sin()] * 2, -1)
+    rq, rk = ref.rotary(q, k, cos, sin)
+    for x, got in ((q, rq), (k, rk)):
+        z = torch.complex(x[..., : d // 2], x[..., d // 2:]) * torch.polar(torch.ones_like(theta), theta)[:, None, :]
+        torch.testing.assert_close(got, torch.cat([z.real, z.imag], -1))
+
+
+def test_kv_dtypes_and_block_bytes():
+    assert ref.kv_cache_torch_dtype("auto", torch.bfloat16) == torch.bfloat16
+    assert ref.kv_cache_torch_dtype("fp8", torch.float32) == torch.float8_e4m3fn
+    assert ref.kv_cache_torch_dtype("fp8_e5m2", torch.float32) == torch.float8_e5m2
+    assert ref.kv_cache_torch_dtype("int8", torch.float32) == torch.int8
+    with pytest.raises(UserInputError):
+        ref.kv_cache_torch_dtype("fp4", torch.float32)
+    # SmolLM2: 3 kv heads x 64 dims, block 16
+    assert ref.kv_block_bytes(16, 3, 64, "auto", torch.float32) == 2 * 16 * 3 * 64 * 4
+    assert ref.kv_block_bytes(16, 3, 64, "fp8", torch.float32) == 2 * 16 * 3 * 64
+    assert ref.kv_block_bytes(16, 3, 64, "int8", torch.float32) == 2 * 16 * 3 * 64 + 2 * 16 * 3 * 4
+
+
+def test_dispatch_backends():
+    b = make_batch([(9, 3), (4, 1)], 4, 2, 8, 4, seed=1)
+    assert kernels.get_backend() == "auto"
+    got = run_paged(kernels.paged_attention, b, 0.4, None)  # auto on CPU tensors = the reference
+    torch.testing.assert_close(got, run_paged(ref.paged_attention, b, 0.4, None))
+    with pytest.raises(UserInputError):
+        kernels.set_backend("cuda-graphs")
+    kernels.set_backend("torch")
+    try:
+        assert kernels.get_backend() == "torch"
+        torch.testing.assert_close(kernels.rms_norm(b.q, torch.ones(8), 1e-6), ref.rms_norm(b.q, torch.ones(8), 1e-6))
+    finally:
+        kernels.set_backend("auto")
