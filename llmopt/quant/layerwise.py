@@ -1,0 +1,223 @@
+"""Quantize one decoder layer with the calibration activations that reach it.
+
+Each method returns the quantized Linears, the activations for the next layer and the layer's
+reconstruction error: ||y_q − y||² / ||y − x||² on the first calibration samples (y the float
+layer's output, y_q the quantized one's, x its input: the error relative to what the layer adds).
+Propagation follows each method's reference: GPTQ, RTN and FP8 pass on the quantized layer's
+output; AWQ (as AutoAWQ) and SmoothQuant pass on the float output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from llmopt.quant import awq, fp8, gptq, int8, rtn
+from llmopt.quant.spec import QuantSpec
+
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+FORWARD_TOKENS = 4096   # calibration tokens per forward call (bounds the MLP's intermediate activations)
+
+
+@dataclass
+class LayerContext:
+    cos: torch.Tensor
+    sin: torch.Tensor
+    attn: Callable
+
+    def forward(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([layer(xb, self.cos, self.sin, self.attn) for xb in batches(x)])
+
+
+@dataclass
+class LayerOutcome:
+    quantized: dict            # linear name (relative to the layer) -> IntQuantized | FloatQuantized | Int8Quantized
+    next_x: torch.Tensor
+    rel_error: float
+
+
+def batches(x: torch.Tensor) -> list[torch.Tensor]:
+    per = max(1, FORWARD_TOKENS // x.shape[1])
+    return list(x.split(per))
+
+
+class _Stop(Exception):
+    pass
+
+
+def input_of(target: nn.Module, run: Callable[[], object]) -> torch.Tensor:
+    """The input `target` receives when `run()` is called; the forward stops right there."""
+    box = {}
+
+    def hook(_mod, args):
+        box["x"] = args[0]
+        raise _Stop
+
+    handle = target.register_forward_pre_hook(hook)
+    try:
+        run()
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    return box["x"]
+
+
+def set_weight(lin: nn.Linear, qt) -> None:
+    lin.weight.data = qt.dequantize(lin.weight.dtype)
+
+
+@torch.no_grad()
+def quantize_layer(layer: nn.Module, x: torch.Tensor, err_samples: int, ctx: LayerContext,
+                   spec: QuantSpec) -> LayerOutcome:
+    ex = x[:err_samples]
+    y_ref = ctx.forward(layer, ex)
+    quantized, next_x = METHODS[spec.method](layer, x, ctx, spec)
+    handles = []
+    if spec.method in ("fp8", "int8") and spec.activations == "dynamic":
+        fq = fp8.fake_quantize_tokens_fp8 if spec.method == "fp8" else int8.fake_quantize_tokens_int8
+        handles = [layer.get_submodule(n).register_forward_pre_hook(lambda _m, a: (fq(a[0]),)) for n in LINEARS]
+    try:
+        y_q = ctx.forward(layer, ex)
+        if next_x is None:
+            next_x = ctx.forward(layer, x)
+    finally:
+        for h in handles:
+            h.remove()
+    denom = float((y_ref - ex).double().pow(2).sum())
+    err = float((y_q - y_ref).double().pow(2).sum()) / max(denom, 1e-30)
+    return LayerOutcome(quantized, next_x, err)
+
+
+def _linear(layer, name) -> nn.Linear:
+    return layer.get_submodule(name)
+
+
+def _rtn(layer, x, ctx, spec):
+    out = {}
+    for n in LINEARS:
+        lin = _linear(layer, n)
+        out[n] = rtn.quantize_rtn(lin.weight, spec.bits, spec.group_size, spec.sym, bias=_bias(lin))
+        set_weight(lin, out[n])
+    return out, None
+
+
+def _fp8(layer, x, ctx, spec):
+    out = {}
+    for n in LINEARS:
+        lin = _linear(layer, n)
+        out[n] = fp8.quantize_fp8(lin.weight, spec.fp8_scale, spec.activations, bias=_bias(lin))
+        set_weight(lin, out[n])
+    return out, None
+
+
+def _gptq(layer, x, ctx, spec):
+    """True-sequential: q/k/v, then o, then gate/up, then down, each group's Hessian from inputs
+    recomputed through the sublayers already quantized."""
+    groups = (LINEARS[:3], LINEARS[3:4], LINEARS[4:6], LINEARS[6:])
+    out = {}
+    for names in groups:
+        first = _linear(layer, names[0])
+        acc = gptq.HessianAccumulator(first.in_features)
+        for xb in batches(x):
+            acc.add(input_of(first, lambda: layer(xb, ctx.cos, ctx.sin, ctx.attn)))
+        for n in names:
+            lin = _linear(layer, n)
+            out[n] = gptq.gptq_quantize(lin.weight, acc.H, spec.bits, spec.group_size, spec.sym, damp=spec.damp,
+                                        act_order=spec.act_order, bias=_bias(lin)).quantized
+            set_weight(lin, out[n])
+    return out, None
+
+
+class _InputStats:
+    """Forward pre-hooks that keep, per Linear, the mean |x| per channel, the absmax per channel,
+    and the raw inputs of the first `keep` samples."""
+
+    def __init__(self, modules: dict[str, nn.Module], keep: int) -> None:
+        self.keep, self.seen = keep, 0
+        self.sum, self.amax, self.count, self.sample = {}, {}, {}, {k: [] for k in modules}
+        self.handles = [m.register_forward_pre_hook(self._hook(k)) for k, m in modules.items()]
+
+    def _hook(self, key):
+        def hook(_mod, args):
+            a = args[0]
+            flat = a.reshape(-1, a.shape[-1]).float()
+            self.sum[key] = self.sum.get(key, 0) + flat.abs().sum(0, dtype=torch.float64)
+            m = flat.abs().amax(0)
+            self.amax[key] = torch.maximum(self.amax[key], m) if key in self.amax else m
+            self.count[key] = self.count.get(key, 0) + flat.shape[0]
+            room = self.keep - sum(t.shape[0] for t in self.sample[key])
+            if room > 0:
+                self.sample[key].append(a[:room].clone())
+        return hook
+
+    def mean(self, key) -> torch.Tensor:
+        return (self.sum[key] / self.count[key]).float()
+
+    def inputs(self, key) -> torch.Tensor:
+        return torch.cat(self.sample[key])
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _awq(layer, x, ctx, spec):
+    at, mlp = layer.self_attn, layer.mlp
+    keep = max(1, spec.awq_search_tokens // x.shape[1])
+    stats = _InputStats({"qkv": at.q_proj, "o": at.o_proj, "mlp": mlp.gate_proj, "down": mlp.down_proj}, keep)
+    try:
+        next_x = ctx.forward(layer, x)          # float outputs, as AutoAWQ propagates them
+    finally:
+        stats.close()
+    xin = {k: stats.inputs(k) for k in ("qkv", "o", "mlp", "down")}
+    q = dict(bits=spec.bits, group_size=spec.group_size, sym=spec.sym, grid=spec.awq_grid, duo=spec.awq_duo_scaling)
+    plan = [("qkv", layer.input_layernorm, [at.q_proj, at.k_proj, at.v_proj],
+             lambda: at(xin["qkv"], ctx.cos, ctx.sin, ctx.attn))]
+    if at.v_proj.weight.shape == at.o_proj.weight.shape:   # AutoAWQ's condition (no GQA): v's rows are o's inputs
+        plan.append(("o", at.v_proj, [at.o_proj], lambda: at.o_proj(xin["o"])))
+    plan += [("mlp", layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj], lambda: mlp(xin["mlp"])),
+             ("down", mlp.up_proj, [mlp.down_proj], lambda: mlp.down_proj(xin["down"]))]
+    for key, prev, lins, inspect in plan:
+        s, _ = awq.search_scales(stats.mean(key), lins, inspect, **q)
+        awq.fold_scales(prev, lins, s)
+        xin[key] = xin[key] / s
+    clip_inputs = {"self_attn.v_proj": "qkv", "self_attn.o_proj": "o", "mlp.gate_proj": "mlp", "mlp.up_proj": "mlp",
+                   "mlp.down_proj": "down"}
+    for n, key in clip_inputs.items():       # q and k are not clipped (their errors meet in the softmax)
+        lin = _linear(layer, n)
+        bounds = awq.search_clip(lin.weight, xin[key], spec.bits, spec.group_size, spec.sym, grid=spec.awq_grid)
+        awq.apply_clip(lin, bounds, spec.group_size)
+    out, _ = _rtn(layer, x, ctx, spec)
+    return out, next_x
+
+
+def _int8(layer, x, ctx, spec):
+    next_x = None
+    if spec.activations == "dynamic":
+        at, mlp = layer.self_attn, layer.mlp
+        stats = _InputStats({"qkv": at.q_proj, "mlp": mlp.gate_proj}, keep=0)
+        try:
+            next_x = ctx.forward(layer, x)      # smoothing leaves the float function as it is
+        finally:
+            stats.close()
+        int8.smooth(layer.input_layernorm, [at.q_proj, at.k_proj, at.v_proj], stats.amax["qkv"], spec.smoothquant_alpha)
+        int8.smooth(layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj], stats.amax["mlp"],
+                    spec.smoothquant_alpha)
+    out = {}
+    for n in LINEARS:
+        lin = _linear(layer, n)
+        out[n] = int8.quantize_int8(lin.weight, spec.activations, bias=_bias(lin))
+        set_weight(lin, out[n])
+    return out, next_x
+
+
+def _bias(lin: nn.Linear):
+    return None if lin.bias is None else lin.bias.detach().clone()
+
+
+METHODS = {"rtn": _rtn, "gptq": _gptq, "awq": _awq, "fp8": _fp8, "int8": _int8}

@@ -1,0 +1,103 @@
+"""What to quantize and how: one dataclass the CLI, recipes and the pipeline share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from llmopt import defaults
+from llmopt.errors import UserInputError
+
+METHODS = ("awq", "gptq", "rtn", "fp8", "int8")
+FORMATS = ("awq", "gptq", "compressed-tensors")
+DEFAULT_FORMAT = {"awq": "awq", "gptq": "gptq", "rtn": "compressed-tensors", "fp8": "compressed-tensors",
+                  "int8": "compressed-tensors"}
+
+
+@dataclass
+class QuantSpec:
+    method: str = "awq"
+    bits: int | None = None            # 4 for awq/gptq/rtn, 8 for fp8/int8
+    group_size: int = defaults.QUANT_GROUP_SIZE
+    sym: bool | None = None            # None: symmetric for gptq/rtn, asymmetric (zero points) for awq
+    format: str | None = None          # None: DEFAULT_FORMAT[method]
+    calib_data: str = defaults.CALIB_DATA
+    num_samples: int = defaults.QUANT_NUM_SAMPLES
+    seq_len: int = defaults.QUANT_SEQ_LEN
+    seed: int = defaults.QUANT_SEED
+    damp: float = defaults.GPTQ_DAMP
+    act_order: bool = False
+    smoothquant_alpha: float = defaults.SMOOTHQUANT_ALPHA
+    awq_duo_scaling: bool = False
+    awq_grid: int = defaults.AWQ_GRID
+    awq_search_tokens: int = defaults.AWQ_SEARCH_TOKENS
+    fp8_scale: str = "channel"         # channel | tensor
+    activations: str = "dynamic"       # fp8/int8: dynamic (W8A8) | none (weight-only)
+    dtype: str = "auto"                # unquantized tensors: auto = checkpoint's 16-bit dtype, else float16
+
+    def resolved(self) -> "QuantSpec":
+        """A copy with the method-dependent defaults filled in, validated."""
+        s = QuantSpec(**{f.name: getattr(self, f.name) for f in fields(self)})
+        if s.method not in METHODS:
+            raise UserInputError(f"unknown --method {s.method!r}: use one of {', '.join(METHODS)}")
+        if s.bits is None:
+            s.bits = 8 if s.method in ("fp8", "int8") else 4
+        if s.method in ("fp8", "int8") and s.bits != 8:
+            raise UserInputError(f"--method {s.method} is 8-bit: drop --bits or use --bits 8")
+        if s.method in ("awq", "gptq", "rtn") and s.bits not in (2, 3, 4, 8):
+            raise UserInputError(f"--bits {s.bits} is not supported: use 4 or 8 (2 and 3 for experiments)")
+        if s.sym is None:
+            s.sym = s.method != "awq"
+        if s.format is None:
+            s.format = DEFAULT_FORMAT[s.method]
+        if s.format not in FORMATS:
+            raise UserInputError(f"unknown --format {s.format!r}: use one of {', '.join(FORMATS)}")
+        if s.method in ("fp8", "int8") and s.format != "compressed-tensors":
+            raise UserInputError(f"--method {s.method} is written as compressed-tensors only: use --format compressed-tensors")
+        if s.format == "awq" and (s.bits != 4 or s.sym or s.group_size == -1 or s.act_order):
+            raise UserInputError("--format awq (AutoAWQ GEMM) holds 4-bit asymmetric weights with groups: "
+                                 "use --bits 4 --asym --group-size 128|64|32, or --format gptq|compressed-tensors")
+        if s.act_order and s.method != "gptq":
+            raise UserInputError("--act-order applies to --method gptq only")
+        if s.group_size != -1 and s.group_size <= 0:
+            raise UserInputError(f"--group-size {s.group_size}: use a positive divisor of the hidden size or -1")
+        if not 0 < s.damp < 1:
+            raise UserInputError(f"--damp {s.damp}: use a fraction of the mean Hessian diagonal in (0, 1)")
+        if not 0 <= s.smoothquant_alpha <= 1:
+            raise UserInputError(f"--smoothquant-alpha {s.smoothquant_alpha}: use a value in [0, 1]")
+        if s.fp8_scale not in ("channel", "tensor"):
+            raise UserInputError(f"--fp8-scale {s.fp8_scale!r}: use channel or tensor")
+        if s.activations not in ("dynamic", "none"):
+            raise UserInputError(f"--activations {s.activations!r}: use dynamic (W8A8) or none (weight-only)")
+        if s.num_samples < 1 or s.seq_len < 2:
+            raise UserInputError("--num-samples must be >= 1 and --seq-len >= 2")
+        return s
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether the method looks at activations beyond the error report."""
+        return self.method in ("awq", "gptq") or (self.method == "int8" and self.activations == "dynamic")
+
+
+def load_recipe(path: str | Path) -> dict:
+    """A YAML recipe whose keys mirror the CLI flags (dashes or underscores)."""
+    import yaml
+    p = Path(path)
+    if not p.is_file():
+        raise UserInputError(f"recipe {p} not found")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise UserInputError(f"recipe {p} is not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise UserInputError(f"recipe {p} must be a mapping of flag names to values")
+    known = {f.name for f in fields(QuantSpec)} | {"model", "output"}
+    out = {}
+    for k, v in data.items():
+        key = str(k).replace("-", "_")
+        if key == "quant_method":
+            key = "method"
+        if key not in known:
+            raise UserInputError(f"recipe {p}: unknown key {k!r} (known: {', '.join(sorted(known))})")
+        out[key] = v
+    return out

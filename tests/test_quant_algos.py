@@ -1,0 +1,185 @@
+"""The quantization algorithms against direct computations (float64 formulas written here) and
+the behaviour they promise: GPTQ beats RTN on real layer inputs, folding leaves the function alone."""
+
+import pytest
+import torch
+import transformers
+
+from llmopt.models.attention import DenseCausalAttention
+from llmopt.models.config import ModelConfig
+from llmopt.models.llama import DecoderLayer, rope_cos_sin, rope_inv_freq
+from llmopt.quant import awq, fp8, gptq, int8, rtn
+from llmopt.quant.layerwise import LayerContext, quantize_layer
+from llmopt.quant.spec import QuantSpec
+from llmopt.errors import UserInputError
+
+
+def direct_rtn(w, bits, gs, sym):
+    """Group quantization written out group by group (in float32, so exact ties round alike)."""
+    w = w.float()
+    out = torch.empty_like(w)
+    maxq = 2 ** bits - 1
+    for r in range(w.shape[0]):
+        for g0 in range(0, w.shape[1], gs):
+            g = w[r, g0:g0 + gs]
+            if sym:
+                scale = 2 * g.abs().max() / maxq
+                zero = 2 ** (bits - 1)
+            else:
+                lo, hi = min(g.min(), 0.0), max(g.max(), 0.0)
+                scale = (hi - lo) / maxq
+                zero = torch.round(-lo / scale)
+            q = torch.clamp(torch.round(g / scale) + zero, 0, maxq)
+            out[r, g0:g0 + gs] = (q - zero) * scale
+    return out
+
+
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("bits,gs", [(4, 32), (8, 64), (3, 16)])
+def test_rtn_matches_direct_computation(sym, bits, gs):
+    torch.manual_seed(0)
+    w = torch.randn(12, 64) * torch.rand(12, 1)
+    qt = rtn.quantize_rtn(w, bits, gs, sym)
+    assert qt.qweight.min() >= 0 and qt.qweight.max() < 2 ** bits
+    assert qt.scales.shape == (12, 64 // gs)
+    torch.testing.assert_close(qt.dequantize(), direct_rtn(w, bits, gs, sym), rtol=0, atol=1e-6)
+    torch.testing.assert_close(rtn.fake_quantize(w, bits, gs, sym), qt.dequantize(), rtol=0, atol=1e-6)
+    if sym:
+        assert (qt.zeros == 2 ** (bits - 1)).all()
+
+
+def test_group_size_must_divide():
+    with pytest.raises(UserInputError, match="does not divide"):
+        rtn.quantize_rtn(torch.randn(4, 576), 4, 128, True)
+    assert rtn.quantize_rtn(torch.randn(4, 576), 4, -1, True).scales.shape == (4, 1)
+
+
+def test_hessian_accumulator_is_2xtx_over_n():
+    torch.manual_seed(0)
+    xs = [torch.randn(3, 7, 16), torch.randn(5, 16)]
+    acc = gptq.HessianAccumulator(16)
+    for x in xs:
+        acc.add(x)
+    X = torch.cat([x.reshape(-1, 16) for x in xs]).double()
+    torch.testing.assert_close(acc.H, 2 * X.T @ X / X.shape[0])
+
+
+def test_gptq_with_uncorrelated_inputs_is_rtn():
+    """H = I: the inverse Hessian is diagonal, nothing to compensate, GPTQ must round to nearest."""
+    torch.manual_seed(0)
+    w = torch.randn(16, 128)
+    res = gptq.gptq_quantize(w, torch.eye(128), 4, 32, sym=False)
+    torch.testing.assert_close(res.quantized.dequantize(), rtn.quantize_rtn(w, 4, 32, False).dequantize())
+
+
+def tiny_hf_model(heads=4, kv_heads=2):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256)
+    return transformers.LlamaForCausalLM(cfg).eval(), cfg
+
+
+def linear_inputs(model, ids):
+    inputs, hooks = {}, []
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and "layers" in name:
+            hooks.append(mod.register_forward_pre_hook(lambda m, a, n=name: inputs.__setitem__(n, a[0].detach())))
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    return inputs
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_beats_rtn_on_every_linear_of_a_tiny_model(act_order):
+    model, _ = tiny_hf_model()
+    ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(1))
+    inputs = linear_inputs(model, ids)
+    assert len(inputs) == 14
+    for name, x in inputs.items():
+        lin = model.get_submodule(name)
+        w = lin.weight.detach()
+        acc = gptq.HessianAccumulator(w.shape[1])
+        acc.add(x)
+        g = gptq.gptq_quantize(w, acc.H, 4, 16, sym=True, act_order=act_order, block=32).quantized
+        r = rtn.quantize_rtn(w, 4, 16, True)
+        X = x.reshape(-1, w.shape[1]).double()
+        err = lambda q: float((X @ (q.dequantize().double() - w.double()).T).pow(2).sum())  # noqa: E731
+        assert err(g) < 0.9 * err(r), name
+        if act_order:
+            assert g.g_idx is not None and sorted(torch.bincount(g.g_idx.long()).tolist()) == [16] * (w.shape[1] // 16)
+
+
+def our_layer(heads=4, kv_heads=4, seed=0):
+    torch.manual_seed(seed)
+    cfg = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=16, rms_norm_eps=1e-6)
+    layer = DecoderLayer(cfg, 0).eval()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.ndim == 1 else 0.0))
+    ctx = LayerContext(*rope_cos_sin(rope_inv_freq(cfg), torch.arange(32), torch.float32), DenseCausalAttention())
+    return layer, ctx
+
+
+def outlier_inputs(n=4, t=32, h=64, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, t, h, generator=g)
+    x[..., :3] *= 30.0          # a few large channels, as in real LLM activations
+    return x
+
+
+def test_awq_folding_keeps_the_float_function():
+    layer, ctx = our_layer()
+    x = outlier_inputs()
+    with torch.no_grad():
+        ref = ctx.forward(layer, x)
+        at, mlp = layer.self_attn, layer.mlp
+        s = lambda n: torch.rand(n) * 3 + 0.2  # noqa: E731
+        awq.fold_scales(layer.input_layernorm, [at.q_proj, at.k_proj, at.v_proj], s(64))
+        awq.fold_scales(at.v_proj, [at.o_proj], s(64))
+        awq.fold_scales(layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj], s(64))
+        awq.fold_scales(mlp.up_proj, [mlp.down_proj], s(128))
+        torch.testing.assert_close(ctx.forward(layer, x), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_smoothquant_folding_keeps_the_float_function_and_tames_outliers():
+    layer, ctx = our_layer()
+    x = outlier_inputs()
+    with torch.no_grad():
+        ref = ctx.forward(layer, x)
+        h = layer.input_layernorm(x)
+        amax = h.reshape(-1, 64).abs().amax(0)
+        at = layer.self_attn
+        s = int8.smooth(layer.input_layernorm, [at.q_proj, at.k_proj, at.v_proj], amax, 0.5)
+        torch.testing.assert_close(ctx.forward(layer, x), ref, rtol=1e-4, atol=1e-4)
+        h2 = layer.input_layernorm(x).reshape(-1, 64).abs().amax(0)
+        torch.testing.assert_close(h2, amax / s)
+        assert h2.max() / h2.median() < amax.max() / amax.median()
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_calibrated_methods_beat_rtn_on_a_layer(method):
+    x = outlier_inputs(n=8)
+    errs = {}
+    for m in ("rtn", method):
+        layer, ctx = our_layer(kv_heads=4 if method == "awq" else 2)
+        spec = QuantSpec(method=m, bits=4, group_size=16, sym=m != "awq", awq_search_tokens=128).resolved()
+        errs[m] = quantize_layer(layer, x, 4, ctx, spec).rel_error
+    assert errs[method] < 0.9 * errs["rtn"], errs
+
+
+def test_fp8_and_int8_weights_match_direct_computation():
+    torch.manual_seed(0)
+    w = torch.randn(8, 32) * torch.rand(8, 1)
+    for scheme in ("channel", "tensor"):
+        q = fp8.quantize_fp8(w, scheme)
+        amax = w.abs().amax(1, keepdim=True) if scheme == "channel" else w.abs().max().reshape(1)
+        torch.testing.assert_close(q.weight_scale, amax / 448.0)
+        assert q.weight.float().abs().max() == 448.0
+        rel = ((q.dequantize() - w).abs() / w.abs().clamp(min=1e-3 * amax.max())).max()
+        assert rel <= 2 ** -4 + 1e-6            # e4m3: 3 mantissa bits, half an ulp
+    q8 = int8.quantize_int8(w)
+    s = w.double().abs().amax(1, keepdim=True) / 127
+    torch.testing.assert_close(q8.dequantize().double(), torch.round(w.double() / s) * s, rtol=0, atol=1e-6)
