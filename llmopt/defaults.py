@@ -40,4 +40,6 @@ QUANT_SEED = 0
 GPTQ_DAMP = 0.01
 GPTQ_BLOCK = 128
 AWQ_GRID = 20
+AWQ_SEARCH_TOKENS = 4096  # calibration tokens the AWQ scale search evaluates each grid point on
+QUANT_ERROR_TOKENS = 2048  # calibration tokens the per-layer reconstruction error is measured on
 SMOOTHQUANT_ALPHA = 0.5
