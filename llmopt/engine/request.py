@@ -1,0 +1,133 @@
+"""A request as the scheduler and engine track it: tokens, progress, status, and its outputs."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from llmopt.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of the chosen token and the top alternatives at one output position."""
+    token_id: int
+    logprob: float
+    top: dict[int, float] = field(default_factory=dict)
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: frozenset[int] = frozenset(), max_model_len: int | None = None,
+                 prompt: str | None = None, priority: int = 0, arrival_time: float | None = None,
+                 parent_id: str | None = None, index: int = 0) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.eos_token_ids = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
+        self.stop_token_ids = frozenset(params.stop_token_ids)
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.parent_id = parent_id or request_id
+        self.index = index
+        self.status = RequestStatus.WAITING
+        self._all_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.spec_token_ids: list[int] = []      # draft tokens to verify in the next step
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1              # prefix-cache hit at first schedule (-1: not yet)
+        self.num_preemptions = 0
+        limit = params.max_tokens if params.max_tokens is not None else (max_model_len or 1 << 30) - len(prompt_token_ids)
+        if max_model_len is not None:
+            limit = min(limit, max_model_len - len(prompt_token_ids))
+        self.max_tokens = max(limit, 0)
+        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.stop_reason: int | str | None = None
+        self.output_text = ""
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(params.seed)
+        self.first_token_time: float | None = None
+
+    # -- tokens ------------------------------------------------------------------------------------
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self._all_token_ids) + len(self.spec_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+    def check_stop_token(self, token_id: int) -> "RequestStatus | None":
+        """After appending token_id: the finished status it causes (EOS, a stop token id,
+        max_tokens), or None. Sets stop_reason; the scheduler sets the status."""
+        n = len(self.output_token_ids)
+        if n >= self.params.min_tokens:
+            if token_id in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in self.stop_token_ids:
+                self.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if n >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    @property
+    def blocked_token_ids(self) -> frozenset[int]:
+        """Tokens that may not be sampled yet (EOS and stop ids until min_tokens are out)."""
+        if len(self.output_token_ids) >= self.params.min_tokens:
+            return frozenset()
+        return self.eos_token_ids | self.stop_token_ids
+
+    def __lt__(self, other: "Request") -> bool:  # priority queue order: priority, then arrival
+        return (self.priority, self.arrival_time) < (other.priority, other.arrival_time)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+                f"out={self.num_output_tokens}, computed={self.num_computed_tokens})")

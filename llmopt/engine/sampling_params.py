@@ -1,0 +1,62 @@
+"""SamplingParams: how one request's tokens are chosen and when it stops (vLLM's field names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmopt.errors import UserInputError
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1                            # completions per prompt (they share the prompt's blocks)
+    temperature: float = 1.0              # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0                        # 0 or -1 = off
+    min_p: float = 0.0
+    seed: int | None = None               # per-request generator: same seed, same tokens
+    presence_penalty: float = 0.0         # OpenAI: subtracted once per token seen in the output
+    frequency_penalty: float = 0.0        # OpenAI: subtracted per occurrence in the output
+    repetition_penalty: float = 1.0       # HF/CTRL: prompt and output tokens, divide (>0) or multiply
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    max_tokens: int | None = 16           # None = up to max_model_len
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None           # number of top logprobs per output token (0 = sampled only)
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        checks = [
+            (self.n >= 1, "n must be at least 1"),
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.top_k >= 0, "top_k must be >= 0 (0 or -1 = off)"),
+            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be at least 1"),
+            (self.min_tokens >= 0, "min_tokens must be >= 0"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens must be <= max_tokens"),
+            (self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0"),
+            (all(s for s in self.stop), "stop strings must not be empty"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise UserInputError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def needs_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
