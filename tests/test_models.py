@@ -1,0 +1,129 @@
+"""Our Llama-family runtime against transformers' own modeling code, logits in float32.
+
+Tiny random models are built from transformers config classes, saved with save_pretrained and
+loaded back through llmopt's loader, so the test covers config parsing and weight loading too.
+Weights use a large initializer_range so attention is sharp: a wrong RoPE, mask or norm then
+moves the logits far beyond the tolerance (each test also checks it can tell a broken variant).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config)
+
+from llmopt.models.attention import DenseCausalAttention
+from llmopt.models.loader import load_model
+
+TOL = 1e-4
+BASE = dict(vocab_size=97, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+            initializer_range=0.25, rms_norm_eps=1e-6)
+
+
+def _pair(tmp_path, config):
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    hf.save_pretrained(tmp_path)
+    ours = load_model(str(tmp_path), dtype="float32", device="cpu", tokenizer=False)
+    return hf, ours
+
+
+def _ours_logits(lm, ids):
+    pos = torch.arange(ids.shape[1]).expand_as(ids)
+    with torch.no_grad():
+        return lm.model.compute_logits(lm.model(ids, pos, DenseCausalAttention()))
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _check(tmp_path, config, seq=24, batch=2):
+    hf, lm = _pair(tmp_path, config)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    ours = _ours_logits(lm, ids)
+    assert ours.shape == ref.shape
+    assert _rel(ours, ref) <= TOL, _rel(ours, ref)
+    return hf, lm, ids, ref
+
+
+def test_llama_gqa(tmp_path):
+    hf, lm, ids, ref = _check(tmp_path, LlamaConfig(**BASE))
+    assert lm.config.num_key_value_heads == 2
+    # sensitivity: RoPE is relative, so stretched positions (2i) must move the logits past the tolerance
+    pos = (2 * torch.arange(ids.shape[1])).expand_as(ids)
+    with torch.no_grad():
+        shifted = lm.model.compute_logits(lm.model(ids, pos, DenseCausalAttention()))
+    assert _rel(shifted, ref) > 100 * TOL
+
+
+def test_llama_mqa_tied_embeddings(tmp_path):
+    cfg = LlamaConfig(**{**BASE, "num_key_value_heads": 1}, tie_word_embeddings=True)
+    hf, lm, *_ = _check(tmp_path, cfg)
+    assert lm.config.tie_word_embeddings and lm.model.lm_head.weight is lm.model.model.embed_tokens.weight
+
+
+def test_llama_mha(tmp_path):
+    _check(tmp_path, LlamaConfig(**{**BASE, "num_key_value_heads": 4}))
+
+
+def test_llama3_rope_scaling_and_attention_bias(tmp_path):
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    cfg = LlamaConfig(**BASE, rope_parameters=rope, attention_bias=True, mlp_bias=True)
+    hf, lm, ids, ref = _check(tmp_path, cfg, seq=40)
+    assert lm.config.rope_scaling["rope_type"] == "llama3" and lm.config.o_bias and lm.config.mlp_bias
+    # sensitivity: the same weights with unscaled RoPE give logits past the tolerance
+    from llmopt.models.llama import rope_inv_freq
+    lm.model.inv_freq = rope_inv_freq(type(lm.config)(**{**lm.config.to_dict(), "rope_scaling": None}))
+    assert _rel(_ours_logits(lm, ids), ref) > 100 * TOL
+
+
+def test_mistral_sliding_window_past_the_window(tmp_path):
+    cfg = MistralConfig(**BASE, sliding_window=8)
+    hf, lm, ids, ref = _check(tmp_path, cfg, seq=30)
+    assert lm.config.layer_windows == [8, 8]
+    # sensitivity: without the window (full causal attention) logits past position 8 differ
+    for layer in lm.model.model.layers:
+        layer.self_attn.window = None
+    full = _ours_logits(lm, ids)
+    assert _rel(full[:, :8], ref[:, :8]) <= TOL
+    assert _rel(full, ref) > 100 * TOL
+
+
+def test_qwen2_qkv_bias(tmp_path):
+    cfg = Qwen2Config(**BASE)
+    hf, lm, *_ = _check(tmp_path, cfg)
+    assert lm.config.qkv_bias and not lm.config.o_bias
+    assert lm.model.model.layers[0].self_attn.q_proj.bias is not None
+
+
+def test_qwen3_qk_norm(tmp_path):
+    cfg = Qwen3Config(**BASE)
+    hf, lm, *_ = _check(tmp_path, cfg)
+    assert lm.config.qk_norm
+    assert lm.model.model.layers[0].self_attn.q_norm is not None
+
+
+def test_positions_are_independent_per_row(tmp_path):
+    """A batch of two different rows equals the rows run one at a time (no cross-row leakage)."""
+    hf, lm, ids, ref = _check(tmp_path, LlamaConfig(**BASE), seq=16, batch=3)
+    for i in range(ids.shape[0]):
+        one = _ours_logits(lm, ids[i:i + 1])
+        assert _rel(one[0], ref[i]) <= TOL
+
+
+def test_smollm2_gguf_matches_transformers_gguf_loader():
+    """The default model (SmolLM2-135M Q4_1 GGUF, dequantized) against transformers' own GGUF loader."""
+    from llmopt.models.loader import builtin_gguf
+    gguf = builtin_gguf("smollm2-135m")
+    lm = load_model(None, dtype="float32", device="cpu")
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    text = "Robert Boulter is an English film, television and theatre actor. He had a guest role in 2000."
+    ids = lm.tokenizer(text, return_tensors="pt").input_ids
+    assert lm.config.num_hidden_layers == 30 and lm.config.tie_word_embeddings
+    with torch.no_grad():
+        ref = hf(ids).logits
+    assert _rel(_ours_logits(lm, ids), ref) <= TOL
