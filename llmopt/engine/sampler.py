@@ -1,0 +1,160 @@
+"""Batched sampling: one call per step for every row that samples, whatever each row asks for.
+
+Order, as in vLLM: min_tokens masking, penalties (repetition on prompt + output, presence and
+frequency on the output), then greedy argmax or temperature -> top-k -> top-p -> min-p -> a draw.
+Draws use the exponential race (argmax of p / E with E ~ Exp(1)), which samples exactly from p and
+lets each seeded row take its noise from its own torch.Generator, so a seeded request gets the same
+tokens whatever else is in the batch. Logprobs are those of the model's raw distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmopt.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One row of logits to sample from, and the context its penalties look at."""
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None = None
+    blocked_token_ids: frozenset[int] = frozenset()  # EOS/stop ids while min_tokens is not reached
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float] | None = None           # of the sampled tokens
+    top_ids: list[list[int]] | None = None        # [rows][k], best first
+    top_logprobs: list[list[float]] | None = None
+
+
+def _pad(rows: list[list[int]], fill: int, device) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    return torch.tensor([r + [fill] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition (HF: divide positive logits, multiply negative ones, for tokens in the prompt or
+    output), then frequency and presence (OpenAI: minus f * count + p * [count > 0] on the output)."""
+    idx = [i for i, r in enumerate(rows) if r.params.needs_penalties]
+    if not idx:
+        return logits
+    B, V = logits.shape
+    dev = logits.device
+    sub = logits[idx]
+    out_ids = _pad([rows[i].output_token_ids for i in idx], V, dev)
+    counts = torch.zeros(len(idx), V + 1, device=dev, dtype=sub.dtype)
+    counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=sub.dtype))
+    counts = counts[:, :V]
+    rep = torch.tensor([rows[i].params.repetition_penalty for i in idx], device=dev, dtype=sub.dtype)[:, None]
+    if bool((rep != 1).any()):
+        seen = torch.zeros(len(idx), V + 1, dtype=torch.bool, device=dev)
+        seen.scatter_(1, _pad([rows[i].prompt_token_ids for i in idx], V, dev), True)
+        seen = seen[:, :V] | (counts > 0)
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    freq = torch.tensor([rows[i].params.frequency_penalty for i in idx], device=dev, dtype=sub.dtype)[:, None]
+    pres = torch.tensor([rows[i].params.presence_penalty for i in idx], device=dev, dtype=sub.dtype)[:, None]
+    sub = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
+    logits = logits.clone()
+    logits[idx] = sub
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                  min_p: torch.Tensor | None) -> torch.Tensor:
+    """Set to -inf what top-k (k per row, 0 = off), top-p and min-p exclude. Rows already scaled by
+    temperature. top-p keeps the smallest set of top tokens whose mass reaches p."""
+    neg = torch.finfo(logits.dtype).min
+    if top_p is not None:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        if top_k is not None:
+            ranks = torch.arange(logits.shape[-1], device=logits.device)
+            k = torch.where(top_k > 0, top_k, logits.shape[-1])
+            sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= k[:, None], neg)
+        probs = sorted_logits.softmax(-1)
+        before = probs.cumsum(-1) - probs  # mass strictly above each token
+        sorted_logits = sorted_logits.masked_fill(before >= top_p[:, None], neg)
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    elif top_k is not None:
+        kmax = int(top_k.max())
+        kth = logits.topk(kmax, dim=-1).values.gather(-1, (top_k.clamp(min=1) - 1)[:, None])
+        kth = torch.where(top_k[:, None] > 0, kth, torch.full_like(kth, float("-inf")))
+        logits = logits.masked_fill(logits < kth, neg)
+    if min_p is not None:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), neg)
+    return logits
+
+
+class Sampler:
+    def __init__(self, seed: int | None = None) -> None:
+        self.generator = torch.Generator()
+        if seed is not None:
+            self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """logits [len(rows), vocab] -> one token per row (and logprobs where asked)."""
+        raw = logits
+        logits = logits.float()
+        blocked = [(i, sorted(r.blocked_token_ids)) for i, r in enumerate(rows) if r.blocked_token_ids]
+        if blocked:
+            logits = logits.clone()
+            for i, ids in blocked:
+                logits[i, [t for t in ids if t < logits.shape[-1]]] = float("-inf")
+        logits = apply_penalties(logits, rows)
+        greedy = [r.params.greedy for r in rows]
+        if all(greedy):
+            tokens = logits.argmax(-1)
+        else:
+            tokens = self._sample(logits, rows, greedy)
+        return self._with_logprobs(raw, tokens, rows)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:
+        dev = logits.device
+        temp = torch.tensor([1.0 if g else r.params.temperature for g, r in zip(greedy, rows)], device=dev)
+        scaled = logits / temp[:, None]
+        top_k = top_p = min_p = None
+        if any(r.params.top_k > 0 for r in rows):
+            top_k = torch.tensor([r.params.top_k for r in rows], device=dev)
+        if any(r.params.top_p < 1 for r in rows):
+            top_p = torch.tensor([r.params.top_p for r in rows], device=dev)
+        if any(r.params.min_p > 0 for r in rows):
+            min_p = torch.tensor([r.params.min_p for r in rows], device=dev)
+        probs = filter_logits(scaled, top_k, top_p, min_p).softmax(-1)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+        if len(unseeded) == len(rows):
+            noise.exponential_(generator=self.generator if dev.type == "cpu" else None)
+        else:
+            if unseeded:
+                noise[unseeded] = torch.empty(len(unseeded), probs.shape[-1], device=dev).exponential_(
+                    generator=self.generator if dev.type == "cpu" else None)
+            for i, r in enumerate(rows):
+                if r.generator is not None:  # a CPU generator: draw there, then move
+                    noise[i] = torch.empty(probs.shape[-1]).exponential_(generator=r.generator).to(dev)
+        sampled = (probs / noise).argmax(-1)
+        if any(greedy):
+            g = torch.tensor(greedy, device=dev)
+            sampled = torch.where(g, logits.argmax(-1), sampled)
+        return sampled
+
+    def _with_logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        out = SamplerOutput(tokens.tolist())
+        want = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+        if not want:
+            return out
+        lp = raw.float().log_softmax(-1)
+        out.logprobs = lp.gather(-1, tokens[:, None])[:, 0].tolist()
+        k = max(want)
+        if k > 0:
+            top = lp.topk(k, dim=-1)
+            ids, vals = top.indices.tolist(), top.values.tolist()
+            out.top_ids = [ids[i][:r.params.logprobs or 0] for i, r in enumerate(rows)]
+            out.top_logprobs = [vals[i][:r.params.logprobs or 0] for i, r in enumerate(rows)]
+        return out
