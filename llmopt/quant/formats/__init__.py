@@ -1,0 +1,83 @@
+"""Checkpoint formats other tools load: AutoAWQ GEMM (`awq`), GPTQ v1 (`gptq`) and llm-compressor's
+`compressed-tensors`. Pure functions between the canonical forms of llmopt.quant.types and
+(name -> tensor) dicts plus the `quantization_config` entry of config.json."""
+
+from __future__ import annotations
+
+import torch
+
+from llmopt.errors import ModelLoadError, UserInputError
+from llmopt.quant.formats import awq, compressed_tensors, gptq
+
+FORMATS = ("awq", "gptq", "compressed-tensors")
+# the dtype a format stores scales in: algorithms round their scales to it before choosing codes
+SCALE_DTYPE = {"awq": awq.SCALE_DTYPE, "gptq": gptq.SCALE_DTYPE, "compressed-tensors": None}
+
+
+def pack_linear(prefix: str, qt, fmt: str, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Full tensor names (prefix + ".qweight", ...) -> tensors for one quantized Linear.
+    `dtype` sets compressed-tensors' scale/bias dtype (awq and gptq always store fp16)."""
+    if fmt == "awq":
+        return awq.pack(prefix, qt)
+    if fmt == "gptq":
+        return gptq.pack(prefix, qt)
+    if fmt == "compressed-tensors":
+        return compressed_tensors.pack(prefix, qt, dtype)
+    raise UserInputError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
+
+
+def quantization_config(fmt: str, spec=None, *, method: str | None = None, bits: int | None = None,
+                        group_size: int = 128, sym: bool = True, act_order: bool = False,
+                        activations: str = "dynamic", fp8_scale: str = "channel", damp: float | None = None) -> dict:
+    """The config.json `quantization_config` entry, as the peer tool writes it. Either pass a
+    QuantSpec-like `spec` (method, bits, group_size, sym, act_order, activations, fp8_scale, damp)
+    or the keywords."""
+    if spec is not None:
+        method, bits, group_size, sym = spec.method, spec.bits, spec.group_size, bool(spec.sym)
+        act_order = bool(getattr(spec, "act_order", False))
+        activations = getattr(spec, "activations", activations)
+        fp8_scale = getattr(spec, "fp8_scale", fp8_scale)
+        damp = getattr(spec, "damp", damp)
+    if method is None:
+        raise UserInputError("quantization_config needs a method (or a spec)")
+    bits = bits or (8 if method in ("fp8", "int8") else 4)
+    if fmt == "awq":
+        return awq.quantization_config(bits, group_size)
+    if fmt == "gptq":
+        return gptq.quantization_config(bits, group_size, sym, act_order, damp if method == "gptq" else None)
+    if fmt == "compressed-tensors":
+        return compressed_tensors.quantization_config(method, bits, group_size, sym, activations, fp8_scale)
+    raise UserInputError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
+
+
+def format_of(qcfg: dict) -> str:
+    """Which of our formats a checkpoint's quantization_config is."""
+    method = str(qcfg.get("quant_method", "")).lower()
+    if method == "awq":
+        version = str(qcfg.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ModelLoadError(f"AWQ version {version!r} is not supported: llmopt runs AutoAWQ GEMM checkpoints")
+        return "awq"
+    if method == "gptq":
+        cf = str(qcfg.get("checkpoint_format", qcfg.get("format", "gptq"))).lower()
+        if cf not in ("gptq", "gptq_v2"):
+            raise ModelLoadError(f"GPTQ checkpoint_format {cf!r} is not supported: llmopt runs gptq (v1) and gptq_v2")
+        return "gptq"
+    if method == "compressed-tensors":
+        return "compressed-tensors"
+    raise ModelLoadError(f"quant_method {qcfg.get('quant_method')!r} is not supported: llmopt runs awq, gptq "
+                         "and compressed-tensors checkpoints")
+
+
+def unpack_linear(tensors: dict[str, torch.Tensor], qcfg: dict, group: dict | None = None):
+    """A module's tensors (local names: qweight, scales, ...) -> canonical form. For
+    compressed-tensors pass the module's config group (see runtime.ct_group_for)."""
+    fmt = format_of(qcfg)
+    if fmt == "awq":
+        return awq.unpack(tensors, int(qcfg["bits"]), int(qcfg["group_size"]), sym=False)
+    if fmt == "gptq":
+        cf = str(qcfg.get("checkpoint_format", "gptq")).lower()
+        return gptq.unpack(tensors, int(qcfg["bits"]), int(qcfg["group_size"]), bool(qcfg.get("sym", True)), cf)
+    if group is None:
+        raise UserInputError("unpacking compressed-tensors needs the module's config group")
+    return compressed_tensors.unpack(tensors, group)
