@@ -1,0 +1,41 @@
+"""EngineArgs: every knob of the engine, with the toolkit's defaults (llmopt/defaults.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmopt import defaults
+from llmopt.errors import UserInputError
+
+UNLIMITED_TOKENS = 1 << 40
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None                      # folder, .gguf, HF id in the cache, or a built-in name
+    dtype: str = defaults.DTYPE
+    device: str = defaults.DEVICE
+    block_size: int = defaults.BLOCK_SIZE
+    max_model_len: int | None = None              # default: the model's max_position_embeddings
+    max_num_seqs: int = defaults.MAX_NUM_SEQS
+    max_num_batched_tokens: int | None = defaults.MAX_NUM_BATCHED_TOKENS  # None or 0 = unlimited
+    enable_prefix_caching: bool = defaults.ENABLE_PREFIX_CACHING
+    kv_cache_memory: int | None = None            # bytes; default: all of KV_CACHE_MEMORY_CPU on the CPU
+    gpu_memory_utilization: float = defaults.GPU_MEMORY_UTILIZATION
+    kv_cache_dtype: str = defaults.KV_CACHE_DTYPE
+    attention_backend: str = "auto"
+    seed: int = 0
+    scheduling_policy: str = "fcfs"               # or "priority" (lower value first)
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise UserInputError("--block-size must be at least 1")
+        if self.max_num_seqs < 1:
+            raise UserInputError("--max-num-seqs must be at least 1")
+        if not self.max_num_batched_tokens:
+            self.max_num_batched_tokens = UNLIMITED_TOKENS
+        if self.max_num_batched_tokens < 1:
+            raise UserInputError("--max-num-batched-tokens must be at least 1 (0 = unlimited)")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise UserInputError("--max-model-len must be at least 2")

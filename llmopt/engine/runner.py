@@ -1,0 +1,171 @@
+"""The model runner: owns the per-layer paged K/V tensors and runs one forward per step over the
+flattened tokens of every scheduled request.
+
+Per step it builds, once, input_ids / positions / slot_mapping [N], block_tables [S, max_blocks],
+seq_lens [S] and query_start_loc [S + 1], hands the model a paged attention context (write the new
+K/V, then attend over the cache) and computes logits only for the rows that are asked for: the last
+position of each request that samples, or its last k + 1 positions when k draft tokens are verified.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from llmopt import kernels
+from llmopt.engine.scheduler import SchedulerOutput
+from llmopt.errors import LLMOptError, UserInputError
+from llmopt.models.attention import DenseCausalAttention
+from llmopt.models.loader import LoadedModel
+
+log = logging.getLogger("llmopt.engine")
+
+
+@dataclass
+class KVCacheInfo:
+    num_blocks: int
+    block_size: int
+    num_layers: int
+    kv_cache_dtype: str
+    bytes_per_block: int     # one block in one layer: K and V (+ int8 scales), as design.md defines
+    bytes_allocated: int     # sum of nbytes of every K/V (and scale) tensor allocated
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+class PagedAttention:
+    """The model's attention context for one step: `(layer_idx, q, k, v, window) -> o` on [N, H, D]."""
+
+    def __init__(self, runner: "ModelRunner") -> None:
+        self.r = runner
+        self.slot_mapping = self.block_tables = self.seq_lens = self.query_start_loc = None
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 window: int | None) -> torch.Tensor:
+        r = self.r
+        kc, vc = r.key_caches[layer_idx], r.value_caches[layer_idx]
+        ksc = r.k_scale_caches[layer_idx] if r.k_scale_caches else None
+        vsc = r.v_scale_caches[layer_idx] if r.v_scale_caches else None
+        kernels.write_kv(kc, vc, k, v, self.slot_mapping, r.kv_dtype, r.k_scale, r.v_scale, ksc, vsc)
+        return kernels.paged_attention(q, kc, vc, self.block_tables, self.seq_lens, self.query_start_loc,
+                                       r.scale, window, r.kv_dtype, r.k_scale, r.v_scale, ksc, vsc)
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, block_size: int, kv_cache_dtype: str = "auto",
+                 kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
+                 max_num_batched_tokens: int = 2048) -> None:
+        self.model = loaded.model
+        self.cfg = loaded.config
+        self.dtype = loaded.dtype
+        self.device = loaded.device
+        self.block_size = block_size
+        if kv_cache_dtype not in kernels.KV_DTYPES:
+            raise UserInputError(f"unknown KV-cache dtype {kv_cache_dtype!r}; choose one of {', '.join(kernels.KV_DTYPES)}")
+        self.kv_dtype = kv_cache_dtype
+        self.k_scale = self.v_scale = 1.0
+        self.scale = self.cfg.head_dim ** -0.5
+        self.num_layers = self.cfg.num_hidden_layers
+        self.bytes_per_block = kernels.kv_block_bytes(block_size, self.cfg.num_key_value_heads, self.cfg.head_dim,
+                                                      kv_cache_dtype, self.dtype)
+        budget = self._kv_budget(kv_cache_memory, gpu_memory_utilization, max_num_batched_tokens)
+        self.num_blocks = budget // (self.num_layers * self.bytes_per_block)
+        if self.num_blocks < 1:
+            raise UserInputError(f"{budget:,} bytes of KV cache hold no block of {self.bytes_per_block * self.num_layers:,} "
+                                 f"bytes (all layers): raise --kv-cache-memory or lower --block-size")
+        self._allocate()
+        self.attn = PagedAttention(self)
+
+    # -- KV memory -------------------------------------------------------------------------------
+    def _kv_budget(self, kv_cache_memory, utilization, max_tokens) -> int:
+        if kv_cache_memory is not None:
+            if kv_cache_memory <= 0:
+                raise UserInputError("--kv-cache-memory must be a positive number of bytes")
+            return int(kv_cache_memory)
+        if self.device.type != "cuda":
+            from llmopt import defaults
+            return defaults.KV_CACHE_MEMORY_CPU
+        if not 0 < utilization <= 1:
+            raise UserInputError("--gpu-memory-utilization must be in (0, 1]")
+        # Profile a forward of a full step's tokens to learn the activation peak, as vLLM does.
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        with torch.inference_mode():
+            ids = torch.zeros(1, min(max_tokens, 8192), dtype=torch.long, device=self.device)
+            pos = torch.arange(ids.shape[1], device=self.device)[None]
+            h = self.model(ids, pos, DenseCausalAttention())
+            self.model.compute_logits(h[:, -256:])
+        activation_peak = torch.cuda.max_memory_allocated(self.device) - base
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = int(total * utilization) - (total - free) - activation_peak
+        if budget <= 0:
+            raise LLMOptError(f"no GPU memory left for the KV cache at --gpu-memory-utilization {utilization}: "
+                              f"raise it or load a smaller model")
+        return budget
+
+    def _allocate(self) -> None:
+        shape = (self.num_blocks, self.block_size, self.cfg.num_key_value_heads, self.cfg.head_dim)
+        cache_dtype = kernels.kv_cache_torch_dtype(self.kv_dtype, self.dtype)
+
+        def alloc(s, dt):
+            return [torch.zeros(s, dtype=dt, device=self.device) for _ in range(self.num_layers)]
+
+        self.key_caches = alloc(shape, cache_dtype)
+        self.value_caches = alloc(shape, cache_dtype)
+        self.k_scale_caches: list[torch.Tensor] = []
+        self.v_scale_caches: list[torch.Tensor] = []
+        if self.kv_dtype == "int8":
+            self.k_scale_caches = alloc(shape[:3], torch.float32)
+            self.v_scale_caches = alloc(shape[:3], torch.float32)
+
+    def kv_cache_info(self) -> KVCacheInfo:
+        tensors = self.key_caches + self.value_caches + self.k_scale_caches + self.v_scale_caches
+        return KVCacheInfo(self.num_blocks, self.block_size, self.num_layers, self.kv_dtype,
+                           self.bytes_per_block, sum(t.nbytes for t in tensors))
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks src -> dst in every layer (copy-on-write of a shared partial block)."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.device)
+        for t in self.key_caches + self.value_caches + self.k_scale_caches + self.v_scale_caches:
+            t[dst] = t[src]
+
+    # -- one step --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """Run the scheduled tokens; return float32 logits [sum of num_logits, vocab] in schedule order."""
+        sched = out.scheduled
+        if not sched:
+            return torch.empty(0, self.cfg.vocab_size)
+        dev, bs = self.device, self.block_size
+        tokens: list[int] = []
+        for s in sched:
+            tokens.extend(s.token_ids)
+        n_new = torch.tensor([len(s.token_ids) for s in sched])
+        starts = torch.tensor([s.start_pos for s in sched])
+        qsl = torch.zeros(len(sched) + 1, dtype=torch.int32)
+        torch.cumsum(n_new, 0, out=qsl[1:])
+        seq_idx = torch.repeat_interleave(torch.arange(len(sched)), n_new)
+        positions = torch.arange(len(tokens)) - qsl[:-1].long()[seq_idx] + starts[seq_idx]
+        width = max(len(s.block_ids) for s in sched)
+        tables = torch.tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in sched], dtype=torch.int32)
+        slots = tables[seq_idx, positions // bs].long() * bs + positions % bs
+        logit_rows = torch.cat([torch.arange(int(qsl[i + 1]) - s.num_logits, int(qsl[i + 1]))
+                                for i, s in enumerate(sched)])
+
+        a = self.attn
+        a.slot_mapping = slots.to(dev, non_blocking=True)
+        a.block_tables = tables.to(dev, non_blocking=True)
+        a.seq_lens = (starts + n_new).to(torch.int32).to(dev, non_blocking=True)
+        a.query_start_loc = qsl.to(dev, non_blocking=True)
+        ids = torch.tensor(tokens, dtype=torch.long).to(dev, non_blocking=True)
+        hidden = self.model(ids, positions.to(dev, non_blocking=True), a)
+        return self.model.compute_logits(hidden[logit_rows.to(dev)]).float()
