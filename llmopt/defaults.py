@@ -31,6 +31,11 @@ KV_CACHE_MEMORY_CPU = 1 << 30  # bytes of KV cache on the CPU when --kv-cache-me
 KV_CACHE_DTYPE = "auto"
 ENABLE_PREFIX_CACHING = True
 
+# kv-estimate
+KIVI_GROUP_SIZE = 32          # KIVI (arXiv:2402.02750) group size: keys per channel over 32 tokens, values per 32 channels
+KIVI_RESIDUAL_LENGTH = 128    # KIVI: most recent tokens kept in full precision
+ESTIMATE_RUNTIME_OVERHEAD_GIB = 1.0  # CUDA graphs, NCCL and cuBLAS workspaces, on top of activations and logits
+
 # quantize
 CALIB_DATA = "../shared/data/wikitext-2/wiki.valid.tokens"
 QUANT_NUM_SAMPLES = 128

@@ -1,0 +1,10 @@
+"""Memory planning for LLM serving: KV bytes per token, weights, paged blocks, concurrency (`llmopt kv-estimate`)."""
+
+from llmopt.estimate.estimator import KVEstimate, estimate
+from llmopt.estimate.kv import bytes_per_token, layer_kv_specs
+from llmopt.estimate.model_spec import ModelSpec, resolve_model_spec
+from llmopt.estimate.plan import build_layout
+from llmopt.estimate.weights import weight_memory
+
+__all__ = ["KVEstimate", "ModelSpec", "build_layout", "bytes_per_token", "estimate", "layer_kv_specs",
+           "resolve_model_spec", "weight_memory"]

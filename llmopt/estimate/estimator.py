@@ -1,0 +1,208 @@
+"""`estimate()`: bytes per token, weights, the memory budget of one GPU, the paged KV cache it leaves,
+concurrency, the longest context, a batch x length grid and the naive formula, as one dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+from llmopt import defaults
+from llmopt.errors import UserInputError
+from llmopt.estimate import naive as naive_mod
+from llmopt.estimate.kv import FLOAT_BYTES, canonical_kv_dtype, kv_heads_per_rank, layer_kv_specs
+from llmopt.estimate.model_spec import ModelSpec
+from llmopt.estimate.plan import GridCell, KVLayout, build_layout, grid
+from llmopt.estimate.presets import find_gpu
+from llmopt.estimate.units import GIB
+from llmopt.estimate.weights import WeightMemory, weight_memory
+
+
+@dataclass
+class LayerSummary:
+    kind: str                   # full | sliding | mla
+    window: int | None
+    layers: int
+    bytes_per_token: float      # per layer, one rank
+
+
+@dataclass
+class MemoryBudget:
+    gpu: str
+    gpu_memory_bytes: int       # total, one GPU
+    gpu_memory_utilization: float
+    budget_bytes: int           # total * utilization (what vLLM's profiler may use)
+    weights_bytes: int          # one rank's weights
+    reserve_bytes: int          # activations + logits + runtime (estimated, or --reserve-gib)
+    reserve_detail: dict[str, int]
+    kv_available_bytes: int     # budget - weights - reserve (negative: does not fit)
+
+
+@dataclass
+class PagedPlan:
+    layout: str                 # uniform | uniform-type | hybrid
+    groups: list[dict]
+    block_size: int
+    block_bytes: int            # bytes one block id costs (all layers using it, one rank)
+    available_bytes: int
+    num_blocks: int
+    kv_cache_bytes: int         # num_blocks * block_bytes: what is allocated
+    tokens: int
+    blocks_per_request: int     # at max_model_len
+    request_bytes: int
+    max_concurrency: float
+    longest_context: int
+    longest_context_limited_by: str   # memory | model
+
+
+@dataclass
+class KVEstimate:
+    model: str
+    source: str
+    origin: str
+    attention: str
+    num_layers: int
+    num_kv_heads: int
+    kv_heads_per_rank: int
+    head_dim: int
+    max_position_embeddings: int
+    kv_cache_dtype: str
+    tensor_parallel_size: int
+    block_size: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    bytes_per_token: float      # one rank, all layers (KIVI: amortized, residual window excluded)
+    bytes_per_token_model: float  # the whole model at tensor-parallel size 1
+    layers: list[LayerSummary]
+    weights: WeightMemory
+    request_bytes: int          # one request at max_model_len, one rank, paged
+    memory: MemoryBudget | None = None
+    paged: PagedPlan | None = None
+    grid: list[GridCell] = field(default_factory=list)
+    naive: naive_mod.NaiveComparison | None = None
+    fits: bool | None = None
+    problems: list[str] = field(default_factory=list)
+    note: str = ""
+
+
+def _num(x: Fraction) -> float | int:
+    return int(x) if x.denominator == 1 else float(x)
+
+
+def reserve_estimate(spec: ModelSpec, tp: int, max_num_batched_tokens: int, max_num_seqs: int) -> dict[str, int]:
+    """Non-KV memory besides weights: the forward's peak activations over a max_num_batched_tokens
+    step (a few hidden-wide buffers and the MLP's gate/up/act intermediates), float32 sampler
+    logits for max_num_seqs rows, and a fixed runtime overhead."""
+    act = FLOAT_BYTES.get(spec.serving_dtype, 2)
+    ffn = spec.intermediate_size
+    if spec.moe:
+        ffn = max(ffn if spec.moe.first_dense_layers else 0,
+                  spec.moe.intermediate_size * spec.moe.experts_per_tok + spec.moe.shared_intermediate_size)
+    per_token = 4 * spec.hidden_size + 3 * -(-ffn // tp)
+    return {"activations": max_num_batched_tokens * per_token * act,
+            "logits": max_num_seqs * spec.vocab_size * 4,
+            "runtime": int(defaults.ESTIMATE_RUNTIME_OVERHEAD_GIB * GIB)}
+
+
+def estimate(spec: ModelSpec, *, kv_cache_dtype: str = "auto", block_size: int = defaults.BLOCK_SIZE,
+             max_model_len: int | None = None, max_num_batched_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS,
+             max_num_seqs: int = defaults.MAX_NUM_SEQS, tensor_parallel_size: int = 1, gpu: str | None = None,
+             gpu_memory_gib: float | None = None, gpu_memory_utilization: float = defaults.GPU_MEMORY_UTILIZATION,
+             kv_cache_memory: int | None = None, reserve_bytes: int | None = None, weight_format: str = "auto",
+             group_size: int | None = None, batch_sizes: list[int] | None = None, seq_lens: list[int] | None = None,
+             naive: bool = False, hybrid: bool = True) -> KVEstimate:
+    tp = tensor_parallel_size
+    if tp < 1:
+        raise UserInputError(f"--tensor-parallel-size must be at least 1, got {tp}")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise UserInputError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
+    if max_num_batched_tokens < 1:
+        raise UserInputError(f"--max-num-batched-tokens must be positive, got {max_num_batched_tokens}")
+    if not spec.mla and spec.num_kv_heads >= tp and spec.num_kv_heads % tp:
+        raise UserInputError(f"--tensor-parallel-size {tp} does not divide {spec.num_kv_heads} KV heads")
+    if not spec.mla and spec.num_kv_heads < tp and tp % spec.num_kv_heads:
+        raise UserInputError(f"{spec.num_kv_heads} KV heads cannot be replicated evenly over {tp} ranks")
+    dtype = canonical_kv_dtype(kv_cache_dtype, spec)
+    max_len = max_model_len or spec.max_position_embeddings
+    if max_len < 1:
+        raise UserInputError(f"--max-model-len must be positive, got {max_len}")
+    layers = layer_kv_specs(spec, dtype, tp)
+    layout = build_layout(layers, block_size, hybrid)
+    per_kind: dict[tuple, list] = {}
+    for x in layers:
+        per_kind.setdefault((x.kind, x.window), []).append(x)
+    summary = [LayerSummary(k, w, len(v), _num(v[0].token_bytes)) for (k, w), v in per_kind.items()]
+    weights = weight_memory(spec, weight_format, group_size, tp)
+    note = spec.note
+    if max_len > spec.max_position_embeddings:
+        note = (note + "; " if note else "") + (f"max_model_len {max_len:,} exceeds the model's "
+                                                 f"max_position_embeddings {spec.max_position_embeddings:,}")
+    est = KVEstimate(
+        model=spec.name, source=spec.source, origin=spec.origin, attention=spec.attention, num_layers=spec.num_layers,
+        num_kv_heads=1 if spec.mla else spec.num_kv_heads,
+        kv_heads_per_rank=1 if spec.mla else kv_heads_per_rank(spec.num_kv_heads, tp),
+        head_dim=layers[0].head_size, max_position_embeddings=spec.max_position_embeddings, kv_cache_dtype=dtype,
+        tensor_parallel_size=tp, block_size=block_size, max_model_len=max_len,
+        max_num_batched_tokens=max_num_batched_tokens,
+        bytes_per_token=_num(sum((x.token_bytes for x in layers), Fraction(0))),
+        bytes_per_token_model=_num(sum((x.token_bytes for x in layer_kv_specs(spec, dtype, 1)), Fraction(0))),
+        layers=summary, weights=weights, request_bytes=layout.bytes_for(max_len, max_num_batched_tokens), note=note)
+    available = kv_cache_memory
+    if gpu is not None or gpu_memory_gib is not None:
+        est.memory = _budget(spec, gpu, gpu_memory_gib, gpu_memory_utilization, weights, tp,
+                             max_num_batched_tokens, max_num_seqs, reserve_bytes)
+        if available is None:
+            available = est.memory.kv_available_bytes
+        elif available > est.memory.kv_available_bytes:
+            est.problems.append(f"--kv-cache-memory {available / GIB:.2f} GiB is more than the "
+                                f"{max(0, est.memory.kv_available_bytes) / GIB:.2f} GiB the budget leaves")
+        if est.memory.kv_available_bytes <= 0:
+            est.problems.append(f"weights ({weights.bytes_per_rank / GIB:.1f} GiB per GPU) + reserve "
+                                f"({est.memory.reserve_bytes / GIB:.1f} GiB) exceed the budget "
+                                f"({est.memory.budget_bytes / GIB:.1f} GiB)")
+    if available is not None:
+        est.paged = _paged(layout, max(0, available), max_len, max_num_batched_tokens, spec)
+        if est.paged.num_blocks < est.paged.blocks_per_request and not est.problems:
+            est.problems.append(f"one request of {max_len:,} tokens needs {est.paged.blocks_per_request:,} blocks, the "
+                                f"cache holds {est.paged.num_blocks:,}: the longest context that fits is "
+                                f"{est.paged.longest_context:,} tokens")
+    if batch_sizes or seq_lens:
+        est.grid = grid(layout, batch_sizes or [1], seq_lens or [max_len], max_num_batched_tokens,
+                        est.paged.num_blocks if est.paged else None)
+        misses = [c for c in est.grid if c.fits is False]
+        if misses:
+            est.problems.append(f"{len(misses)} of {len(est.grid)} grid cells do not fit (e.g. batch "
+                                f"{misses[0].batch_size} x {misses[0].seq_len:,} tokens)")
+    if naive:
+        layers1 = layer_kv_specs(spec, dtype, 1)
+        est.naive = naive_mod.compare(spec, dtype, layers1, build_layout(layers1, block_size, hybrid), max_len, 1,
+                                      block_size, max_num_batched_tokens)
+    est.fits = None if available is None else not est.problems
+    return est
+
+
+def _budget(spec, gpu, gpu_memory_gib, util, weights, tp, mnbt, max_num_seqs, reserve_bytes) -> MemoryBudget:
+    if gpu_memory_gib is not None:
+        if gpu_memory_gib <= 0:
+            raise UserInputError(f"--gpu-memory must be positive GiB, got {gpu_memory_gib}")
+        name, total = (gpu or "custom"), int(gpu_memory_gib * GIB)
+    else:
+        preset = find_gpu(gpu)
+        name, total = preset.name, preset.memory_bytes
+    detail = ({"given": reserve_bytes} if reserve_bytes is not None
+              else reserve_estimate(spec, tp, mnbt, max_num_seqs))
+    reserve = sum(detail.values())
+    budget = int(total * util)
+    return MemoryBudget(name, total, util, budget, weights.bytes_per_rank, reserve, detail,
+                        budget - weights.bytes_per_rank - reserve)
+
+
+def _paged(layout: KVLayout, available: int, max_len: int, mnbt: int, spec: ModelSpec) -> PagedPlan:
+    n = layout.num_blocks(available)
+    per = layout.blocks_per_request(max_len, mnbt)
+    upper = max(max_len, spec.max_position_embeddings)
+    longest = layout.longest_context(available, mnbt, upper)
+    groups = [{"kind": g.kind, "window": g.window, "layers": len(g.layers), "block_size": g.block_size,
+               "page_bytes": g.page_bytes, "blocks_per_request": g.blocks(max_len, mnbt)} for g in layout.groups]
+    return PagedPlan(layout.mode, groups, layout.groups[0].block_size, layout.block_bytes, available, n,
+                     n * layout.block_bytes, layout.tokens(n), per, per * layout.block_bytes,
+                     n / per if per else float("inf"), longest, "model" if longest >= upper else "memory")

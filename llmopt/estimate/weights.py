@@ -1,0 +1,155 @@
+"""Weight memory for a weight format, from the parameter shapes (each parameter counted once: a tied
+head shares the embedding), whole model and per tensor-parallel rank.
+
+Formats (only the decoder's Linear weights are quantized; embeddings, head, norms and routers stay
+in the base dtype, as AutoAWQ / GPTQ / llm-compressor checkpoints keep them):
+- float32 / bfloat16 / float16: numel * bytes.
+- fp8, int8: 1 byte per weight + a float32 scale per output channel.
+- fp8-block: 1 byte per weight + a float32 scale per 128x128 block (DeepSeek-V3's checkpoint).
+- int4 (group size g): 4-bit codes + per group an fp16 scale and a 4-bit zero point (AutoAWQ's
+  GEMM layout: qweight and qzeros packed 8 per int32, scales fp16).
+- a GGML type (q4_0, q4_k, q8_0, ...): every 2-D weight, embeddings included, at that type using
+  gguf's GGML_QUANT_SIZES (elements / block size * bytes per block); norms stay float32.
+- auto: what the checkpoint really holds: a .gguf's or a safetensors folder's tensors as stored,
+  else the config's quantization_config, else the checkpoint dtype (float32 served as bfloat16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import ceil
+
+from llmopt import defaults
+from llmopt.errors import UserInputError
+from llmopt.estimate.kv import kv_heads_per_rank
+from llmopt.estimate.model_spec import ModelSpec
+from llmopt.estimate.params import Param, model_params
+from llmopt.estimate.tensors import TensorInfo, ggml_nbytes, ggml_type_names
+
+FLOAT_FORMATS = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+WEIGHT_FORMATS = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8-block", "int8", "int4", "<ggml type>")
+
+
+@dataclass
+class WeightMemory:
+    format: str
+    source: str                     # file (the tensors as stored) | config (shapes derived from config.json)
+    params: int                     # parameters, each counted once
+    bytes_total: int                # the whole model
+    bytes_per_rank: int             # what one tensor-parallel rank holds
+    by_group: dict[str, int] = field(default_factory=dict)   # bytes per part (embed, attn, mlp, experts, ...)
+
+
+def _auto_format(spec: ModelSpec) -> tuple[str, int]:
+    q = spec.quantization_config or {}
+    method = str(q.get("quant_method", "")).lower()
+    if method == "fp8":
+        return ("fp8-block" if q.get("weight_block_size") else "fp8"), 0
+    if method in ("awq", "gptq"):
+        bits = int(q.get("bits", q.get("w_bit", 4)))
+        if bits != 4:
+            raise UserInputError(f"{spec.name}: {bits}-bit {method} checkpoints are not modelled; pass --weight-format")
+        return "int4", int(q.get("group_size", q.get("q_group_size", defaults.QUANT_GROUP_SIZE)))
+    if method:
+        raise UserInputError(f"{spec.name}: quantization method {method!r} is not modelled; pass --weight-format")
+    return spec.serving_dtype if spec.serving_dtype in FLOAT_FORMATS else "bfloat16", 0
+
+
+def _shard(p: Param, spec: ModelSpec, tp: int) -> tuple[int, ...]:
+    """The shape one rank holds."""
+    if tp == 1 or p.tp == "rep":
+        return p.shape
+    if p.tp == "kv":
+        return (kv_heads_per_rank(spec.num_kv_heads, tp) * spec.head_dim, *p.shape[1:])
+    if p.tp == "row":
+        return (p.shape[0], ceil(p.shape[1] / tp))
+    return (ceil(p.shape[0] / tp), *p.shape[1:])          # col, vocab
+
+
+def _linear_bytes(out: int, inp: int, fmt: str, group: int) -> int:
+    if fmt in ("fp8", "int8"):
+        return out * inp + out * 4
+    if fmt == "fp8-block":
+        return out * inp + ceil(out / 128) * ceil(inp / 128) * 4
+    if fmt == "int4":
+        g = inp if group in (-1, 0) else group
+        n_groups = ceil(inp / g)
+        return ceil(out * inp / 2) + out * n_groups * 2 + ceil(out * n_groups / 2)
+    raise AssertionError(fmt)
+
+
+def _ggml_bytes(shape: tuple[int, ...], type_name: str) -> int:
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    block, _ = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    rows = 1
+    for s in shape[:-1]:
+        rows *= s
+    return rows * ggml_nbytes(ceil(shape[-1] / block) * block, type_name)   # rows padded to whole blocks
+
+
+def param_bytes(p: Param, shape: tuple[int, ...], fmt: str, group: int, base: int) -> int:
+    numel = 1
+    for s in shape:
+        numel *= s
+    if fmt in FLOAT_FORMATS:
+        return numel * FLOAT_FORMATS[fmt]
+    if fmt.upper() in ggml_type_names():
+        return _ggml_bytes(shape, fmt.upper()) if len(shape) == 2 else numel * 4
+    if p.is_linear:
+        return _linear_bytes(shape[0], shape[1], fmt, group)
+    return numel * base
+
+
+_GROUP_PATTERNS = (("embed_tokens", "embed"), ("token_embd", "embed"), ("lm_head", "head"), ("norm", "norm"), ("experts", "experts"), ("ffn_", "mlp"), ("mlp", "mlp"), ("gate.", "router"))
+
+
+def _file_group(name: str) -> str:
+    if name == "output.weight":          # a GGUF's untied head
+        return "head"
+    for pat, g in _GROUP_PATTERNS:
+        if pat in name:
+            return g
+    return "attn"
+
+
+def _file_rank_bytes(t: TensorInfo, spec: ModelSpec, tp: int) -> int:
+    """Approximate a rank's share of a stored tensor: replicated norms, KV rows by KV heads, else 1/tp."""
+    if tp == 1 or "norm" in t.name or len(t.shape) < 2:
+        return t.nbytes
+    if any(k in t.name for k in ("k_proj", "v_proj", "attn_k.", "attn_v.")):
+        return ceil(t.nbytes * kv_heads_per_rank(spec.num_kv_heads, tp) / spec.num_kv_heads)
+    return ceil(t.nbytes / tp)
+
+
+def weight_memory(spec: ModelSpec, fmt: str = "auto", group_size: int | None = None, tp: int = 1) -> WeightMemory:
+    fmt = fmt.strip().lower()
+    group = defaults.QUANT_GROUP_SIZE if group_size is None else group_size
+    if group == 0 or group < -1:
+        raise UserInputError(f"--group-size must be positive or -1 (per channel), got {group}")
+    if fmt == "auto" and spec.tensors:
+        tied_head = spec.tie_word_embeddings
+        tensors = [t for t in spec.tensors if not (tied_head and t.name in ("lm_head.weight", "output.weight"))]
+        by: dict[str, int] = {}
+        for t in tensors:
+            by[_file_group(t.name)] = by.get(_file_group(t.name), 0) + t.nbytes
+        kinds = sorted({t.dtype for t in tensors})
+        return WeightMemory("auto (" + "/".join(kinds) + ")", "file", sum(t.numel for t in tensors),
+                            sum(t.nbytes for t in tensors), sum(_file_rank_bytes(t, spec, tp) for t in tensors), by)
+    if fmt == "auto":
+        fmt, g = _auto_format(spec)
+        group = g or group
+    known = fmt in FLOAT_FORMATS or fmt in ("fp8", "fp8-block", "int8", "int4") or fmt.upper() in ggml_type_names()
+    if not known:
+        raise UserInputError(f"unknown --weight-format {fmt!r}: use auto, bfloat16, float16, float32, fp8, fp8-block, "
+                             f"int8, int4 (with --group-size) or a GGML type such as q4_k, q8_0")
+    base = FLOAT_FORMATS.get(spec.serving_dtype, 2)
+    by = {}
+    total = rank = n = 0
+    for p in model_params(spec):
+        b = param_bytes(p, p.shape, fmt, group, base)
+        by[p.group] = by.get(p.group, 0) + b
+        total += b
+        rank += param_bytes(p, _shard(p, spec, tp), fmt, group, base) if tp > 1 else b
+        n += p.numel
+    label = f"int4 (group {group})" if fmt == "int4" else fmt
+    return WeightMemory(label, "config", n, total, rank, by)
