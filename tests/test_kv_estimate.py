@@ -347,3 +347,14 @@ def test_cli_list_presets(cli):
         assert need in ids
     assert all(m["source"].startswith("https://") for m in d["models"])
     assert {"H100-80GB", "H200", "A100-40GB", "A100-80GB", "RTX-4090", "L40S"} <= {g["name"] for g in d["gpus"]}
+
+
+def test_what_if_levers_rerun_the_plan():
+    spec = resolve_model_spec("llama-3.1-70b")
+    est = estimate(spec, gpu="A100-80GB", max_model_len=131072, what_if=True)
+    rows = {w.change: w for w in est.what_if}
+    assert est.fits is False and rows["--tensor-parallel-size 4"].fits
+    tp4 = estimate(spec, gpu="A100-80GB", max_model_len=131072, tensor_parallel_size=4)
+    assert rows["--tensor-parallel-size 4"].max_concurrency == tp4.paged.max_concurrency
+    assert rows["--weight-format int4"].weights_per_gpu_bytes == weight_memory(spec, "int4").bytes_total
+    assert "--kv-cache-dtype fp8" in rows and estimate(spec, gpu="A100-80GB").what_if == []

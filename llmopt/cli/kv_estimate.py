@@ -119,6 +119,25 @@ def _naive_table(est) -> Table:
     return _kv(f"Naive formula vs real, one request of {n.seq_len:,} tokens", rows)
 
 
+def _what_if_table(est) -> Table:
+    t = Table(title=f"What if (same GPU budget; GiB per GPU; requests of {est.max_model_len:,} tokens)",
+              title_justify="left")
+    t.add_column("change", no_wrap=True)
+    for c in ("weights", "KV cache", "requests", "longest ctx", "fits"):
+        t.add_column(c, justify="right")
+    base = est.paged
+    rows = [("(as asked)", est.fits, base.max_concurrency if base else None, base.longest_context if base else None,
+             est.weights.bytes_per_rank, base.kv_cache_bytes if base else None)]
+    rows += [(w.change, w.fits, w.max_concurrency, w.longest_context, w.weights_per_gpu_bytes, w.kv_cache_bytes)
+             for w in est.what_if]
+    for change, fits, conc, longest, wb, kvb in rows:
+        t.add_row(change, f"{wb / GIB:,.2f}", "-" if kvb is None else f"{kvb / GIB:,.2f}",
+                  "-" if conc is None else f"{conc:,.2f}",
+                  "-" if longest is None else f"{longest:,}",
+                  "-" if fits is None else ("[green]yes[/]" if fits else "[red]no[/]"))
+    return t
+
+
 def _verdict(est) -> Table:
     if est.fits is None:
         text = "[yellow]no memory budget[/]: give --gpu, --gpu-memory or --kv-cache-memory to plan blocks"
@@ -144,6 +163,8 @@ def render(est) -> list[Table]:
         tables.append(_grid_table(est))
     if est.naive:
         tables.append(_naive_table(est))
+    if est.what_if:
+        tables.append(_what_if_table(est))
     tables.append(_verdict(est))
     return tables
 
@@ -209,6 +230,8 @@ def kv_estimate(
     require_fit: bool = typer.Option(False, "--require-fit", help="Exit with code 3 when it does not fit (CI gate)."),
     no_hybrid: bool = typer.Option(False, "--no-hybrid", help="Like vLLM --disable-hybrid-kv-cache-manager: "
                                    "sliding-window layers hold full-length blocks."),
+    what_if: bool = typer.Option(True, "--what-if/--no-what-if", help="Also show fp8 KV, quantized weights, "
+                                 "2x GPUs and the longest fitting context under the same budget."),
     list_presets: bool = typer.Option(False, "--list-presets", help="List model and GPU presets and exit."),
     num_layers: Optional[int] = typer.Option(None, "--num-layers", help="Override: decoder layers."),
     num_kv_heads: Optional[int] = typer.Option(None, "--num-kv-heads", help="Override: KV heads."),
@@ -244,7 +267,8 @@ def kv_estimate(
             kv_cache_memory=parse_bytes(kv_cache_memory) if kv_cache_memory else None,
             reserve_bytes=None if reserve_gib is None else int(reserve_gib * GIB), weight_format=weight_format,
             group_size=group_size, batch_sizes=parse_list(batch_sizes, "--batch-sizes") if batch_sizes else None,
-            seq_lens=parse_list(seq_lens, "--seq-lens") if seq_lens else None, naive=naive, hybrid=not no_hybrid)
+            seq_lens=parse_list(seq_lens, "--seq-lens") if seq_lens else None, naive=naive, hybrid=not no_hybrid,
+            what_if=what_if)
         output.emit(est, as_json=as_json, table=render)
         if require_fit:
             if est.fits is None:

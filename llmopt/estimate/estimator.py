@@ -15,6 +15,7 @@ from llmopt.estimate.plan import GridCell, KVLayout, build_layout, grid
 from llmopt.estimate.presets import find_gpu
 from llmopt.estimate.units import GIB
 from llmopt.estimate.weights import WeightMemory, weight_memory
+from llmopt.estimate.whatif import WhatIf, what_ifs
 
 
 @dataclass
@@ -79,6 +80,7 @@ class KVEstimate:
     paged: PagedPlan | None = None
     grid: list[GridCell] = field(default_factory=list)
     naive: naive_mod.NaiveComparison | None = None
+    what_if: list[WhatIf] = field(default_factory=list)
     fits: bool | None = None
     problems: list[str] = field(default_factory=list)
     note: str = ""
@@ -109,7 +111,14 @@ def estimate(spec: ModelSpec, *, kv_cache_dtype: str = "auto", block_size: int =
              gpu_memory_gib: float | None = None, gpu_memory_utilization: float = defaults.GPU_MEMORY_UTILIZATION,
              kv_cache_memory: int | None = None, reserve_bytes: int | None = None, weight_format: str = "auto",
              group_size: int | None = None, batch_sizes: list[int] | None = None, seq_lens: list[int] | None = None,
-             naive: bool = False, hybrid: bool = True) -> KVEstimate:
+             naive: bool = False, hybrid: bool = True, what_if: bool = False) -> KVEstimate:
+    """The whole plan. `what_if` re-runs it with the usual levers (fp8 KV, quantized weights, 2x GPUs,
+    the longest context that fits) when a memory budget is given."""
+    levers = dict(kv_cache_dtype=kv_cache_dtype, block_size=block_size, max_model_len=max_model_len,
+                  max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                  tensor_parallel_size=tensor_parallel_size, gpu=gpu, gpu_memory_gib=gpu_memory_gib,
+                  gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory=kv_cache_memory,
+                  reserve_bytes=reserve_bytes, weight_format=weight_format, group_size=group_size, hybrid=hybrid)
     tp = tensor_parallel_size
     if tp < 1:
         raise UserInputError(f"--tensor-parallel-size must be at least 1, got {tp}")
@@ -177,6 +186,8 @@ def estimate(spec: ModelSpec, *, kv_cache_dtype: str = "auto", block_size: int =
         est.naive = naive_mod.compare(spec, dtype, layers1, build_layout(layers1, block_size, hybrid), max_len, 1,
                                       block_size, max_num_batched_tokens)
     est.fits = None if available is None else not est.problems
+    if what_if and est.memory is not None:
+        est.what_if = what_ifs(est, lambda **kw: estimate(spec, **kw), levers)
     return est
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from llmopt.errors import ModelLoadError
@@ -41,9 +42,10 @@ def ggml_nbytes(n_elements: int, type_name: str) -> int:
     return n_elements // block * size
 
 
-def ggml_type_names() -> list[str]:
+@lru_cache(maxsize=1)
+def ggml_type_names() -> frozenset[str]:
     from gguf.constants import GGML_QUANT_SIZES
-    return [t.name for t in GGML_QUANT_SIZES]
+    return frozenset(t.name for t in GGML_QUANT_SIZES)
 
 
 _GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
