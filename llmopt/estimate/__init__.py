@@ -2,7 +2,8 @@
 
 from llmopt.estimate.estimator import KVEstimate, estimate
 from llmopt.estimate.kv import bytes_per_token, layer_kv_specs
-from llmopt.estimate.model_spec import ModelSpec, resolve_model_spec
+from llmopt.estimate.model_spec import ModelSpec
+from llmopt.estimate.sources import resolve_model_spec
 from llmopt.estimate.plan import build_layout
 from llmopt.estimate.weights import weight_memory
 
