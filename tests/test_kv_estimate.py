@@ -280,9 +280,20 @@ def test_folder_hf_cache_and_overrides(tmp_path, monkeypatch):
     cached = resolve_model_spec("acme/tiny")
     assert cached.source == "hf-cache" and cached.num_layers == 4
 
+    sparse = tmp_path / "gemma3"          # a config.json with only non-default values: transformers fills the rest
+    sparse.mkdir()
+    (sparse / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": {
+        "model_type": "gemma3_text", "num_hidden_layers": 12, "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 32}}))
+    from transformers import Gemma3TextConfig
+    g = resolve_model_spec(str(sparse))
+    assert g.vocab_size == Gemma3TextConfig().vocab_size and [x.window for x in layer_kv_specs(g, "bf16")][4:7] == [32, None, 32]
+
     o = resolve_model_spec("llama-3.1-8b", {"num_layers": 16, "num_kv_heads": 4, "sliding_window": 1024})
     assert o.num_layers == 16 and bytes_per_token(o, "bf16") == 2 * 16 * 4 * 128 * 2
     assert set(x.window for x in layer_kv_specs(o, "bf16")) == {1024}
+    mqa = resolve_model_spec("llama-3.1-8b", {"num_kv_heads": 1})
+    assert mqa.attention == "MQA" and bytes_per_token(mqa, "bf16") == 2 * 32 * 1 * 128 * 2
     with pytest.raises(UserInputError):
         resolve_model_spec("llama-3.1-8b", {"num_kv_heads": 0})
     with pytest.raises(ModelLoadError):

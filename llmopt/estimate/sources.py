@@ -54,7 +54,17 @@ def _from_folder(folder: Path, name: str, source: str) -> ModelSpec:
         d = json.loads(cfg.read_text())
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{cfg} is not valid JSON: {e}") from e
-    spec = spec_from_config(d, name, source, str(folder))
+    try:
+        spec = spec_from_config(d, name, source, str(folder))
+    except ModelLoadError as first:
+        # config.json files list only non-default values (Gemma-3's text_config omits vocab_size...):
+        # let transformers fill in its defaults, only when needed (importing it takes seconds)
+        try:
+            from transformers import AutoConfig
+            full = AutoConfig.from_pretrained(str(folder)).to_dict()
+        except Exception:  # noqa: BLE001 - unknown to transformers too: report the first problem
+            raise first from None
+        spec = spec_from_config(full, name, source, str(folder))
     spec.tensors = safetensors_tensors(folder)
     return spec
 

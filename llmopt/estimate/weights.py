@@ -23,7 +23,7 @@ from llmopt import defaults
 from llmopt.errors import UserInputError
 from llmopt.estimate.kv import kv_heads_per_rank
 from llmopt.estimate.model_spec import ModelSpec
-from llmopt.estimate.params import Param, model_params
+from llmopt.estimate.params import Param, count_params, model_params
 from llmopt.estimate.tensors import TensorInfo, ggml_nbytes, ggml_type_names
 
 FLOAT_FORMATS = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
@@ -133,7 +133,7 @@ def weight_memory(spec: ModelSpec, fmt: str = "auto", group_size: int | None = N
         for t in tensors:
             by[_file_group(t.name)] = by.get(_file_group(t.name), 0) + t.nbytes
         kinds = sorted({t.dtype for t in tensors})
-        return WeightMemory("auto (" + "/".join(kinds) + ")", "file", sum(t.numel for t in tensors),
+        return WeightMemory("auto (" + "/".join(kinds) + ")", "file", count_params(spec),
                             sum(t.nbytes for t in tensors), sum(_file_rank_bytes(t, spec, tp) for t in tensors), by)
     if fmt == "auto":
         fmt, g = _auto_format(spec)
