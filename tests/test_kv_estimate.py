@@ -249,6 +249,26 @@ def test_gguf_header_and_weights_against_gguf_reader(tmp_path):
     assert spec.tie_word_embeddings and weight_memory(spec).bytes_total == sum(int(t.n_bytes) for t in ref.tensors)
 
 
+def test_gguf_mla_metadata(tmp_path):
+    import gguf
+    path = tmp_path / "mla.gguf"
+    w = gguf.GGUFWriter(str(path), "deepseek2")
+    for key, v in {"block_count": 61, "embedding_length": 7168, "attention.head_count": 128,
+                   "attention.head_count_kv": 128, "attention.kv_lora_rank": 512, "attention.q_lora_rank": 1536,
+                   "rope.dimension_count": 64, "attention.key_length": 192, "attention.value_length": 128,
+                   "vocab_size": 129280, "feed_forward_length": 18432, "expert_count": 256, "expert_shared_count": 1,
+                   "expert_used_count": 8, "expert_feed_forward_length": 2048, "leading_dense_block_count": 3,
+                   "context_length": 163840}.items():
+        w.add_uint32(f"deepseek2.{key}", v)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    spec = resolve_model_spec(str(path))
+    assert spec.attention == "MLA" and bytes_per_token(spec, "bf16") == 61 * 576 * 2
+    assert count_params(spec) == count_params(resolve_model_spec("deepseek-v3"))
+
+
 def test_default_model_gguf_spec():
     spec = resolve_model_spec(None)            # SmolLM2-135M GGUF: read from the header only
     assert (spec.num_layers, spec.hidden_size, spec.num_kv_heads, spec.head_dim, spec.vocab_size) == (30, 576, 3, 64, 49152)

@@ -124,6 +124,8 @@ def estimate(spec: ModelSpec, *, kv_cache_dtype: str = "auto", block_size: int =
         raise UserInputError(f"--tensor-parallel-size must be at least 1, got {tp}")
     if not 0 < gpu_memory_utilization <= 1:
         raise UserInputError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
+    if max_num_seqs < 1:
+        raise UserInputError(f"--max-num-seqs must be positive, got {max_num_seqs}")
     if max_num_batched_tokens < 1:
         raise UserInputError(f"--max-num-batched-tokens must be positive, got {max_num_batched_tokens}")
     if not spec.mla and spec.num_kv_heads >= tp and spec.num_kv_heads % tp:

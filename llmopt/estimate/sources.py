@@ -32,9 +32,20 @@ def gguf_config(meta: dict[str, Any], tensors: list[TensorInfo]) -> dict[str, An
          "intermediate_size": int(a("feed_forward_length", 0) or 0),
          "vocab_size": int(a("vocab_size", emb.shape[0] if emb is not None else 0)),
          "max_position_embeddings": int(a("context_length", 4096)),
-         "tie_word_embeddings": "output.weight" not in names, "torch_dtype": "float16",
+         "tie_word_embeddings": bool(names) and "output.weight" not in names, "torch_dtype": "float16",
          "sliding_window": a("attention.sliding_window")}
-    if a("expert_count"):
+    if a("attention.kv_lora_rank"):      # llama.cpp's deepseek2 (DeepSeek-V2/V3): MLA, MoE with shared experts
+        rope = int(a("rope.dimension_count", 64))
+        d.update(model_type="deepseek_v3", kv_lora_rank=int(a("attention.kv_lora_rank")), qk_rope_head_dim=rope,
+                 qk_nope_head_dim=int(a("attention.key_length_mla", a("attention.key_length", rope + 128))) - rope,
+                 v_head_dim=int(a("attention.value_length_mla", a("attention.value_length", 128))),
+                 q_lora_rank=a("attention.q_lora_rank"))
+        if a("expert_count"):
+            d.update(n_routed_experts=int(a("expert_count")), n_shared_experts=int(a("expert_shared_count", 0)),
+                     num_experts_per_tok=int(a("expert_used_count", 8)),
+                     moe_intermediate_size=int(a("expert_feed_forward_length")),
+                     first_k_dense_replace=int(a("leading_dense_block_count", 0)))
+    elif a("expert_count"):
         d.update(num_local_experts=int(a("expert_count")), num_experts_per_tok=int(a("expert_used_count", 2)))
     return d
 
