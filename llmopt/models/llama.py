@@ -170,6 +170,8 @@ class LlamaForCausalLM(nn.Module):
                 raise KeyError(name)
             target = params.get(name, buffers.get(name))
             keep_dtype = target.dtype if not target.is_floating_point() else dtype
+            if name in buffers and getattr(self.get_submodule(name.rpartition(".")[0]), "keep_checkpoint_dtype", False):
+                keep_dtype = tensor.dtype   # quantized modules (llmopt.quant.modules): fp16 scales, fp8 codes as stored
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(target.shape)}")
             new = tensor.to(device=device, dtype=keep_dtype)
@@ -178,6 +180,9 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
             loaded.add("lm_head.weight")
+        for module in self.modules():   # quantized modules check their buffers and prepare their kernels
+            if hasattr(module, "finish_loading"):
+                module.finish_loading()
         return loaded
 
 

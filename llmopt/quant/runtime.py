@@ -1,0 +1,119 @@
+"""Swap the targeted nn.Linear modules of a model built on the meta device for quantized modules
+whose buffers carry the checkpoint's names, before `load_weights` fills them.
+
+Which modules, per format:
+- awq:  every Linear except lm_head and names containing a `modules_to_not_convert` entry;
+- gptq: every Linear except lm_head (unless `lm_head: true`); `dynamic` entries `-:regex` skip
+        modules, `+:regex` (or a bare regex) override bits / group_size / sym / desc_act for them;
+- compressed-tensors: Linears matched by a config group's `targets` (`Linear`, an exact name or
+  `re:regex`) and not by `ignore`.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch.nn as nn
+
+from llmopt.errors import ModelLoadError
+from llmopt.quant.formats import format_of
+from llmopt.quant.modules import AWQLinear, CTPackedLinear, GPTQLinear
+from llmopt.quant.modules_w8a8 import W8Linear
+
+
+def convert_for_runtime(model: nn.Module, quantization_config: dict) -> int:
+    """Replace the targeted Linears in place; returns how many were replaced."""
+    qcfg = quantization_config
+    fmt = format_of(qcfg)
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    swaps = []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear):
+            continue
+        new = _build(fmt, qcfg, name, mod)
+        if new is None:
+            continue
+        if name == "lm_head" and tied:
+            raise ModelLoadError("the checkpoint quantizes lm_head but ties it to the embeddings: not supported")
+        swaps.append((name, new))
+    if not swaps:
+        raise ModelLoadError(f"the {fmt} quantization_config targets none of the model's Linear layers")
+    for name, new in swaps:
+        model.set_submodule(name, new)
+    return len(swaps)
+
+
+def _build(fmt: str, qcfg: dict, name: str, lin: nn.Linear):
+    dims = (lin.in_features, lin.out_features, lin.bias is not None)
+    if fmt == "awq":
+        if name == "lm_head" or any(s in name for s in (qcfg.get("modules_to_not_convert") or [])):
+            return None
+        return AWQLinear(*dims, bits=int(qcfg.get("bits", 4)), group_size=int(qcfg["group_size"]))
+    if fmt == "gptq":
+        args = gptq_args(qcfg, name)
+        if args is None:
+            return None
+        return GPTQLinear(*dims, bits=args["bits"], group_size=args["group_size"], sym=args["sym"],
+                          checkpoint_format=str(qcfg.get("checkpoint_format", "gptq")).lower())
+    group = ct_group_for(qcfg, name, lin)
+    if group is None:
+        return None
+    return ct_module(group, dims, name)
+
+
+def gptq_args(qcfg: dict, name: str) -> dict | None:
+    if name == "lm_head" and not qcfg.get("lm_head", False):
+        return None
+    args = {"bits": int(qcfg.get("bits", 4)), "group_size": int(qcfg.get("group_size", 128)),
+            "sym": bool(qcfg.get("sym", True))}
+    for key, override in (qcfg.get("dynamic") or {}).items():
+        if key.startswith("-:"):
+            if re.match(key[2:], name):
+                return None
+            continue
+        pattern = key[2:] if key.startswith("+:") else key
+        if re.match(pattern, name):
+            args.update({k: override[k] for k in ("bits", "group_size", "sym") if k in (override or {})})
+    return args
+
+
+def _matches(name: str, mod: nn.Module, patterns) -> bool:
+    for p in patterns or []:
+        if p.startswith("re:"):
+            if re.match(p[3:], name):
+                return True
+        elif p == name or p == type(mod).__name__ or (p == "Linear" and isinstance(mod, nn.Linear)):
+            return True
+    return False
+
+
+def ct_group_for(qcfg: dict, name: str, mod: nn.Module | None = None) -> dict | None:
+    """The compressed-tensors config group that quantizes module `name` (its format filled in), or None."""
+    mod = mod if mod is not None else nn.Linear(1, 1, device="meta")
+    if _matches(name, mod, qcfg.get("ignore")):
+        return None
+    for group in (qcfg.get("config_groups") or {}).values():
+        if _matches(name, mod, group.get("targets")):
+            return dict(group, format=group.get("format") or qcfg.get("format"))
+    return None
+
+
+def ct_module(group: dict, dims: tuple, name: str):
+    fmt, w = group.get("format"), group.get("weights") or {}
+    acts = "dynamic" if group.get("input_activations") else "none"
+    if group.get("input_activations") and not group["input_activations"].get("dynamic", False):
+        raise ModelLoadError(f"{name}: static activation scales are not supported: llmopt runs dynamic W8A8")
+    strategy = w.get("strategy")
+    if fmt == "pack-quantized":
+        gs = int(w["group_size"]) if strategy == "group" else -1
+        if strategy not in ("group", "channel"):
+            raise ModelLoadError(f"{name}: pack-quantized strategy {strategy!r} is not supported")
+        return CTPackedLinear(*dims, bits=int(w["num_bits"]), group_size=gs, sym=bool(w.get("symmetric", True)))
+    kind = {"float": "fp8", "int": "int8"}.get(w.get("type"))
+    if fmt in ("float-quantized", "int-quantized", "naive-quantized") and kind and int(w.get("num_bits", 8)) == 8 \
+            and strategy in ("channel", "tensor") and w.get("symmetric", True):
+        if kind == "int8" and acts == "none":
+            raise ModelLoadError(f"{name}: weight-only int8 in {fmt} is not supported (llm-compressor packs it)")
+        return W8Linear(*dims, kind=kind, per_channel=strategy == "channel", activations=acts)
+    raise ModelLoadError(f"{name}: compressed-tensors format {fmt!r} with weights {w} is not supported: llmopt "
+                         "runs pack-quantized (int4/int8), int-quantized (W8A8) and float-quantized (FP8)")
