@@ -172,7 +172,8 @@ def estimate(spec: ModelSpec, *, kv_cache_dtype: str = "auto", block_size: int =
                                 f"({est.memory.budget_bytes / GIB:.1f} GiB)")
     if available is not None:
         est.paged = _paged(layout, max(0, available), max_len, max_num_batched_tokens, spec)
-        if est.paged.num_blocks < est.paged.blocks_per_request and not est.problems:
+        budget_ok = est.memory is None or est.memory.kv_available_bytes > 0
+        if est.paged.num_blocks < est.paged.blocks_per_request and budget_ok:
             est.problems.append(f"one request of {max_len:,} tokens needs {est.paged.blocks_per_request:,} blocks, the "
                                 f"cache holds {est.paged.num_blocks:,}: the longest context that fits is "
                                 f"{est.paged.longest_context:,} tokens")
