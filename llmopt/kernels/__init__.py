@@ -94,5 +94,11 @@ def rotary(q, k, cos, sin):
     return impl.rotary(q, k, cos, sin)
 
 
+def w4a16_matmul(x, qweight, scales, zeros, group_size, bits=4):
+    """Group-wise W4A16/W8A16 dequantize-GEMM (Triton; layout in llmopt/kernels/w4a16.py)."""
+    from llmopt.kernels.w4a16 import w4a16_matmul as impl
+    return impl(x, qweight, scales, zeros, group_size, bits)
+
+
 __all__ = ["BACKENDS", "KV_DTYPES", "get_backend", "kv_block_bytes", "kv_cache_torch_dtype", "paged_attention",
-           "rms_norm", "rotary", "set_backend", "write_kv"]
+           "rms_norm", "rotary", "set_backend", "w4a16_matmul", "write_kv"]
