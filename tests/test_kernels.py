@@ -36,9 +36,11 @@ MIXED = [(1, 1), (16, 1), (37, 3), (16, 16), (23, 23), (40, 7), (32, 16)]
 DECODE = [(1, 1), (16, 1), (17, 1), (40, 1), (32, 1)]
 
 
-def _check(b, window, **knobs):
-    got = run_paged(lambda *a: triton_attention.paged_attention(*a, **knobs), b, 0.3, window)
-    want = run_paged(ref.paged_attention, b, 0.3, window)
+def _check(specs, hq, hkv, d, block_size, window, knobs=None, **kw):
+    """Triton on a cache full of NaN garbage, the reference on the same data with finite garbage."""
+    b = make_batch(specs, hq, hkv, d, block_size, garbage="nan", **kw)
+    got = run_paged(lambda *a: triton_attention.paged_attention(*a, **(knobs or {})), b, 0.3, window)
+    want = run_paged(ref.paged_attention, make_batch(specs, hq, hkv, d, block_size, garbage="big", **kw), 0.3, window)
     assert got.dtype == b.q.dtype and torch.isfinite(got).all()
     tol = 2e-2 if b.q.dtype == torch.bfloat16 else 2e-6
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
@@ -52,8 +54,7 @@ def _check(b, window, **knobs):
     (4, 1, 16, "fp8_e4m3", 9),
 ])
 def test_varlen_prefill_extend_attention(hq, hkv, block_size, kv_dtype, window):
-    b = make_batch(MIXED, hq, hkv, 16, block_size, kv_dtype=kv_dtype, seed=hq + block_size, k_scale=0.5, v_scale=2.0)
-    _check(b, window)
+    _check(MIXED, hq, hkv, 16, block_size, window, kv_dtype=kv_dtype, seed=hq + block_size, k_scale=0.5, v_scale=2.0)
 
 
 @pytest.mark.parametrize("hq,hkv,block_size,kv_dtype,window,splits", [
@@ -63,15 +64,13 @@ def test_varlen_prefill_extend_attention(hq, hkv, block_size, kv_dtype, window):
     (3, 1, 16, "fp8_e5m2", None, 1),
 ])
 def test_decode_attention(hq, hkv, block_size, kv_dtype, window, splits):
-    b = make_batch(DECODE, hq, hkv, 16, block_size, kv_dtype=kv_dtype, seed=hq * 7 + splits, k_scale=0.25)
-    _check(b, window, num_splits=splits)
+    _check(DECODE, hq, hkv, 16, block_size, window, {"num_splits": splits}, kv_dtype=kv_dtype, seed=hq * 7 + splits,
+           k_scale=0.25)
 
 
 def test_bfloat16_and_head_dim_not_a_power_of_two():
-    b = make_batch(MIXED[:4], 6, 2, 24, 16, dtype=torch.bfloat16, seed=5)
-    _check(b, None)
-    b = make_batch(DECODE[:3], 6, 2, 24, 16, dtype=torch.bfloat16, seed=6)
-    _check(b, 4, num_splits=2)
+    _check(MIXED[:4], 6, 2, 24, 16, None, dtype=torch.bfloat16, seed=5)
+    _check(DECODE[:3], 6, 2, 24, 16, 4, {"num_splits": 2}, dtype=torch.bfloat16, seed=6)
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "fp8_e5m2", "int8"])
@@ -112,7 +111,7 @@ def test_rotary_on_strided_views():
 
 
 def test_dispatch_to_triton(monkeypatch):
-    b = make_batch([(9, 3), (4, 1)], 4, 2, 16, 4, seed=2)
+    b = make_batch([(9, 3), (4, 1)], 4, 2, 16, 4, seed=2, garbage="big")
     kernels.set_backend("triton")
     try:
         got = run_paged(kernels.paged_attention, b, 0.4, None)

@@ -14,6 +14,10 @@ from llmopt.kernels.random_batch import dense_attention, make_batch, run_paged
 SPECS = [(1, 1), (16, 1), (37, 1), (16, 16), (23, 23), (40, 7), (33, 1), (48, 16), (5, 2)]
 
 
+def _batch(*args, **kw):
+    return make_batch(*args, garbage="big", **kw)  # the reference needs finite values past a sequence's end
+
+
 def _dense_kv(b):
     """Per-sequence dense K/V as the cache should hold them (dequantized with an independent formula)."""
     k, v = b.k_new.double(), b.v_new.double()
@@ -37,7 +41,7 @@ def _int8_roundtrip(x):
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("window", [None, 5])
 def test_paged_attention_matches_dense_float64(hq, hkv, block_size, window):
-    b = make_batch(SPECS, hq, hkv, 8, block_size, seed=hq * 100 + block_size)
+    b = _batch(SPECS, hq, hkv, 8, block_size, seed=hq * 100 + block_size)
     scale = 1 / math.sqrt(8)
     out = run_paged(ref.paged_attention, b, scale, window)
     ks, vs = _dense_kv(b)
@@ -48,7 +52,7 @@ def test_paged_attention_matches_dense_float64(hq, hkv, block_size, window):
 
 @pytest.mark.parametrize("kv_dtype", ["fp8", "fp8_e5m2", "int8"])
 def test_quantized_cache_attention_matches_dense(kv_dtype):
-    b = make_batch(SPECS, 6, 2, 8, 16, kv_dtype=kv_dtype, seed=7, k_scale=0.5, v_scale=0.25)
+    b = _batch(SPECS, 6, 2, 8, 16, kv_dtype=kv_dtype, seed=7, k_scale=0.5, v_scale=0.25)
     out = run_paged(ref.paged_attention, b, 0.3, None)
     ks, vs = _dense_kv(b)
     torch.testing.assert_close(out.double(), dense_attention(b.q, ks, vs, b.specs, 0.3, None), atol=2e-6, rtol=2e-6)
@@ -59,11 +63,11 @@ def test_quantized_cache_attention_matches_dense(kv_dtype):
 
 
 def test_float64_and_bfloat16_inputs():
-    b = make_batch(SPECS, 4, 2, 8, 4, dtype=torch.float64, seed=3)
+    b = _batch(SPECS, 4, 2, 8, 4, dtype=torch.float64, seed=3)
     out = run_paged(ref.paged_attention, b, 0.5, 6)
     ks, vs = _dense_kv(b)
     torch.testing.assert_close(out, dense_attention(b.q, ks, vs, b.specs, 0.5, 6), atol=1e-12, rtol=1e-12)
-    b = make_batch(SPECS, 4, 2, 8, 4, dtype=torch.bfloat16, seed=3)
+    b = _batch(SPECS, 4, 2, 8, 4, dtype=torch.bfloat16, seed=3)
     out = run_paged(ref.paged_attention, b, 0.5, None)
     assert out.dtype == torch.bfloat16
     ks, vs = _dense_kv(b)
@@ -118,7 +122,7 @@ def test_write_kv_int8_per_token_head_scales():
 
 
 def test_int8_needs_scale_caches():
-    b = make_batch([(4, 1)], 2, 2, 8, 4)
+    b = _batch([(4, 1)], 2, 2, 8, 4)
     with pytest.raises(UserInputError):
         ref.write_kv(b.key_cache, b.value_cache, b.k_new, b.v_new, b.slot_mapping, "int8", 1.0, 1.0)
 
@@ -161,7 +165,7 @@ def test_kv_dtypes_and_block_bytes():
 
 
 def test_dispatch_backends():
-    b = make_batch([(9, 3), (4, 1)], 4, 2, 8, 4, seed=1)
+    b = _batch([(9, 3), (4, 1)], 4, 2, 8, 4, seed=1)
     assert kernels.get_backend() == "auto"
     got = run_paged(kernels.paged_attention, b, 0.4, None)  # auto on CPU tensors = the reference
     torch.testing.assert_close(got, run_paged(ref.paged_attention, b, 0.4, None))

@@ -1,7 +1,7 @@
 """Random paged-attention batches for kernel tests and scripts/gpu_check.py.
 
 `make_batch` builds dense K/V per sequence, writes them into a paged cache whose blocks are a random
-permutation of the pool (with NaN garbage in every unwritten slot, so a kernel that reads past a
+permutation of the pool (with garbage in every unwritten slot, so a kernel that reads past a
 sequence's end shows it), and returns what `paged_attention` takes plus the dense K/V.
 `dense_attention` is the independent float64 oracle: explicit scores, mask and softmax.
 """
@@ -34,30 +34,35 @@ class PagedBatch:
     v_scale: float
 
 
-def empty_cache(num_blocks: int, block_size: int, hkv: int, d: int, kv_dtype: str, dtype, device):
-    """Cache tensors filled with NaN garbage (0x7F bytes are NaN in both fp8 formats)."""
+def empty_cache(num_blocks: int, block_size: int, hkv: int, d: int, kv_dtype: str, dtype, device,
+                garbage: str = "nan"):
+    """Cache tensors whose every element is garbage: "nan" (0x7F bytes are NaN in both fp8 formats;
+    the Triton kernels must never load it) or "big" (large finite values, which the reference
+    requires past a sequence's end and must still mask out)."""
     cdt = kv_cache_torch_dtype(kv_dtype, dtype)
     shape = (num_blocks, block_size, hkv, d)
+    nan = garbage == "nan"
     caches = []
     for _ in range(2):
         c = torch.empty(shape, dtype=cdt, device=device)
-        if cdt.is_floating_point and c.element_size() > 1:
-            c.fill_(float("nan"))
-        elif cdt == torch.int8:
+        if cdt == torch.int8:
             c.copy_(torch.randint(-127, 128, shape, dtype=torch.int8, device=device))
+        elif c.element_size() == 1:
+            c.view(torch.uint8).fill_(0x7F if nan else 0x7B)  # e4m3 0x7B = 240, e5m2 0x7B = 57344
         else:
-            c.view(torch.uint8).fill_(0x7F)
+            c.fill_(float("nan") if nan else 1e4)
         caches.append(c)
     scales = [None, None]
     if kv_dtype == "int8":
-        scales = [torch.full(shape[:3], float("nan"), device=device) for _ in range(2)]
+        scales = [torch.full(shape[:3], float("nan") if nan else 1e3, device=device) for _ in range(2)]
     return caches[0], caches[1], scales[0], scales[1]
 
 
 def make_batch(specs, hq: int, hkv: int, d: int, block_size: int, kv_dtype: str = "auto",
                dtype=torch.float32, device="cpu", seed: int = 0, k_scale: float = 1.0, v_scale: float = 1.0,
-               extra_blocks: int = 3) -> PagedBatch:
-    """specs: [(context_len, query_len)] per sequence, query_len <= context_len."""
+               extra_blocks: int = 3, garbage: str = "nan") -> PagedBatch:
+    """specs: [(context_len, query_len)] per sequence, query_len <= context_len. The same seed gives
+    the same written data whatever the garbage (see `empty_cache`)."""
     g = torch.Generator().manual_seed(seed)
     nblocks = [-(-c // block_size) for c, _ in specs]
     total = sum(nblocks) + extra_blocks
@@ -74,7 +79,7 @@ def make_batch(specs, hq: int, hkv: int, d: int, block_size: int, kv_dtype: str 
         ks.append(torch.randn(ctx, hkv, d, generator=g))
         vs.append(torch.randn(ctx, hkv, d, generator=g))
         qs.append(torch.randn(n, hq, d, generator=g))
-    kc, vc, ksc, vsc = empty_cache(total, block_size, hkv, d, kv_dtype, dtype, device)
+    kc, vc, ksc, vsc = empty_cache(total, block_size, hkv, d, kv_dtype, dtype, device, garbage)
     k_new = torch.cat(ks).to(device=device, dtype=dtype)
     v_new = torch.cat(vs).to(device=device, dtype=dtype)
     slot_mapping = torch.cat(slots).to(device)

@@ -84,19 +84,25 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor
     nb, bs, hkv, d = key_cache.shape
     for cache, x, scale, scache in ((key_cache, k, k_scale, k_scale_cache), (value_cache, v, v_scale, v_scale_cache)):
         stored, row_scales = quantize_kv(x, cache.dtype, kv_dtype, scale)
-        # indexed assignment: torch on the CPU lacks index_copy_/scatter_ for float8
-        cache.view(nb * bs, hkv, d)[slots] = stored
+        # index_copy_ on rows (fp8 as bytes: the CPU has no float8 index_copy_); indexed assignment
+        # (index_put_) is a thousand times slower on the CPU
+        _bytes(cache).view(nb * bs, hkv * d).index_copy_(0, slots, _bytes(stored).reshape(-1, hkv * d))
         if row_scales is not None:
-            scache.view(nb * bs, hkv)[slots] = row_scales.to(scache.dtype)
+            scache.view(nb * bs, hkv).index_copy_(0, slots, row_scales.to(scache.dtype))
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.uint8) if x.dtype in FP8_MAX else x
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, kv_dtype: str, scale: float,
             scale_cache: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """Dequantized rows of the given blocks: blocks [..., nb] -> [..., nb * block_size, Hkv, D]."""
-    g = cache[blocks]
-    rs = scale_cache[blocks] if kv_dtype == "int8" else None
+    """Dequantized rows of the given blocks: blocks [S, nb] -> [S, nb * block_size, Hkv, D]."""
+    flat = blocks.reshape(-1)
+    g = _bytes(cache).index_select(0, flat).view(cache.dtype)
+    rs = scale_cache.index_select(0, flat) if kv_dtype == "int8" else None
     x = dequantize_kv(g, kv_dtype, scale, rs, dtype)
-    return x.flatten(-4, -3)
+    return x.view(blocks.shape[0], -1, *cache.shape[2:])
 
 
 def _compute_dtype(q: torch.Tensor) -> torch.dtype:
@@ -112,7 +118,9 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
 
     Sequence s owns queries q[query_start_loc[s]:query_start_loc[s+1]], the last positions of its
     context of seq_lens[s] tokens (already in the cache). A query at position i sees keys j with
-    j <= i and i - j < window. Decode rows (one query) are batched; longer ones go one by one.
+    j <= i and i - j < window. Decode rows (one query) are batched in buckets of similar length;
+    longer ones go one by one. Slots past a sequence's end must hold finite values (caches are
+    zero-initialized): they are masked out of the softmax, but a NaN there would still reach p @ V.
     """
     _check_int8_scales(kv_dtype, k_scale_cache, v_scale_cache)
     out = torch.empty_like(q)
@@ -123,12 +131,16 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     kv = (key_cache, value_cache, kv_dtype, k_scale, v_scale, k_scale_cache, v_scale_cache)
-    decode = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1]
-    if decode:
-        _decode_batch(q, out, kv, block_tables, decode, starts, lens, bs, scale, window, cdt)
+    decode = sorted((s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1), key=lambda s: -lens[s])
+    while decode:  # buckets: lengths within a factor of two of the bucket's longest (little padding)
+        n = 1
+        while n < len(decode) and 2 * lens[decode[n]] > lens[decode[0]]:
+            n += 1
+        _decode_batch(q, out, kv, block_tables, decode[:n], starts, lens, bs, scale, window, cdt)
+        decode = decode[n:]
     for s in range(len(lens)):
         n = starts[s + 1] - starts[s]
-        if n > 1 or (n == 1 and not decode):
+        if n > 1:
             _one_sequence(q, out, kv, block_tables[s], starts[s], n, lens[s], bs, scale, window, cdt)
     return out
 
@@ -142,17 +154,18 @@ def _keys_values(kv, blocks, cdt):
 
 def _one_sequence(q, out, kv, table, start, n, length, bs, scale, window, cdt):
     nblocks = -(-length // bs)
-    k, v = _keys_values(kv, table[:nblocks].long(), cdt)
-    k, v = k[:length], v[:length]
-    i = torch.arange(length - n, length, device=q.device)
-    j = torch.arange(length, device=q.device)
-    d = i[:, None] - j[None, :]
-    mask = d >= 0
-    if window is not None:
-        mask &= d < window
+    k, v = _keys_values(kv, table[None, :nblocks].long(), cdt)
+    k, v = k[0, :length].transpose(0, 1), v[0, :length].transpose(0, 1)  # [Hkv, L, D]
     qs = q[start:start + n].to(cdt).transpose(0, 1)  # [Hq, n, D]
-    o = F.scaled_dot_product_attention(qs, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
-                                       scale=scale, enable_gqa=qs.shape[0] != k.shape[1])
+    gqa = qs.shape[0] != k.shape[0]
+    if n == length and (window is None or window >= length):
+        o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        d = torch.arange(length - n, length, device=q.device)[:, None] - torch.arange(length, device=q.device)
+        mask = d >= 0
+        if window is not None:
+            mask &= d < window
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     out[start:start + n] = o.transpose(0, 1).to(out.dtype)
 
 
@@ -164,17 +177,15 @@ def _decode_batch(q, out, kv, block_tables, seqs, starts, lens, bs, scale, windo
     nblocks = -(-max(lens[s] for s in seqs) // bs)
     blocks = block_tables[idx, :nblocks].long().clamp_min(0)  # unused table entries may be padding
     k, v = _keys_values(kv, blocks, cdt)  # [S, L, Hkv, D]
-    j = torch.arange(k.shape[1], device=dev)
-    d = (lens_t - 1)[:, None] - j[None, :]
+    d = (lens_t - 1)[:, None] - torch.arange(k.shape[1], device=dev)
     mask = d >= 0
-    # slots past a sequence's end hold stale data (maybe NaN): zero them, a masked NaN still poisons p @ v
-    k, v = (torch.where(mask[:, :, None, None], x, 0.0) for x in (k, v))
     if window is not None:
         mask &= d < window
-    qs = q[rows].to(cdt)[:, :, None, :]  # [S, Hq, 1, D]
+    ns, hkv = len(seqs), k.shape[2]
+    qs = q[rows].to(cdt).view(ns, hkv, -1, q.shape[-1])  # the head group as query rows of its kv head
     o = F.scaled_dot_product_attention(qs, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :],
-                                       scale=scale, enable_gqa=qs.shape[1] != k.shape[2])
-    out[rows] = o[:, :, 0, :].to(out.dtype)
+                                       scale=scale)
+    out.index_copy_(0, rows, o.reshape(ns, -1, q.shape[-1]).to(out.dtype))  # (index_put_ is slow on the CPU)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
