@@ -1,0 +1,72 @@
+"""`llmopt eval-ppl`: perplexity by a peer's protocol, optionally with KL divergence against a base."""
+
+from __future__ import annotations
+
+import typer
+
+from llmopt import defaults
+from llmopt.cli import common, output
+from llmopt.cli.app import app
+
+METHOD_HELP = ("sliding: Hugging Face fixed-length loop (--max-length, --stride); chunks: GPTQ/AWQ "
+               "non-overlapping --ctx windows; rolling: lm-evaluation-harness wikitext (per-document "
+               "rolling windows of --max-length, default the model's max_position_embeddings; word and "
+               "byte perplexity); llamacpp: llama.cpp perplexity (--ctx 512 chunks, last half scored).")
+
+
+def _table(r):
+    rows = [("model", r.model), ("dataset", r.dataset), ("method", r.method), ("perplexity", r.ppl),
+            ("mean NLL", r.mean_nll), ("scored tokens", r.scored_tokens), ("bits per byte", r.bits_per_byte)]
+    if r.method == "rolling":
+        rows += [("word perplexity", r.word_perplexity), ("byte perplexity", r.byte_perplexity),
+                 ("documents", r.documents)]
+    rows += [("window", r.window)] + ([("stride", r.stride)] if r.stride else [])
+    rows += [("windows", r.windows), ("tokens/s", r.tokens_per_s), ("seconds", r.seconds),
+             ("dtype", r.dtype), ("device", r.device)]
+    tables = [output.kv_table("eval-ppl", rows)]
+    if r.kl:
+        k = r.kl
+        tables.append(output.kv_table(f"KL divergence vs {k.base_model}", [
+            ("KLD mean", k.kld_mean), ("KLD median", k.kld_median), ("KLD p99", k.kld_p99),
+            ("KLD max", k.kld_max), ("top-1 agreement", k.top1_agreement), ("base perplexity", k.base_ppl)]))
+    return tables
+
+
+@app.command("eval-ppl")
+def eval_ppl(
+    model: str = common.ModelOpt,
+    dtype: str = common.DtypeOpt,
+    device: str = common.DeviceOpt,
+    dataset: str = typer.Option(defaults.PPL_DATASET, "--dataset", "-d", help="Text file, .jsonl (with "
+                                "--text-field) or Hugging Face dataset path:config:split (local cache)."),
+    text_field: str = typer.Option("text", "--text-field", help="Field of .jsonl rows / dataset rows to read."),
+    method: str = typer.Option(defaults.PPL_METHOD, "--method", help=METHOD_HELP),
+    ctx: int = typer.Option(None, "--ctx", help=f"Window of chunks (default {defaults.PPL_CTX}) and llamacpp "
+                            f"(default {defaults.PPL_LLAMACPP_CTX})."),
+    max_length: int = typer.Option(None, "--max-length", help=f"Window of sliding (default {defaults.PPL_CTX}) "
+                                   "and rolling (default: the model's max_position_embeddings)."),
+    stride: int = typer.Option(defaults.PPL_STRIDE, "--stride", help="Step between sliding windows."),
+    limit: int = typer.Option(None, "--limit", help="Use only the first N tokens (rolling: whole documents "
+                              "up to N tokens)."),
+    batch_size: int = typer.Option(defaults.PPL_BATCH_SIZE, "--batch-size", "-b", help="Windows per forward."),
+    base_model: str = typer.Option(None, "--base-model", help="Also report KL divergence and top-1 agreement "
+                                   "against this model (same tokenizer), in the same pass."),
+    json_out: bool = common.JsonOpt,
+    out_file: str = typer.Option(None, "--output", "-o", help="Also write the JSON result to this file."),
+    quiet: bool = common.QuietOpt,
+) -> None:
+    """Perplexity (and KL divergence against a base model) on a text, by a peer's exact protocol."""
+    def run():
+        from llmopt.eval import load_text_dataset, plan_ppl, run_ppl
+        from llmopt.models.loader import load_model
+
+        data = load_text_dataset(dataset, text_field)
+        lm = load_model(model, dtype, device)
+        base = load_model(base_model, dtype, device) if base_model else None
+        plan = plan_ppl(lm.tokenizer, lm.config.max_position_embeddings, data, method, ctx=ctx,
+                        max_length=max_length, stride=stride, limit=limit)
+        with output.progress(f"eval-ppl {method}", len(plan.windows), enabled=not quiet) as advance:
+            result = run_ppl(lm, plan, batch_size, base=base, progress=advance)
+        output.emit(result, as_json=json_out, table=_table, output=out_file)
+
+    output.run_guarded(run)

@@ -1,0 +1,84 @@
+"""Run windows through the model and score them: batched forward, logits only for the scored
+positions, computed `defaults.LOSS_CHUNK_TOKENS` rows at a time (a chunked cross-entropy: never a
+full float32 [tokens, vocab] logits tensor for a window). Optionally the same rows through a base
+model, for KL divergence and top-1 agreement in the same pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from llmopt import defaults
+from llmopt.eval.windows import Window
+from llmopt.models.attention import DenseCausalAttention
+
+
+@dataclass
+class Scores:
+    window_nll: list[float] = field(default_factory=list)  # per window (in input order), float64 sums
+    window_count: list[int] = field(default_factory=list)
+    input_tokens: int = 0
+    kl: list[torch.Tensor] = field(default_factory=list)    # per-token KL(base || model), float32
+    agree: int = 0
+    base_nll: float = 0.0
+
+
+def batches(windows: Sequence[Window], batch_size: int) -> list[list[int]]:
+    """Window indices grouped into batches of similar length (longest first, as lm-eval does)."""
+    order = sorted(range(len(windows)), key=lambda i: -len(windows[i].ids))
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def _hidden_rows(model, wins: list[Window], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward a right-padded batch; return hidden states of the scored positions and their targets."""
+    L = max(len(w.ids) for w in wins)
+    ids = torch.zeros(len(wins), L, dtype=torch.long)
+    for b, w in enumerate(wins):
+        ids[b, :len(w.ids)] = w.ids  # right padding never reaches earlier positions (causal)
+    ids = ids.to(device)
+    pos = torch.arange(L, device=device).expand(len(wins), L)
+    hidden = model(ids, pos, DenseCausalAttention())
+    rows = torch.cat([hidden[b, w.start:w.start + len(w.targets)] for b, w in enumerate(wins)])
+    return rows, torch.cat([w.targets for w in wins]).to(device)
+
+
+def _log_probs(model, h: torch.Tensor) -> torch.Tensor:
+    logits = model.compute_logits(h).float()
+    return logits - torch.logsumexp(logits, dim=-1, keepdim=True)
+
+
+def score_windows(model, windows: Sequence[Window], batch_size: int, device: torch.device,
+                  base=None, progress: Callable[[int], None] | None = None,
+                  chunk: int = defaults.LOSS_CHUNK_TOKENS) -> Scores:
+    s = Scores(window_nll=[0.0] * len(windows), window_count=[0] * len(windows))
+    with torch.inference_mode():
+        for idx in batches(windows, max(1, batch_size)):
+            wins = [windows[i] for i in idx]
+            h, tgt = _hidden_rows(model, wins, device)
+            hb = _hidden_rows(base, wins, device)[0] if base is not None else None
+            nll = torch.empty(len(tgt), dtype=torch.float32, device=device)
+            for a in range(0, len(tgt), chunk):
+                t = tgt[a:a + chunk, None]
+                if hb is None:
+                    logits = model.compute_logits(h[a:a + chunk]).float()
+                    nll[a:a + chunk] = (torch.logsumexp(logits, -1) - logits.gather(-1, t)[:, 0])
+                    del logits
+                    continue
+                lp, lq = _log_probs(model, h[a:a + chunk]), _log_probs(base, hb[a:a + chunk])
+                nll[a:a + chunk] = -lp.gather(-1, t)[:, 0]
+                s.base_nll += float(-lq.gather(-1, t)[:, 0].double().sum())
+                s.kl.append((lq.exp() * (lq - lp)).sum(-1).cpu())
+                s.agree += int((lp.argmax(-1) == lq.argmax(-1)).sum())
+                del lp, lq
+            off = 0
+            for i, w in zip(idx, wins):
+                n = len(w.targets)
+                s.window_nll[i] = float(nll[off:off + n].double().sum())
+                s.window_count[i] = n
+                s.input_tokens += len(w.ids)
+                off += n
+            if progress:
+                progress(len(wins))
+    return s
