@@ -30,6 +30,7 @@ def _root(
 # Subcommands register themselves on `app` when imported; each appears only once it works.
 # (one import line per subcommand module, below)
 from llmopt.cli import kv_estimate  # noqa: E402,F401
+from llmopt.cli import eval_ppl  # noqa: E402,F401
 
 
 def main() -> None:
