@@ -30,6 +30,12 @@ GPU_MEMORY_UTILIZATION = 0.9
 KV_CACHE_MEMORY_CPU = 1 << 30  # bytes of KV cache on the CPU when --kv-cache-memory is not given
 KV_CACHE_DTYPE = "auto"
 ENABLE_PREFIX_CACHING = True
+ATTENTION_BACKEND = "auto"   # auto: triton on CUDA, the PyTorch reference on the CPU
+SCHEDULING_POLICY = "fcfs"
+
+# generate
+GENERATE_MAX_TOKENS = 256
+GENERATE_TEMPERATURE = 0.0   # greedy: reproducible answers from the command line
 
 # kv-estimate
 KIVI_GROUP_SIZE = 32          # KIVI (arXiv:2402.02750) group size: keys per channel over 32 tokens, values per 32 channels
