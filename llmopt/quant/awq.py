@@ -38,7 +38,8 @@ def weight_mean_abs(weights: list[torch.Tensor], group_size: int) -> torch.Tenso
 
 @torch.no_grad()
 def search_scales(x_mean: torch.Tensor, linears: list[nn.Linear], inspect: Callable[[], torch.Tensor],
-                  bits: int, group_size: int, sym: bool, grid: int = 20, duo: bool = False) -> tuple[torch.Tensor, float]:
+                  bits: int, group_size: int, sym: bool, grid: int = 20, duo: bool = False,
+                  scale_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, float]:
     """Best per-channel scales for `linears` (which all read the input whose channel means are
     x_mean); `inspect()` recomputes the module output on the sample with the Linears as they are now."""
     originals = [lin.weight.data.clone() for lin in linears]
@@ -53,7 +54,7 @@ def search_scales(x_mean: torch.Tensor, linears: list[nn.Linear], inspect: Calla
             s = x_mean.pow(alpha).clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
         for lin, w in zip(linears, originals):
-            lin.weight.data = fake_quantize(w * s, bits, group_size, sym) / s
+            lin.weight.data = fake_quantize(w * s, bits, group_size, sym, scale_dtype) / s
         err = float((inspect() - reference).float().pow(2).mean())
         if err < best_err:
             best_err, best_s = err, s.clone()
@@ -79,7 +80,8 @@ def fold_scales(prev: nn.Module, linears: list[nn.Linear], s: torch.Tensor) -> N
 
 @torch.no_grad()
 def search_clip(w: torch.Tensor, x: torch.Tensor, bits: int, group_size: int, sym: bool, grid: int = 20,
-                max_shrink: float = 0.5, n_tokens: int = 512, row_batch: int = 256) -> torch.Tensor:
+                max_shrink: float = 0.5, n_tokens: int = 512, row_batch: int = 256,
+                scale_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Per-(row, group) clipping bounds [out, n_groups, 1] minimising the grouped output error."""
     out_f, in_f = w.shape
     gs = in_f if group_size == -1 else group_size
@@ -95,7 +97,8 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, bits: int, group_size: int, sy
         best_err = torch.full_like(amax, float("inf"))
         for i in range(int(max_shrink * grid)):
             m = amax * (1 - i / grid)
-            q = fake_quantize(torch.clamp(wb, -m, m).reshape(-1, in_f), bits, group_size, sym).reshape(wb.shape)
+            q = fake_quantize(torch.clamp(wb, -m, m).reshape(-1, in_f), bits, group_size, sym,
+                              scale_dtype).reshape(wb.shape)
             err = (torch.einsum("tgk,rgk->rgt", x, q) - ref).pow(2).mean(dim=-1, keepdim=True)
             better = err < best_err
             best_err = torch.where(better, err, best_err)

@@ -6,13 +6,14 @@ from __future__ import annotations
 import torch
 
 from llmopt.errors import UserInputError
+from llmopt.quant.rtn import round_scale
 from llmopt.quant.types import FloatQuantized
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 
 
 def quantize_fp8(w: torch.Tensor, scheme: str = "channel", activations: str = "dynamic",
-                 bias: torch.Tensor | None = None) -> FloatQuantized:
+                 bias: torch.Tensor | None = None, scale_dtype: torch.dtype | None = None) -> FloatQuantized:
     w = w.float()
     if scheme == "channel":
         amax = w.abs().amax(dim=1, keepdim=True)
@@ -20,7 +21,7 @@ def quantize_fp8(w: torch.Tensor, scheme: str = "channel", activations: str = "d
         amax = w.abs().amax().reshape(1)
     else:
         raise UserInputError(f"unknown FP8 weight scale scheme {scheme!r}: use channel or tensor")
-    scale = (amax / FP8_MAX).clamp(min=1e-12)
+    scale = round_scale((amax / FP8_MAX).clamp(min=1e-12), scale_dtype)
     w8 = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return FloatQuantized(weight=w8, weight_scale=scale.to(torch.float32), activations=activations, bias=bias)
 

@@ -45,7 +45,8 @@ class GPTQResult:
 
 def gptq_quantize(w: torch.Tensor, H: torch.Tensor, bits: int, group_size: int, sym: bool,
                   damp: float = defaults.GPTQ_DAMP, act_order: bool = False,
-                  block: int = defaults.GPTQ_BLOCK, bias: torch.Tensor | None = None) -> GPTQResult:
+                  block: int = defaults.GPTQ_BLOCK, bias: torch.Tensor | None = None,
+                  scale_dtype: torch.dtype | None = None) -> GPTQResult:
     out_f, in_f = w.shape
     gs = check_group_size(in_f, group_size)
     W = w.detach().to(torch.float32).clone()
@@ -75,7 +76,7 @@ def gptq_quantize(w: torch.Tensor, H: torch.Tensor, bits: int, group_size: int, 
             if col % gs == 0:
                 # the group's parameters from its columns as updated so far (in-block ones from W1)
                 g = torch.cat([W1[:, i:], W[:, b1:]], dim=1)[:, :gs]
-                scale, zero = group_params(g, bits, sym)
+                scale, zero = group_params(g, bits, sym, scale_dtype)
                 scales[:, col // gs], zeros[:, col // gs] = scale[:, 0], zero[:, 0]
             wcol = W1[:, i:i + 1]
             q = quantize_codes(wcol, scale, zero, bits)

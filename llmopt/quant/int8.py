@@ -8,12 +8,14 @@ import torch
 import torch.nn as nn
 
 from llmopt.quant.awq import fold_scales
+from llmopt.quant.rtn import round_scale
 from llmopt.quant.types import Int8Quantized
 
 
-def quantize_int8(w: torch.Tensor, activations: str = "dynamic", bias: torch.Tensor | None = None) -> Int8Quantized:
+def quantize_int8(w: torch.Tensor, activations: str = "dynamic", bias: torch.Tensor | None = None,
+                  scale_dtype: torch.dtype | None = None) -> Int8Quantized:
     w = w.float()
-    scale = (w.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-12)
+    scale = round_scale((w.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-12), scale_dtype)
     w8 = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
     return Int8Quantized(weight=w8, weight_scale=scale, activations=activations, bias=bias)
 

@@ -84,7 +84,7 @@ def quantize_layer(layer: nn.Module, x: torch.Tensor, err_samples: int, ctx: Lay
     try:
         y_q = ctx.forward(layer, ex)
         if next_x is None:
-            next_x = ctx.forward(layer, x)
+            next_x = y_q if ex.shape[0] == x.shape[0] else ctx.forward(layer, x)
     finally:
         for h in handles:
             h.remove()
@@ -101,7 +101,8 @@ def _rtn(layer, x, ctx, spec):
     out = {}
     for n in LINEARS:
         lin = _linear(layer, n)
-        out[n] = rtn.quantize_rtn(lin.weight, spec.bits, spec.group_size, spec.sym, bias=_bias(lin))
+        out[n] = rtn.quantize_rtn(lin.weight, spec.bits, spec.group_size, spec.sym, bias=_bias(lin),
+                                  scale_dtype=spec.scale_torch_dtype)
         set_weight(lin, out[n])
     return out, None
 
@@ -110,7 +111,8 @@ def _fp8(layer, x, ctx, spec):
     out = {}
     for n in LINEARS:
         lin = _linear(layer, n)
-        out[n] = fp8.quantize_fp8(lin.weight, spec.fp8_scale, spec.activations, bias=_bias(lin))
+        out[n] = fp8.quantize_fp8(lin.weight, spec.fp8_scale, spec.activations, bias=_bias(lin),
+                                  scale_dtype=spec.scale_torch_dtype)
         set_weight(lin, out[n])
     return out, None
 
@@ -128,7 +130,8 @@ def _gptq(layer, x, ctx, spec):
         for n in names:
             lin = _linear(layer, n)
             out[n] = gptq.gptq_quantize(lin.weight, acc.H, spec.bits, spec.group_size, spec.sym, damp=spec.damp,
-                                        act_order=spec.act_order, bias=_bias(lin)).quantized
+                                        act_order=spec.act_order, bias=_bias(lin),
+                                        scale_dtype=spec.scale_torch_dtype).quantized
             set_weight(lin, out[n])
     return out, None
 
@@ -175,7 +178,8 @@ def _awq(layer, x, ctx, spec):
     finally:
         stats.close()
     xin = {k: stats.inputs(k) for k in ("qkv", "o", "mlp", "down")}
-    q = dict(bits=spec.bits, group_size=spec.group_size, sym=spec.sym, grid=spec.awq_grid, duo=spec.awq_duo_scaling)
+    q = dict(bits=spec.bits, group_size=spec.group_size, sym=spec.sym, grid=spec.awq_grid, duo=spec.awq_duo_scaling,
+             scale_dtype=spec.scale_torch_dtype)
     plan = [("qkv", layer.input_layernorm, [at.q_proj, at.k_proj, at.v_proj],
              lambda: at(xin["qkv"], ctx.cos, ctx.sin, ctx.attn))]
     if at.v_proj.weight.shape == at.o_proj.weight.shape:   # AutoAWQ's condition (no GQA): v's rows are o's inputs
@@ -190,7 +194,8 @@ def _awq(layer, x, ctx, spec):
                    "mlp.down_proj": "down"}
     for n, key in clip_inputs.items():       # q and k are not clipped (their errors meet in the softmax)
         lin = _linear(layer, n)
-        bounds = awq.search_clip(lin.weight, xin[key], spec.bits, spec.group_size, spec.sym, grid=spec.awq_grid)
+        bounds = awq.search_clip(lin.weight, xin[key], spec.bits, spec.group_size, spec.sym, grid=spec.awq_grid,
+                                 scale_dtype=spec.scale_torch_dtype)
         awq.apply_clip(lin, bounds, spec.group_size)
     out, _ = _rtn(layer, x, ctx, spec)
     return out, next_x
@@ -211,7 +216,7 @@ def _int8(layer, x, ctx, spec):
     out = {}
     for n in LINEARS:
         lin = _linear(layer, n)
-        out[n] = int8.quantize_int8(lin.weight, spec.activations, bias=_bias(lin))
+        out[n] = int8.quantize_int8(lin.weight, spec.activations, bias=_bias(lin), scale_dtype=spec.scale_torch_dtype)
         set_weight(lin, out[n])
     return out, next_x
 

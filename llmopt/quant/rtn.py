@@ -31,7 +31,16 @@ def largest_divisor(n: int) -> int:
     return n
 
 
-def group_params(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def round_scale(scale: torch.Tensor, scale_dtype: torch.dtype | None) -> torch.Tensor:
+    """Scales as the checkpoint will store them (e.g. fp16), so codes are chosen against those."""
+    if scale_dtype is None or scale_dtype == torch.float32:
+        return scale
+    tiny = torch.finfo(scale_dtype).tiny
+    return scale.clamp(min=tiny).to(scale_dtype).float()
+
+
+def group_params(w: torch.Tensor, bits: int, sym: bool,
+                 scale_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero point of each row of w [rows, group] (reduced over the last dim): [rows, 1] each."""
     maxq = 2 ** bits - 1
     w = w.float()
@@ -45,6 +54,10 @@ def group_params(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, t
         scale = (hi - lo) / maxq
         zero = torch.round(-lo / torch.where(scale == 0, torch.ones_like(scale), scale))
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)  # an all-zero group: any scale is exact
+    if scale_dtype is not None and scale_dtype != torch.float32:
+        scale = round_scale(scale, scale_dtype)
+        if not sym:
+            zero = torch.clamp(torch.round(-lo / scale), 0, maxq)
     return scale, zero
 
 
@@ -53,21 +66,22 @@ def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bit
 
 
 def quantize_rtn(w: torch.Tensor, bits: int, group_size: int, sym: bool,
-                 bias: torch.Tensor | None = None) -> IntQuantized:
+                 bias: torch.Tensor | None = None, scale_dtype: torch.dtype | None = None) -> IntQuantized:
     """W [out, in] → IntQuantized with per-(row, group) scales and zero points."""
     out_f, in_f = w.shape
     gs = check_group_size(in_f, group_size)
     wg = w.float().reshape(out_f, in_f // gs, gs)
-    scale, zero = group_params(wg, bits, sym)                    # [out, groups, 1]
+    scale, zero = group_params(wg, bits, sym, scale_dtype)       # [out, groups, 1]
     q = quantize_codes(wg, scale, zero, bits).reshape(out_f, in_f)
     return IntQuantized(qweight=q.to(torch.int32), scales=scale.squeeze(-1), zeros=zero.squeeze(-1).to(torch.int32),
                         bits=bits, group_size=group_size, sym=sym, bias=bias)
 
 
-def fake_quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool) -> torch.Tensor:
+def fake_quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool,
+                  scale_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Quantize and dequantize in one go (the AWQ searches' inner loop), in w's dtype."""
     out_f, in_f = w.shape
     gs = in_f if group_size == -1 else group_size
     wg = w.float().reshape(out_f, in_f // gs, gs)
-    scale, zero = group_params(wg, bits, sym)
+    scale, zero = group_params(wg, bits, sym, scale_dtype)
     return ((quantize_codes(wg, scale, zero, bits) - zero) * scale).reshape(out_f, in_f).to(w.dtype)

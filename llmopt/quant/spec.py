@@ -9,7 +9,7 @@ from llmopt import defaults
 from llmopt.errors import UserInputError
 
 METHODS = ("awq", "gptq", "rtn", "fp8", "int8")
-FORMATS = ("awq", "gptq", "compressed-tensors")
+FORMATS = ("awq", "gptq", "compressed-tensors", "dequantized")
 DEFAULT_FORMAT = {"awq": "awq", "gptq": "gptq", "rtn": "compressed-tensors", "fp8": "compressed-tensors",
                   "int8": "compressed-tensors"}
 
@@ -31,9 +31,16 @@ class QuantSpec:
     awq_duo_scaling: bool = False
     awq_grid: int = defaults.AWQ_GRID
     awq_search_tokens: int = defaults.AWQ_SEARCH_TOKENS
+    error_tokens: int = defaults.QUANT_ERROR_TOKENS   # calibration tokens the per-layer error is measured on
     fp8_scale: str = "channel"         # channel | tensor
     activations: str = "dynamic"       # fp8/int8: dynamic (W8A8) | none (weight-only)
     dtype: str = "auto"                # unquantized tensors: auto = checkpoint's 16-bit dtype, else float16
+    scale_dtype: str | None = None     # set by the pipeline: the dtype the format stores scales in
+
+    @property
+    def scale_torch_dtype(self):
+        import torch
+        return getattr(torch, self.scale_dtype) if self.scale_dtype else None
 
     def resolved(self) -> "QuantSpec":
         """A copy with the method-dependent defaults filled in, validated."""
@@ -52,7 +59,7 @@ class QuantSpec:
             s.format = DEFAULT_FORMAT[s.method]
         if s.format not in FORMATS:
             raise UserInputError(f"unknown --format {s.format!r}: use one of {', '.join(FORMATS)}")
-        if s.method in ("fp8", "int8") and s.format != "compressed-tensors":
+        if s.method in ("fp8", "int8") and s.format not in ("compressed-tensors", "dequantized"):
             raise UserInputError(f"--method {s.method} is written as compressed-tensors only: use --format compressed-tensors")
         if s.format == "awq" and (s.bits != 4 or s.sym or s.group_size == -1 or s.act_order):
             raise UserInputError("--format awq (AutoAWQ GEMM) holds 4-bit asymmetric weights with groups: "

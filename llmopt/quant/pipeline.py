@@ -1,0 +1,202 @@
+"""Quantize a checkpoint layer by layer, so peak memory is about one decoder layer plus the
+calibration activations, whatever the depth.
+
+The input folder's safetensors are memory-mapped; for each decoder layer its weights are read,
+the calibration activations run through it, it is quantized (llmopt.quant.layerwise), packed into
+the output format (llmopt.quant.formats) and written as its own shard, then freed, and the
+activations move on to the next layer. Embeddings, the final norm and the head are copied. The
+whole output is written in a temporary folder beside the target and renamed into place at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from llmopt import defaults
+from llmopt.errors import ModelLoadError, UserInputError
+from llmopt.models.attention import DenseCausalAttention
+from llmopt.models.config import ModelConfig
+from llmopt.models.llama import DecoderLayer, rope_cos_sin, rope_inv_freq
+from llmopt.models.loader import load_tokenizer, resolve_checkpoint, safetensors_files
+from llmopt.quant.calib import load_calibration
+from llmopt.quant.checkpoint import CheckpointReader, save_shard, write_metadata
+from llmopt.quant.layerwise import LINEARS, LayerContext, quantize_layer
+from llmopt.quant.rtn import check_group_size
+from llmopt.quant.spec import QuantSpec
+
+
+@dataclass
+class LayerReport:
+    layer: int
+    rel_error: float        # ||y_q − y||² / ||y − x||² on the first calibration samples
+    seconds: float
+
+
+@dataclass
+class QuantizeResult:
+    output: str
+    source: str
+    method: str
+    format: str
+    bits: int
+    group_size: int
+    sym: bool
+    calib_samples: int
+    calib_seq_len: int
+    size_before: int
+    size_after: int
+    seconds: float
+    mean_rel_error: float
+    max_rel_error: float
+    layers: list[LayerReport] = field(default_factory=list)
+
+
+def validate(cfg: ModelConfig, spec: QuantSpec) -> None:
+    if spec.method in ("awq", "gptq", "rtn"):
+        for name, n in (("the hidden size", cfg.hidden_size), ("the intermediate size", cfg.intermediate_size),
+                        ("the attention output", cfg.num_attention_heads * cfg.head_dim)):
+            check_group_size(n, spec.group_size, name)
+
+
+def output_dtype(spec: QuantSpec, reader: "CheckpointReader") -> torch.dtype:
+    if spec.dtype != "auto":
+        from llmopt.models.loader import DTYPES
+        if spec.dtype not in DTYPES:
+            raise UserInputError(f"unknown --out-dtype {spec.dtype!r}: use auto, float16, bfloat16 or float32")
+        return DTYPES[spec.dtype]
+    if spec.format in ("awq", "gptq"):
+        return torch.float16            # what the AutoAWQ / GPTQ kernels compute in
+    dt = reader.float_dtype()
+    return dt if dt in (torch.float16, torch.bfloat16) else torch.float16
+
+
+def quantize_model(model: str | None, output: str | Path, spec: QuantSpec, overwrite: bool = False,
+                   progress: Callable[[int], None] | None = None,
+                   on_layer: Callable[[LayerReport], None] | None = None) -> QuantizeResult:
+    t0 = time.perf_counter()
+    spec = spec.resolved()
+    output = Path(output).expanduser()
+    if output.exists() and not overwrite and (not output.is_dir() or any(output.iterdir())):
+        raise UserInputError(f"{output} exists and is not empty: choose another --output or pass --overwrite")
+    folder = resolve_checkpoint(model)
+    cfg = ModelConfig.from_path(folder)
+    if cfg.quantization_config:
+        raise ModelLoadError(f"{folder} is already quantized ({cfg.quantization_config.get('quant_method')}): "
+                             "quantize from the float checkpoint")
+    validate(cfg, spec)
+    reader = CheckpointReader(folder)
+    out_dtype = output_dtype(spec, reader)
+    spec.scale_dtype = str(torch.float16 if spec.format in ("awq", "gptq") else out_dtype).replace("torch.", "")
+    calib_ids = _calibration(folder, spec)
+    err_samples = max(1, min(calib_ids.shape[0], spec.error_tokens // spec.seq_len))
+
+    pack_linear, quantization_config = _packer(spec.format)
+    tmp = output.parent / f".{output.name}.tmp{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    n_layers = cfg.num_hidden_layers
+    shard = lambda k: f"model-{k + 1:05d}-of-{n_layers + 1:05d}.safetensors"  # noqa: E731
+    weight_map: dict[str, str] = {}
+    reports: list[LayerReport] = []
+    try:
+        rest = {n: _cast(reader.get(n), out_dtype) for n in reader.names() if not n.startswith("model.layers.")}
+        x = F.embedding(calib_ids, reader.get("model.embed_tokens.weight").float())
+        weight_map.update(save_shard(tmp / shard(0), rest))
+        del rest
+        ctx = LayerContext(*rope_cos_sin(rope_inv_freq(cfg), torch.arange(spec.seq_len), torch.float32),
+                           DenseCausalAttention())
+        for i in range(n_layers):
+            t1 = time.perf_counter()
+            layer = _load_layer(cfg, reader, i)
+            outcome = quantize_layer(layer, x, err_samples, ctx, spec)
+            tensors = {}
+            for name, qt in outcome.quantized.items():
+                prefix = f"model.layers.{i}.{name}"
+                packed = pack_linear(prefix, qt, spec.format, out_dtype)
+                if qt.bias is not None and f"{prefix}.bias" not in packed:
+                    packed[f"{prefix}.bias"] = qt.bias
+                tensors.update(packed)
+            for pname, p in layer.state_dict().items():
+                if not any(pname.startswith(f"{lin}.") for lin in LINEARS):
+                    tensors[f"model.layers.{i}.{pname}"] = p.to(out_dtype)   # norms (changed by AWQ / SmoothQuant)
+            weight_map.update(save_shard(tmp / shard(i + 1), {k: _cast(v, out_dtype) if k.endswith(".bias") else v
+                                                              for k, v in tensors.items()}))
+            x = outcome.next_x
+            report = LayerReport(i, outcome.rel_error, time.perf_counter() - t1)
+            reports.append(report)
+            del layer, outcome, tensors
+            if on_layer:
+                on_layer(report)
+            if progress:
+                progress(1)
+        qcfg = quantization_config(spec.format, spec=spec)
+        write_metadata(folder, tmp, weight_map, qcfg, out_dtype)
+        if output.exists():
+            trash = output.parent / f".{output.name}.old{os.getpid()}"
+            os.replace(output, trash)
+            os.replace(tmp, output)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    errors = [r.rel_error for r in reports]
+    return QuantizeResult(
+        output=str(output), source=str(folder), method=spec.method, format=spec.format, bits=spec.bits,
+        group_size=spec.group_size, sym=bool(spec.sym), calib_samples=int(calib_ids.shape[0]),
+        calib_seq_len=spec.seq_len, size_before=_size(safetensors_files(folder)),
+        size_after=_size(sorted(output.glob("*.safetensors"))), seconds=time.perf_counter() - t0,
+        mean_rel_error=sum(errors) / max(len(errors), 1), max_rel_error=max(errors, default=0.0), layers=reports)
+
+
+def _load_layer(cfg: ModelConfig, reader: "CheckpointReader", i: int) -> DecoderLayer:
+    with torch.device("meta"):
+        layer = DecoderLayer(cfg, i)
+    prefix = f"model.layers.{i}."
+    state = {n[len(prefix):]: reader.get(n).float() for n in reader.names() if n.startswith(prefix)}
+    state = {n: t for n, t in state.items() if not n.endswith("rotary_emb.inv_freq")}
+    missing = set(layer.state_dict()) - set(state)
+    if missing:
+        raise ModelLoadError(f"{reader.folder}: layer {i} lacks {sorted(missing)[0]}")
+    unexpected = set(state) - set(layer.state_dict())
+    if unexpected:
+        raise ModelLoadError(f"{reader.folder}: layer {i} has weights llmopt does not know: {sorted(unexpected)[0]}")
+    layer.load_state_dict(state, assign=True)
+    return layer.eval()
+
+
+def _calibration(folder: Path, spec: QuantSpec) -> torch.Tensor:
+    """Token windows: the full set for methods that calibrate, else only what the error report uses."""
+    n = spec.num_samples if spec.needs_calibration else max(1, spec.error_tokens // spec.seq_len)
+    return load_calibration(spec.calib_data, load_tokenizer(folder), n, spec.seq_len, spec.seed).ids
+
+
+def _packer(fmt: str):
+    """(pack_linear, quantization_config) for a format: the checkpoint formats of llmopt.quant.formats,
+    or `dequantized`: float weights after quantization (a plain checkpoint any loader reads, for
+    evaluating a method's quality; weight rounding only, activations stay float)."""
+    if fmt == "dequantized":
+        def pack(prefix, qt, _fmt, dtype):
+            return {f"{prefix}.weight": qt.dequantize(dtype)}
+        return pack, lambda _fmt, spec: None
+    from llmopt.quant.formats import pack_linear, quantization_config
+    return pack_linear, quantization_config
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype) if t.is_floating_point() else t
+
+
+def _size(files) -> int:
+    return sum(Path(f).stat().st_size for f in files)
