@@ -21,6 +21,17 @@ from llmopt.quant.formats.packing import codes_per_word, pack_codes
 from llmopt.quant.types import IntQuantized
 
 
+def dequantize_fast(qt: IntQuantized, dtype: torch.dtype) -> torch.Tensor:
+    """IntQuantized.dequantize without the [out, in] gathers when groups are contiguous (same numbers)."""
+    out, n_in = qt.qweight.shape
+    groups = qt.scales.shape[1]
+    if qt.g_idx is not None or n_in % groups:
+        return qt.dequantize(dtype)
+    q = qt.qweight.view(out, groups, n_in // groups).to(torch.float32)
+    w = (q - qt.zeros.to(torch.float32)[..., None]) * qt.scales.to(torch.float32)[..., None]
+    return w.view(out, n_in).to(dtype)
+
+
 class QuantLinear(nn.Module):
     """A Linear whose weight lives in checkpoint-named buffers (filled by load_weights)."""
 
@@ -97,7 +108,7 @@ class PackedIntLinear(QuantLinear):
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         if self._dense is None or self._dense.dtype != dtype:
-            self._dense = self.canonical().dequantize(dtype)
+            self._dense = dequantize_fast(self.canonical(), dtype)
         return self._dense
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

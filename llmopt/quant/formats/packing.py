@@ -48,16 +48,16 @@ def unpack_codes(words: torch.Tensor, bits: int, dim: int, order: Sequence[int] 
                  count: int | None = None) -> torch.Tensor:
     """Inverse of pack_codes: int32 words -> int32 codes along `dim` (the first `count` of them)."""
     per = codes_per_word(bits)
-    w = words.to(torch.int64).movedim(dim, -1) & 0xFFFFFFFF
-    shifts = torch.arange(per, dtype=torch.int64, device=w.device) * bits
-    fields = (w[..., None] >> shifts) & ((1 << bits) - 1)     # [..., n_words, per]: bit field i
-    if order is not None:
+    w = words.to(torch.int32).movedim(dim, -1)
+    shifts = torch.arange(per, dtype=torch.int32, device=w.device) * bits
+    fields = (w.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)   # [..., n_words, per]: bit field i
+    if order is not None:                                      # (the mask drops the sign the shift drags in)
         inverse = sorted(range(per), key=lambda i: order[i])    # code j sits in field inverse[j]
         fields = fields[..., inverse]
     codes = fields.flatten(-2)
     if count is not None:
         codes = codes[..., :count]
-    return codes.to(torch.int32).movedim(-1, dim).contiguous()
+    return codes.movedim(-1, dim)
 
 
 def default_groups(in_features: int, group_size: int) -> torch.Tensor:
