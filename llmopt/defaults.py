@@ -53,4 +53,5 @@ GPTQ_BLOCK = 128
 AWQ_GRID = 20
 AWQ_SEARCH_TOKENS = 4096  # calibration tokens the AWQ scale search evaluates each grid point on
 QUANT_ERROR_TOKENS = 2048  # calibration tokens the per-layer reconstruction error is measured on
+QUANT_EVAL_LIMIT = 40960   # quantize --eval: first tokens of WikiText-2 test (chunks, ctx 2048)
 SMOOTHQUANT_ALPHA = 0.5
