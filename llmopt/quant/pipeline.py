@@ -58,6 +58,7 @@ class QuantizeResult:
     mean_rel_error: float
     max_rel_error: float
     layers: list[LayerReport] = field(default_factory=list)
+    eval: dict = field(default_factory=dict)      # filled by `llmopt quantize --eval`
 
 
 def validate(cfg: ModelConfig, spec: QuantSpec) -> None:

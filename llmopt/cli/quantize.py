@@ -1,0 +1,115 @@
+"""`llmopt quantize`: AWQ, GPTQ, RTN, FP8 and INT8 into AutoAWQ, GPTQ or compressed-tensors
+checkpoints, one decoder layer at a time."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import typer
+
+from llmopt import defaults
+from llmopt.cli import common, output
+from llmopt.cli.app import app
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def _tables(r):
+    rows = [("output", r.output), ("source", r.source), ("method", r.method), ("format", r.format),
+            ("bits", r.bits), ("group size", r.group_size), ("symmetric", r.sym),
+            ("calibration", f"{r.calib_samples} x {r.calib_seq_len} tokens"),
+            ("size before", _mb(r.size_before)), ("size after", _mb(r.size_after)),
+            ("compression", f"{r.size_before / max(r.size_after, 1):.2f}x"),
+            ("layer error mean", r.mean_rel_error), ("layer error max", r.max_rel_error), ("seconds", r.seconds)]
+    tables = [output.kv_table("quantize", rows)]
+    t = output.Table(title="per-layer reconstruction error ||y_q - y||^2 / ||y - x||^2", title_justify="left")
+    for c in ("layer", "error", "seconds"):
+        t.add_column(c, justify="right")
+    for lr in r.layers:
+        t.add_row(str(lr.layer), output.fmt(lr.rel_error), f"{lr.seconds:.1f}")
+    tables.append(t)
+    if r.eval:
+        tables.append(output.kv_table("eval-ppl (before -> after)", [(k, v) for k, v in r.eval.items()]))
+    return tables
+
+
+@app.command("quantize")
+def quantize(
+    model: str = common.ModelOpt,
+    method: str = typer.Option(None, "--method", help="awq | gptq | rtn | fp8 | int8 (default awq)."),
+    bits: int = typer.Option(None, "--bits", help="4 or 8 (default 4; fp8/int8 are 8)."),
+    group_size: int = typer.Option(None, "--group-size", help=f"128 | 64 | 32 | -1 (default {defaults.QUANT_GROUP_SIZE}; "
+                                   "must divide the hidden and intermediate sizes: SmolLM2's 576 needs 64)."),
+    sym: bool = typer.Option(None, "--sym/--asym", help="Symmetric, or with zero points (default: sym, asym for awq)."),
+    out_dir: str = typer.Option(None, "--output", "-o", help="Folder to write (required, or `output` in --recipe)."),
+    calib_data: str = typer.Option(None, "--calib-data", help="Text file, .jsonl, or HF dataset name[:config][:split] "
+                                   f"(default {defaults.CALIB_DATA})."),
+    num_samples: int = typer.Option(None, "--num-samples", help=f"Calibration windows (default {defaults.QUANT_NUM_SAMPLES})."),
+    seq_len: int = typer.Option(None, "--seq-len", help=f"Tokens per window (default {defaults.QUANT_SEQ_LEN})."),
+    seed: int = typer.Option(None, "--seed", help="Seed of the window sampling."),
+    fmt: str = typer.Option(None, "--format", help="awq | gptq | compressed-tensors | dequantized (default: awq for awq, "
+                            "gptq for gptq, compressed-tensors otherwise)."),
+    damp: float = typer.Option(None, "--damp", help=f"GPTQ dampening, fraction of the mean Hessian diagonal "
+                               f"(default {defaults.GPTQ_DAMP})."),
+    act_order: bool = typer.Option(None, "--act-order/--no-act-order", help="GPTQ: columns by decreasing Hessian diagonal."),
+    smoothquant_alpha: float = typer.Option(None, "--smoothquant-alpha", help="INT8 W8A8 SmoothQuant migration strength "
+                                            f"(default {defaults.SMOOTHQUANT_ALPHA})."),
+    awq_duo_scaling: bool = typer.Option(None, "--awq-duo-scaling/--no-awq-duo-scaling",
+                                         help="AWQ scales x^a / w^(1-a) (AutoAWQ's default) instead of x^a."),
+    fp8_scale: str = typer.Option(None, "--fp8-scale", help="FP8 weight scales: channel (default) or tensor."),
+    activations: str = typer.Option(None, "--activations", help="fp8/int8: dynamic (W8A8, default) or none (weight-only)."),
+    recipe: str = typer.Option(None, "--recipe", help="YAML file whose keys mirror these flags; flags override it."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace --output if it exists."),
+    run_eval: bool = typer.Option(False, "--eval", help="Perplexity before and after (eval-ppl chunks, KLD vs the source)."),
+    eval_limit: int = typer.Option(defaults.QUANT_EVAL_LIMIT, "--eval-limit", help="Tokens of WikiText-2 test for --eval."),
+    json_out: bool = common.JsonOpt,
+    quiet: bool = common.QuietOpt,
+) -> None:
+    """Quantize a checkpoint layer by layer (peak memory: one layer plus the calibration activations)."""
+    flags = dict(method=method, bits=bits, group_size=group_size, sym=sym, calib_data=calib_data,
+                 num_samples=num_samples, seq_len=seq_len, seed=seed, format=fmt, damp=damp, act_order=act_order,
+                 smoothquant_alpha=smoothquant_alpha, awq_duo_scaling=awq_duo_scaling, fp8_scale=fp8_scale,
+                 activations=activations)
+
+    def run():
+        from llmopt.errors import UserInputError
+        from llmopt.models.config import ModelConfig
+        from llmopt.models.loader import resolve_checkpoint
+        from llmopt.quant.pipeline import quantize_model
+        from llmopt.quant.spec import QuantSpec, load_recipe
+
+        settings = load_recipe(recipe) if recipe else {}
+        settings.update({k: v for k, v in flags.items() if v is not None})
+        src = model if model is not None else settings.pop("model", None)
+        settings.pop("model", None)
+        dest = out_dir if out_dir is not None else settings.pop("output", None)
+        settings.pop("output", None)
+        if not dest:
+            raise UserInputError("--output is required (or `output:` in the recipe)")
+        known = {f.name for f in fields(QuantSpec)}
+        spec = QuantSpec(**{k: v for k, v in settings.items() if k in known})
+        folder = resolve_checkpoint(src)
+        n_layers = ModelConfig.from_path(folder).num_hidden_layers
+        with output.progress(f"quantize {spec.method}", n_layers, enabled=not quiet) as advance:
+            result = quantize_model(str(folder), dest, spec, overwrite=overwrite, progress=advance)
+        result.eval = _evaluate(str(folder), result.output, eval_limit, quiet) if run_eval else {}
+        output.emit(result, as_json=json_out, table=_tables)
+
+    output.run_guarded(run)
+
+
+def _evaluate(base: str, quantized: str, limit: int, quiet: bool) -> dict:
+    """eval-ppl chunks on WikiText-2 test, base then quantized with KLD against the base."""
+    from llmopt.eval import load_text_dataset, plan_ppl, run_ppl
+    from llmopt.models.loader import load_model
+    data = load_text_dataset(defaults.PPL_DATASET)
+    base_lm = load_model(base, "auto", "auto")
+    q_lm = load_model(quantized, "auto", "auto")
+    plan = plan_ppl(base_lm.tokenizer, base_lm.config.max_position_embeddings, data, "chunks",
+                    ctx=defaults.PPL_CTX, limit=limit)
+    with output.progress("eval-ppl", len(plan.windows), enabled=not quiet) as advance:
+        r = run_ppl(q_lm, plan, base=base_lm, progress=advance)
+    return {"perplexity before": r.kl.base_ppl, "perplexity after": r.ppl, "KLD mean": r.kl.kld_mean,
+            "top-1 agreement": r.kl.top1_agreement, "scored tokens": r.scored_tokens}
