@@ -284,6 +284,15 @@ def test_jsonl_and_text_field(tmp_path):
     assert "--text-field" in str(e.value)
 
 
+def test_hf_wikitext_rows_regrouped_into_pages():
+    from llmopt.eval.data import _from_rows
+    rows = [{"text": t} for t in ["", " = A = \n", "", " x y \n", " = = S = = \n", " = B = \n", " z \n"]]
+    d = _from_rows("wikitext:wikitext-2-raw-v1:test", rows, "text")
+    assert d.documents == [" = A = \n x y \n = = S = = ", " = B = \n z \n"]
+    assert d.text == "\n\n".join(r["text"] for r in rows)  # the GPTQ / HF-guide stream
+    assert _from_rows("other", rows, "text").documents == [" = A = \n", " x y \n", " = = S = = \n", " = B = \n", " z \n"]
+
+
 def test_bad_datasets(tmp_path):
     with pytest.raises(DataError):
         load_text_dataset(str(tmp_path / "missing.txt"))

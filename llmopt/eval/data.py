@@ -99,8 +99,13 @@ def _from_rows(name: str, rows, text_field: str) -> TextDataset:
         texts.append(str(row[text_field]))
     if not any(t.strip() for t in texts):
         raise DataError(f"{name}: no text in field {text_field!r}")
-    # GPTQ / the HF perplexity guide join rows with a blank line; rolling scores each row as a document
-    return TextDataset(name, "\n\n".join(texts), [t for t in texts if t.strip()])
+    # GPTQ / the HF perplexity guide join rows with a blank line; rolling scores each row as a
+    # document, except WikiText's line rows, which are regrouped into pages at their headings
+    docs = [t for t in texts if t.strip()]
+    if "wikitext" in name.lower() and text_field == "text":
+        pages = wikitext_documents("".join(texts))
+        docs = pages if len(pages) > 1 else docs
+    return TextDataset(name, "\n\n".join(texts), docs)
 
 
 def wikitext_documents(text: str) -> list[str]:
