@@ -138,6 +138,45 @@ def test_ct_asymmetric_w4a16_decompressed_by_compressed_tensors(base):
     assert torch.equal(dense.float(), qt.dequantize(torch.float32).bfloat16().float())
 
 
+@pytest.mark.parametrize("sym", [True, False])
+def test_our_writers_equal_the_peer_writers(sym):
+    """Bit-identical tensors to GPTQModel's GPTQ v1 writer (pack, then v2 -> v1), its AutoAWQ GEMM
+    writer, and compressed-tensors' pack-quantized compressor, for the same codes."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from gptqmodel import QuantizeConfig
+    from gptqmodel.nn_modules.qlinear.torch import TorchLinear
+    from gptqmodel.nn_modules.qlinear.torch_awq import AwqTorchLinear
+    from gptqmodel.utils.model import convert_gptq_v2_to_v1_format_module
+    from llmopt.quant.formats import pack_linear
+    qt = rtn(torch.randn(64, 128, generator=torch.Generator().manual_seed(3)), 4, 32, sym)
+    lin = torch.nn.Linear(128, 64, bias=False)
+    lin.weight.data = qt.dequantize(torch.float32)       # their writers re-round W: the same codes
+    m = TorchLinear(bits=4, group_size=32, sym=sym, desc_act=False, in_features=128, out_features=64, bias=False,
+                    register_buffers=True)
+    m.pack_original(lin, qt.scales, qt.zeros, qt.group_index().int())
+    convert_gptq_v2_to_v1_format_module(m, QuantizeConfig(bits=4, group_size=32, sym=sym))
+    ours = pack_linear("m", qt, "gptq")
+    for k in ("qweight", "qzeros", "scales", "g_idx"):
+        assert torch.equal(getattr(m, k), ours[f"m.{k}"]), k
+    a = AwqTorchLinear(bits=4, group_size=32, sym=sym, desc_act=False, in_features=128, out_features=64, bias=False,
+                       register_buffers=True)
+    a.pack(lin, qt.scales, qt.zeros)
+    ours = pack_linear("m", qt, "awq")
+    for k in ("qweight", "qzeros", "scales"):
+        assert torch.equal(getattr(a, k), ours[f"m.{k}"]), k
+    qcfg = quantization_config("compressed-tensors", method="rtn", group_size=32, sym=sym)
+    state = {"weight": lin.weight.data, "weight_scale": qt.scales}
+    if not sym:
+        state["weight_zero_point"] = (qt.zeros - 8).to(torch.int8)
+    theirs = PackedQuantizationCompressor.compress(state, QuantizationScheme.model_validate(
+        qcfg["config_groups"]["group_0"]))
+    ours = pack_linear("m", qt, "compressed-tensors")
+    assert set(theirs) == {k[2:] for k in ours}
+    for k, v in theirs.items():
+        assert torch.equal(v, ours[f"m.{k}"]), k
+
+
 def test_peer_packers_read_by_our_unpackers():
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
     from gptqmodel.quantization.awq.utils.packing_utils import pack_awq
