@@ -70,7 +70,8 @@ def _attend(q, acc, m_i, l_i, q_pos, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, j_
     return acc, m_i, l_i
 
 
-@triton.jit
+# runtime sizes that change from step to step are not specialized (no recompiles mid-run)
+@triton.jit(do_not_specialize=["stride_bt", "window", "num_splits"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, qsl_ptr, o_ptr, part_ptr, ml_ptr,
                    stride_qn, stride_qh, stride_bt, stride_on, stride_oh, k_scale, v_scale, qk_scale, window,
                    num_splits, G: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
@@ -118,7 +119,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, qsl_pt
                  o.to(o_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(part_ptr, ml_ptr, qsl_ptr, o_ptr, stride_on, stride_oh, num_splits,
                   HQ: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
     """Combine the context splits of one (sequence, query head) by their softmax masses."""
@@ -139,7 +140,7 @@ def _merge_kernel(part_ptr, ml_ptr, qsl_ptr, o_ptr, stride_on, stride_oh, num_sp
     tl.store(o_ptr + row * stride_on + hq * stride_oh + offs_d, o.to(o_ptr.dtype.element_ty), mask=offs_d < D)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt", "window", "num_seqs"])
 def _varlen_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, qsl_ptr, o_ptr,
                    stride_qn, stride_qh, stride_bt, stride_on, stride_oh, k_scale, v_scale, qk_scale, window,
                    num_seqs, G: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,

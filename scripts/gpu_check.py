@@ -1,0 +1,227 @@
+"""One-call GPU check of the Triton kernels, for a session with a lent GPU (under 5 minutes).
+
+  1. every Triton kernel against the PyTorch reference on CUDA (max abs error, with a tolerance);
+  2. paged decode attention timed against its memory traffic: GB/s of K/V read, against a measured
+     device-to-device copy, and against the reference path on the same batch;
+  3. the W4A16 dequantize-GEMM (llmopt.kernels.w4a16, if present) against a dense fp16 matmul;
+  4. engine tokens/s on SmolLM2-135M (random weights of its shape when the checkpoint is not on the
+     machine) against transformers, if llmopt.engine is present.
+A section that fails becomes an ERROR row; the short table is printed last; the exit code is 0 only
+if nothing failed. Without CUDA it exits at once with code 2.
+
+    python scripts/gpu_check.py            # (on the device machine: python3 scripts/gpu_check.py)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from gpu_check_engine import bench_engine  # noqa: E402  (scripts/gpu_check_engine.py)
+
+
+class Table:
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, str, str, str]] = []
+        self.failed = False
+
+    def add(self, section: str, item: str, value: str, ok: bool | None = None) -> None:
+        status = "" if ok is None else ("ok" if ok else "FAIL")
+        self.failed |= ok is False
+        self.rows.append((section, item, value, status))
+        print(f"[{section}] {item}: {value} {status}", flush=True)
+
+    def print(self) -> None:
+        widths = [max(len(r[i]) for r in self.rows + [("section", "item", "value", "")]) for i in range(4)]
+        line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+        print("\n" + line(("section", "item", "value", "")))
+        print("-" * (sum(widths) + 6))
+        for r in self.rows:
+            print(line(r))
+
+
+def timed(fn, dev, iters: int = 20, warmup: int = 3) -> float:
+    """Median seconds of fn() (CUDA events on a GPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if dev.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+# -- 1. correctness --------------------------------------------------------------------------------
+ATTN_CASES = [  # label, specs, hq, hkv, d, block, kv_dtype, dtype, window, knobs
+    ("varlen fp32 G=4", "mixed", 32, 8, 128, 16, "auto", torch.float32, None, {}),
+    ("varlen bf16 G=3 d64", "mixed", 9, 3, 64, 16, "auto", torch.bfloat16, None, {}),
+    ("varlen bf16 fp8 window", "mixed", 32, 8, 128, 16, "fp8", torch.bfloat16, 64, {}),
+    ("varlen fp16 fp8_e5m2 blk1", "mixed", 8, 8, 128, 1, "fp8_e5m2", torch.float16, None, {}),
+    ("varlen bf16 int8", "mixed", 32, 8, 128, 16, "int8", torch.bfloat16, None, {}),
+    ("decode fp32 G=4 auto-split", "decode", 32, 8, 128, 16, "auto", torch.float32, None, {}),
+    ("decode bf16 G=3 no split", "decode", 9, 3, 64, 16, "auto", torch.bfloat16, None, {"num_splits": 1}),
+    ("decode bf16 fp8 split4 win", "decode", 32, 8, 128, 16, "fp8", torch.bfloat16, 100, {"num_splits": 4}),
+    ("decode bf16 int8 blk1", "decode", 16, 2, 128, 1, "int8", torch.bfloat16, None, {}),
+    ("decode fp16 fp8_e5m2 G=8", "decode", 64, 8, 128, 16, "fp8_e5m2", torch.float16, None, {}),
+]
+SPECS = {"mixed": [(1, 1), (17, 1), (100, 37), (128, 128), (300, 300), (513, 64), (1000, 1), (64, 5)],
+         "decode": [(1, 1), (16, 1), (17, 1), (255, 1), (1000, 1), (2047, 1), (4000, 1), (33, 1)]}
+
+
+def check_kernels(table: Table, dev) -> None:
+    from llmopt.kernels import reference as ref, triton_attention, triton_kv, triton_norm
+    from llmopt.kernels.random_batch import empty_cache, make_batch, run_paged
+    sec = "correctness"
+    for label, specs, hq, hkv, d, bs, kvd, dt, window, knobs in ATTN_CASES:
+        kw = dict(kv_dtype=kvd, dtype=dt, device=dev, seed=len(label), k_scale=0.5, v_scale=0.5)
+        b = make_batch(SPECS[specs], hq, hkv, d, bs, garbage="nan", **kw)
+        got = run_paged(lambda *a: triton_attention.paged_attention(*a, **knobs), b, d ** -0.5, window)
+        want = run_paged(ref.paged_attention, make_batch(SPECS[specs], hq, hkv, d, bs, garbage="big", **kw),
+                         d ** -0.5, window)
+        err = (got.float() - want.float()).abs().max().item()
+        tol = 1e-4 if dt == torch.float32 else 3e-2
+        table.add(sec, f"attention {label}", f"max err {err:.2e} (tol {tol:.0e})", err <= tol)
+    for kvd in ("auto", "fp8", "fp8_e5m2", "int8"):
+        a = empty_cache(64, 16, 8, 128, kvd, torch.bfloat16, dev)
+        c = tuple(None if x is None else x.clone() for x in a)
+        k = torch.randn(300, 8, 128, device=dev, dtype=torch.bfloat16) * 4
+        v = torch.randn(300, 8, 128, device=dev, dtype=torch.bfloat16)
+        slots = torch.randperm(64 * 16, device=dev)[:300]
+        slots[7] = -1
+        ref.write_kv(a[0], a[1], k, v, slots, kvd, 0.5, 0.25, a[2], a[3])
+        triton_kv.write_kv(c[0], c[1], k, v, slots, kvd, 0.5, 0.25, c[2], c[3])
+        same = all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, c) if x is not None)
+        table.add(sec, f"write_kv {kvd}", "bytes identical" if same else "bytes differ", same)
+    for dt in (torch.float32, torch.bfloat16):
+        x, r = (torch.randn(257, 4096, device=dev, dtype=dt) for _ in range(2))
+        w = torch.randn(4096, device=dev, dtype=dt)
+        (y1, r1), (y2, r2) = triton_norm.rms_norm(x, w, 1e-5, r), ref.rms_norm(x, w, 1e-5, r)
+        err = max((a_.float() - b_.float()).abs().max().item() / b_.float().abs().max().item()
+                  for a_, b_ in ((y1, y2), (r1, r2)))
+        tol = 1e-5 if dt == torch.float32 else 2 ** -7
+        table.add(sec, f"rms_norm+residual {str(dt)[6:]}", f"max rel err {err:.2e}", err <= tol)
+        q, k = torch.randn(300, 32, 128, device=dev, dtype=dt), torch.randn(300, 8, 128, device=dev, dtype=dt)
+        th = torch.rand(300, 64, device=dev) * 100
+        cos, sin = (torch.cat([f(th)] * 2, -1).to(dt) for f in (torch.cos, torch.sin))
+        err = max((a_.float() - b_.float()).abs().max().item()
+                  for a_, b_ in zip(triton_norm.rotary(q, k, cos, sin), ref.rotary(q, k, cos, sin)))
+        tol = 1e-5 if dt == torch.float32 else 6e-2  # |x| < 5: bf16 rounds each product in the reference
+        table.add(sec, f"rotary {str(dt)[6:]}", f"max err {err:.2e}", err <= tol)
+
+
+# -- 2. decode bandwidth ---------------------------------------------------------------------------
+DECODE_BENCH = [  # label, seqs, context, hq, hkv, d, kv_dtype
+    ("8B-like bf16 32x4096", 32, 4096, 32, 8, 128, "auto"),
+    ("8B-like fp8 32x4096", 32, 4096, 32, 8, 128, "fp8"),
+    ("SmolLM2 bf16 256x1024", 256, 1024, 9, 3, 64, "auto"),
+    ("8B-like bf16 4x32768 (splits)", 4, 32768, 32, 8, 128, "auto"),
+]
+
+
+def copy_bandwidth(dev, nbytes: int = 1 << 30) -> float:
+    x = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    y = torch.empty_like(x)
+    return 2 * nbytes / timed(lambda: y.copy_(x), dev)
+
+
+def bench_decode(table: Table, dev, page: int = 16) -> None:
+    from llmopt.kernels import reference as ref, triton_attention
+    from llmopt.kernels.reference import kv_cache_torch_dtype
+    sec = "decode GB/s"
+    copy = copy_bandwidth(dev)
+    table.add(sec, "device-to-device copy", f"{copy / 1e9:.0f} GB/s (read + write)")
+    for label, s, ctx, hq, hkv, d, kvd in DECODE_BENCH:
+        g = torch.Generator(device=dev).manual_seed(0)
+        lens = ctx - torch.randint(0, page, (s,), device=dev, generator=g)
+        nblk = -(-ctx // page)
+        cdt = kv_cache_torch_dtype(kvd, torch.bfloat16)
+        kc, vc = (torch.randn(s * nblk, page, hkv, d, device=dev, generator=g).to(cdt) for _ in range(2))
+        tables = torch.randperm(s * nblk, device=dev, generator=g).view(s, nblk).to(torch.int32)
+        q = torch.randn(s, hq, d, device=dev, dtype=torch.bfloat16, generator=g)
+        qsl = torch.arange(s + 1, device=dev, dtype=torch.int32)
+        lens = lens.to(torch.int32)
+        args = (q, kc, vc, tables, lens, qsl, d ** -0.5, None, kvd, 1.0, 1.0)
+        t = timed(lambda: triton_attention.paged_attention(*args), dev)
+        nbytes = int(lens.sum().item()) * hkv * d * kc.element_size() * 2
+        t_ref = timed(lambda: ref.paged_attention(*args), dev, iters=3, warmup=1)
+        table.add(sec, f"paged decode {label}", f"{t * 1e3:.3f} ms, {nbytes / t / 1e9:.0f} GB/s = "
+                  f"{100 * nbytes / t / copy:.0f}% of copy; {t_ref / t:.1f}x the torch reference")
+        del kc, vc
+
+
+# -- 3. W4A16 --------------------------------------------------------------------------------------
+W4A16_SHAPE = (4096, 14336, 128)  # K, N, group: a Llama-3-8B MLP projection
+W4A16_ROWS = (1, 16, 512)
+
+
+def bench_w4a16(table: Table, dev) -> None:
+    sec = "w4a16"
+    if importlib.util.find_spec("llmopt.kernels.w4a16") is None:
+        table.add(sec, "skipped", "llmopt.kernels.w4a16 is absent")
+        return
+    from llmopt.kernels.w4a16 import w4a16_matmul, w4a16_reference
+    K, N, gs = W4A16_SHAPE
+    g = torch.Generator(device=dev).manual_seed(0)
+    qweight = torch.randint(-2 ** 31, 2 ** 31 - 1, (K // 8, N), device=dev, dtype=torch.int32, generator=g)
+    scales = (torch.rand(K // gs, N, device=dev, generator=g) * 0.01 + 0.001).half()
+    zeros = torch.full((K // gs, N), 8.0, device=dev, dtype=torch.float16)
+    dense = w4a16_reference(torch.eye(K, device=dev, dtype=torch.float16), qweight, scales, zeros, gs)  # [K, N]
+    wbytes = qweight.numel() * 4 + scales.numel() * 2 * 2
+    for m in W4A16_ROWS:
+        x = torch.randn(m, K, device=dev, dtype=torch.float16, generator=g)
+        y = w4a16_matmul(x, qweight, scales, zeros, gs)
+        want = w4a16_reference(x, qweight, scales, zeros, gs).float()
+        err = ((y.float() - want).abs().max() / want.abs().max()).item()
+        t = timed(lambda: w4a16_matmul(x, qweight, scales, zeros, gs), dev)
+        t_fp16 = timed(lambda: x @ dense, dev)
+        table.add(sec, f"{m}x{K}x{N} g{gs}", f"{t * 1e6:.0f} us ({wbytes / t / 1e9:.0f} GB/s of weights), "
+                  f"fp16 matmul {t_fp16 * 1e6:.0f} us ({t_fp16 / t:.2f}x); rel err {err:.1e}", err < 1e-2)
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA GPU is visible (torch.cuda.is_available() is False); run it on a machine with "
+              "an NVIDIA GPU", file=sys.stderr)
+        return 2
+    if importlib.util.find_spec("triton") is None:
+        print("gpu_check: the triton package is not installed", file=sys.stderr)
+        return 2
+    import triton
+    dev = torch.device("cuda")
+    table = Table()
+    table.add("setup", "device", f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}, "
+              f"triton {triton.__version__}")
+    start = time.time()
+    for section in (check_kernels, bench_decode, bench_w4a16, bench_engine):
+        t = time.time()
+        try:
+            section(table, dev)
+        except Exception as e:  # one broken section must not hide the others
+            traceback.print_exc()
+            table.add(section.__name__, "ERROR", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                      False)
+        torch.cuda.empty_cache()
+        print(f"({section.__name__}: {time.time() - t:.0f} s)", flush=True)
+    table.add("setup", "total time", f"{time.time() - start:.0f} s")
+    table.print()
+    return 1 if table.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
