@@ -50,6 +50,16 @@ def test_half_inputs_and_per_channel_groups():
         torch.testing.assert_close(y.double(), want, rtol=2e-3, atol=2e-2)
 
 
+@pytest.mark.parametrize("gemv", [True, False])
+def test_groups_that_straddle_tiles(gemv):
+    """group_size 48 is not a multiple of any tile: each row of a tile looks up its own group."""
+    K, N = 96, 32
+    codes, q, s, z = make(K, N, 48, seed=11)
+    x = torch.randn(2, K, generator=torch.Generator().manual_seed(4))
+    want = x.double() @ dense(codes, s, z, 48)
+    torch.testing.assert_close(w4a16_matmul(x, q, s, z, 48, gemv=gemv).double(), want, rtol=1e-5, atol=1e-4)
+
+
 def test_eight_bit_weights():
     K, N = 64, 48
     codes, q, s, z = make(K, N, 32, bits=8, seed=3)

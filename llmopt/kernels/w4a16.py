@@ -23,17 +23,22 @@ GEMV_MAX_ROWS = 4
 
 
 @triton.jit
-def _dequant_tile(q_ptr, s_ptr, z_ptr, offs_k, offs_n, K, N, group_size, stride_qk, stride_sg,
-                  BITS: tl.constexpr):
-    """Codes of rows offs_k and columns offs_n, dequantized to fp32 [BLOCK_K, BLOCK_N]."""
+def _dequant_tile(q_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, K, N, group_size, stride_qk, stride_sg,
+                  BITS: tl.constexpr, ALIGNED: tl.constexpr):
+    """Codes of rows offs_k and columns offs_n, dequantized to fp32 [BLOCK_K, BLOCK_N]. ALIGNED: the
+    tile lies inside one group (group_size % BLOCK_K == 0), so one row of scales and zeros serves it."""
     PER: tl.constexpr = 32 // BITS
     mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
     words = tl.load(q_ptr + (offs_k[:, None] // PER) * stride_qk + offs_n[None, :], mask=mask, other=0)
     codes = (words >> ((offs_k[:, None] % PER) * BITS)) & ((1 << BITS) - 1)
-    g = offs_k // group_size
-    sz_off = g[:, None] * stride_sg + offs_n[None, :]
-    s = tl.load(s_ptr + sz_off, mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + sz_off, mask=mask, other=0.0).to(tl.float32)
+    if ALIGNED:
+        sz_off = (k0 // group_size) * stride_sg + offs_n[None, :]
+        sz_mask = offs_n[None, :] < N
+    else:
+        sz_off = (offs_k[:, None] // group_size) * stride_sg + offs_n[None, :]
+        sz_mask = mask
+    s = tl.load(s_ptr + sz_off, mask=sz_mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + sz_off, mask=sz_mask, other=0.0).to(tl.float32)
     return (codes.to(tl.float32) - z) * s
 
 
@@ -41,7 +46,7 @@ def _dequant_tile(q_ptr, s_ptr, z_ptr, offs_k, offs_n, K, N, group_size, stride_
 def _gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, group_size,
                  stride_xm, stride_qk, stride_sg, stride_ys, stride_ym,
                  BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT_K: tl.constexpr):
+                 SPLIT_K: tl.constexpr, ALIGNED: tl.constexpr):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -50,7 +55,8 @@ def _gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, group_size,
         offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
-        w = _dequant_tile(q_ptr, s_ptr, z_ptr, offs_k, offs_n, K, N, group_size, stride_qk, stride_sg, BITS)
+        w = _dequant_tile(q_ptr, s_ptr, z_ptr, kt * BLOCK_K, offs_k, offs_n, K, N, group_size, stride_qk, stride_sg,
+                          BITS, ALIGNED)
         if x.dtype == tl.float32:
             acc += tl.dot(x, w, input_precision="ieee")
         else:
@@ -63,14 +69,15 @@ def _gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, group_size,
 def _gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, group_size,
                  stride_xm, stride_qk, stride_sg, stride_ys, stride_ym,
                  BITS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT_K: tl.constexpr):
+                 SPLIT_K: tl.constexpr, ALIGNED: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, ROWS)
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for kt in range(pid_k, tl.cdiv(K, BLOCK_K), SPLIT_K):
         offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
-        w = _dequant_tile(q_ptr, s_ptr, z_ptr, offs_k, offs_n, K, N, group_size, stride_qk, stride_sg, BITS)
+        w = _dequant_tile(q_ptr, s_ptr, z_ptr, kt * BLOCK_K, offs_k, offs_n, K, N, group_size, stride_qk, stride_sg,
+                          BITS, ALIGNED)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0).to(tl.float32)
         acc += tl.sum(x[:, :, None] * w[None, :, :], axis=1)
@@ -103,6 +110,9 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         block_m = 16 if M <= 16 else (32 if M <= 32 else 64)
         block_n, block_k = 64, 32
         tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    if group_size % block_k and group_size < block_k and group_size >= 16 and group_size & (group_size - 1) == 0:
+        block_k = group_size            # tiles inside one group: one row of scales per tile
+    aligned = group_size % block_k == 0
     k_tiles = triton.cdiv(K, block_k)
     split_k = max(1, min(k_tiles, (2 * sms) // max(tiles, 1), 16))
     out = torch.empty((split_k, M, N), device=x.device, dtype=torch.float32)
@@ -110,10 +120,11 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
             out.stride(0), out.stride(1))
     if use_gemv:
         _gemv_kernel[(triton.cdiv(N, block_n), split_k)](*args, BITS=bits, ROWS=rows, BLOCK_N=block_n,
-                                                         BLOCK_K=block_k, SPLIT_K=split_k)
+                                                         BLOCK_K=block_k, SPLIT_K=split_k, ALIGNED=aligned)
     else:
         grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), split_k)
-        _gemm_kernel[grid](*args, BITS=bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k)
+        _gemm_kernel[grid](*args, BITS=bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+                           ALIGNED=aligned)
     y = out[0] if split_k == 1 else out.sum(0)
     return y.to(x.dtype)
 
