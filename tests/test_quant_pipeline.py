@@ -162,3 +162,21 @@ def test_peak_memory_does_not_grow_with_depth(tmp_path):
         assert len(list((tmp_path / f"q{layers}").glob("model-*.safetensors"))) == layers + 1
     print(peaks)
     assert peaks[16] < 1.5 * peaks[4], peaks
+
+
+def test_cli_recipe_with_flag_override_and_one_line_errors(tiny, tmp_path):
+    from typer.testing import CliRunner
+    from llmopt.cli.app import app
+    folder, calib = tiny
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"method: rtn\ngroup-size: 16\nformat: gptq\ncalib-data: {calib}\nseq-len: 32\n")
+    r = CliRunner().invoke(app, ["quantize", "--model", str(folder), "--recipe", str(recipe), "--group-size", "32",
+                                 "--output", str(tmp_path / "out"), "--json", "--quiet"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (d["method"], d["format"], d["group_size"], d["bits"]) == ("rtn", "gptq", 32, 4)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["group_size"] == 32
+    r = CliRunner().invoke(app, ["quantize", "--model", str(folder), "--method", "gptq", "--group-size", "48",
+                                 "--output", str(tmp_path / "bad"), "--quiet"])
+    assert r.exit_code == 2 and "--group-size 48 does not divide" in r.output
+    assert not (tmp_path / "bad").exists()
