@@ -186,3 +186,40 @@ def test_llm_generate_and_async_stream_agree(tiny):
     assert all(s0[k] == ref[0][:k + 1] for k in range(N_NEW))  # one more token per streamed output
     assert len(s2) == 2 and not s2[-1].finished and not llm.engine.has_unfinished_requests()
     check_no_leak(llm.engine)
+
+
+@pytest.mark.parametrize("kind", ["oracle", "wrong", "half"])
+def test_draft_tokens_are_verified_in_one_forward(tiny, kind):
+    """A drafter proposes k tokens; the engine verifies them in the same forward (several logits rows
+    per request). Right drafts save steps, wrong ones are rejected: the output never changes."""
+    path, loaded, prompts, ref = tiny
+    engine = LLMEngine(EngineArgs(model=str(path), detokenize=False, kv_cache_memory=1 << 22, block_size=4),
+                       loaded=loaded)
+    index = {f"p{i}": i for i in range(len(prompts))}
+
+    def drafter(reqs):
+        out = {}
+        for r in reqs:
+            want = ref[index[r.request_id]][r.num_output_tokens:r.num_output_tokens + 3]
+            if kind == "wrong":
+                want = [(t + 1) % 96 for t in want]
+            elif kind == "half":
+                want = want[:1] + [(t + 1) % 96 for t in want[1:]]
+            out[r.request_id] = want
+        return out
+
+    engine.drafter = drafter
+    steps = 0
+    ids = [engine.add_request(f"p{i}", p, GREEDY) for i, p in enumerate(prompts[:6])]
+    done = {}
+    while engine.has_unfinished_requests():
+        steps += 1
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert [done[i] for i in ids] == ref[:6]
+    if kind == "oracle":
+        assert steps <= 3  # prefill + 8 tokens at up to 4 per step
+    elif kind == "wrong":
+        assert steps == N_NEW
+    check_no_leak(engine)

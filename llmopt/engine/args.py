@@ -23,9 +23,9 @@ class EngineArgs:
     kv_cache_memory: int | None = None            # bytes; default: all of KV_CACHE_MEMORY_CPU on the CPU
     gpu_memory_utilization: float = defaults.GPU_MEMORY_UTILIZATION
     kv_cache_dtype: str = defaults.KV_CACHE_DTYPE
-    attention_backend: str = "auto"
+    attention_backend: str = defaults.ATTENTION_BACKEND
     seed: int = 0
-    scheduling_policy: str = "fcfs"               # or "priority" (lower value first)
+    scheduling_policy: str = defaults.SCHEDULING_POLICY  # or "priority" (lower value first)
     detokenize: bool = True
 
     def __post_init__(self) -> None:

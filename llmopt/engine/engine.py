@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -94,6 +95,10 @@ class LLMEngine:
         self._parents: dict[str, _Parent] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._counter = 0
+        # Speculative decoding hook: drafter(requests) -> {request_id: draft token ids}; the engine
+        # verifies all drafts of a request in the same forward (exact-match against the target's
+        # own samples, which keeps the target's distribution).
+        self.drafter: Callable[[list[Request]], dict[str, list[int]]] | None = None
         log.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB (%s)", info.num_blocks, info.block_size,
                  info.num_tokens, info.bytes_allocated / 2**20, info.kv_cache_dtype)
         log.info("Maximum concurrency for %d tokens per request: %.2fx", self.max_model_len,
@@ -161,8 +166,20 @@ class LLMEngine:
                            s.queries, s.hits, self.scheduler.num_preemptions)
 
     # -- the step ------------------------------------------------------------------------------------
+    def _propose_drafts(self) -> None:
+        """Ask the drafter for tokens to verify after each decoding request's last token."""
+        decoding = [r for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
+        if not decoding:
+            return
+        proposals = self.drafter(decoding) or {}
+        for req in decoding:
+            room = min(self.max_model_len - req.num_tokens, req.max_tokens - req.num_output_tokens) - 1
+            req.spec_token_ids = list(proposals.get(req.request_id, ()))[:max(room, 0)]
+
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample; outputs (cumulative) of the prompts that progressed."""
+        if self.drafter is not None:
+            self._propose_drafts()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if self.scheduler.has_unfinished() and not self.scheduler.running:
@@ -170,40 +187,57 @@ class LLMEngine:
             return []
         logits = self.runner.execute(sched)
         self.scheduler.update_after_step(sched)
-        reqs: list[Request] = []
+        # One group of rows per request that samples: its last position, or the positions of the
+        # last token and of k draft tokens being verified (then drafts[j] is checked against row j).
+        groups: list[tuple[Request, int, int, list[int]]] = []
         rows: list[int] = []
+        sampling: list[SamplingRow] = []
         off = 0
         for s in sched.scheduled:
-            if s.num_logits:
-                reqs.append(self.scheduler.requests[s.request_id])
-                rows.append(off + s.num_logits - 1)
-            off += s.num_logits
-        if not reqs:
+            m = s.num_logits
+            if m:
+                req = self.scheduler.requests[s.request_id]
+                groups.append((req, len(rows), m, s.token_ids[len(s.token_ids) - m + 1:]))
+                rows.extend(range(off, off + m))
+                sampling.extend([SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, req.generator,
+                                             req.blocked_token_ids)] * m)
+            off += m
+        if not groups:
             return []
-        sampling = [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator, r.blocked_token_ids)
-                    for r in reqs]
         picked = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows)]
         result = self.sampler(picked, sampling)
         touched: dict[str, _Parent] = {}
-        for i, req in enumerate(reqs):
-            tok = result.token_ids[i]
-            req.append_output_token(tok)
-            if req.logprobs is not None:
-                top = dict(zip(result.top_ids[i], result.top_logprobs[i])) if result.top_ids else {}
-                req.logprobs.append(TokenLogprobs(tok, result.logprobs[i], top))
-                req.cumulative_logprob += result.logprobs[i]
-            status = req.check_stop_token(tok)
-            detok = self._detok.get(req.request_id)
-            if detok is not None:
-                stop = detok.add([tok])
-                if stop is not None and status is None and req.num_output_tokens >= req.params.min_tokens:
-                    status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-            if status is not None:
-                self.scheduler.finish_request(req, status)
+        for req, first, m, drafts in groups:
+            for j in range(m):
+                tok = result.token_ids[first + j]
+                finished = self._append(req, tok, result, first + j)
+                if finished or j == m - 1 or tok != drafts[j]:
+                    break  # a rejected draft: the target's own token replaces it
+            if not req.is_finished:
+                req.num_computed_tokens = req.num_tokens - 1  # K/V valid for all but the newest token
+                req.spec_token_ids = []
             parent = self._parents.get(req.parent_id)
             if parent is not None:
                 touched[parent.request_id] = parent
         return [self._output(p) for p in touched.values()]
+
+    def _append(self, req: Request, tok: int, result, row: int) -> bool:
+        """Add one sampled token to a request; finish it on a stop condition. Returns finished."""
+        req.append_output_token(tok)
+        if req.logprobs is not None:
+            top = dict(zip(result.top_ids[row], result.top_logprobs[row])) if result.top_ids else {}
+            req.logprobs.append(TokenLogprobs(tok, result.logprobs[row], top))
+            req.cumulative_logprob += result.logprobs[row]
+        status = req.check_stop_token(tok)
+        detok = self._detok.get(req.request_id)
+        if detok is not None:
+            stop = detok.add([tok])
+            if stop is not None and status is None and req.num_output_tokens >= req.params.min_tokens:
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+        if status is not None:
+            self.scheduler.finish_request(req, status)
+            return True
+        return False
 
     def _output(self, parent: _Parent) -> RequestOutput:
         outs = []

@@ -1,0 +1,84 @@
+"""The engine on SmolLM2-135M (the default model) against transformers' greedy generate, one prompt
+at a time, with EOS stops; detokenized text, stop strings and the chat template; and
+`llmopt generate` end to end on a tiny random model that borrows SmolLM2's tokenizer."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from engine_util import hf_greedy, save_tiny_llama
+from llmopt.cli.app import app
+from llmopt.engine.llm import LLM
+from llmopt.engine.sampling_params import SamplingParams
+from llmopt.models.loader import load_model, resolve_checkpoint
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):",
+           "Once upon a time, in a land far away, there lived a young girl who loved to read books about "
+           "dragons, knights and faraway kingdoms. One day she found",
+           "1, 2, 3, 4,"]
+
+
+@pytest.fixture(scope="module")
+def smol():
+    loaded = load_model(None, "float32", "cpu")
+    llm = LLM(loaded=loaded, kv_cache_memory=64 << 20, max_model_len=1024, block_size=16)
+    return loaded, llm
+
+
+def test_greedy_matches_transformers_on_smollm2(smol):
+    loaded, llm = smol
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=torch.float32).eval()
+    ids = [loaded.tokenizer(p).input_ids for p in PROMPTS]
+    ref = hf_greedy(hf, ids, 8, stop_at_eos=True)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8))
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    for o in outs:
+        c = o.outputs[0]
+        assert c.text == loaded.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.pool.num_blocks
+
+
+def test_stop_string_and_chat(smol):
+    loaded, llm = smol
+    full = llm.generate(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=12))[0].outputs[0]
+    words = full.text.split()
+    stop = words[len(words) // 2]
+    cut = llm.generate(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=12, stop=[stop]))[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == full.text[:full.text.index(stop)]
+    answer = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                      SamplingParams(temperature=0.0, max_tokens=40))[0].outputs[0]
+    assert "Paris" in answer.text and answer.finish_reason == "stop"
+
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(tmp_path_factory):
+    path = save_tiny_llama(tmp_path_factory.mktemp("tiny_tok") / "m", vocab_size=49152)
+    src = resolve_checkpoint(None)
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(f, path / f.name)
+    return path
+
+
+def test_generate_cli_json_lines_and_stdin(tiny_with_tokenizer):
+    runner = CliRunner()
+    base = ["generate", "--model", str(tiny_with_tokenizer), "--max-tokens", "5", "--ignore-eos", "--quiet",
+            "--kv-cache-memory", "4M", "--max-model-len", "256", "--block-size", "4"]
+    r = runner.invoke(app, base + ["--json", "Hello there", "How are you?"])
+    assert r.exit_code == 0, r.output
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [row["prompt"] for row in rows] == ["Hello there", "How are you?"]
+    assert all(row["num_output_tokens"] == 5 and row["finish_reason"] == "length" for row in rows)
+    llm = LLM(str(tiny_with_tokenizer), kv_cache_memory=4 << 20, max_model_len=256)
+    want = llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    assert rows[0]["token_ids"] == want.outputs[0].token_ids
+    r = runner.invoke(app, base + ["--no-enable-prefix-caching"], input="Hello there\n\nHow are you?\n")
+    assert r.exit_code == 0, r.output
+    assert r.stdout == "".join(row["text"] + "\n" for row in rows)
+    r = runner.invoke(app, base + ["--kv-cache-memory", "lots", "x"])
+    assert r.exit_code == 2 and "not a size" in r.output
