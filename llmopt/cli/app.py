@@ -31,6 +31,7 @@ def _root(
 # (one import line per subcommand module, below)
 from llmopt.cli import kv_estimate  # noqa: E402,F401
 from llmopt.cli import eval_ppl  # noqa: E402,F401
+from llmopt.cli import generate  # noqa: E402,F401
 from llmopt.cli import quantize  # noqa: E402,F401
 
 
