@@ -115,6 +115,27 @@ def test_seeded_sampling_is_reproducible_and_n_shares_the_prompt(tiny):
     check_no_leak(engine)
 
 
+def test_n_samples_share_prompt_blocks_without_prefix_caching(tiny):
+    path, loaded, prompts, ref = tiny
+    engine = LLMEngine(EngineArgs(model=str(path), detokenize=False, kv_cache_memory=1 << 22, block_size=4,
+                                  enable_prefix_caching=False), loaded=loaded)
+    prompt = prompts[1]
+    engine.add_request("multi", prompt, SamplingParams(n=3, temperature=0.0, max_tokens=N_NEW, ignore_eos=True))
+    engine.add_request("other", prompt, GREEDY)  # same tokens, not a sibling: no sharing with caching off
+    engine.step()
+    tables = [engine.kv.get_block_ids(f"multi#{i}") for i in range(3)]
+    full = (len(prompt) - 1) // 4
+    assert full >= 2 and tables[0][:full] == tables[1][:full] == tables[2][:full]
+    assert not set(engine.kv.get_block_ids("other")) & set(tables[0])
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out
+    assert [c.token_ids for c in done["multi"].outputs] == [ref[1]] * 3 and done["other"].outputs[0].token_ids == ref[1]
+    assert engine.stats().prefix_cache_hits == 0
+    check_no_leak(engine)
+
+
 def test_stop_token_ids_min_tokens_and_max_tokens(tiny):
     path, loaded, prompts, ref = tiny
     engine = LLMEngine(EngineArgs(model=str(path), detokenize=False, kv_cache_memory=1 << 22), loaded=loaded)

@@ -23,10 +23,12 @@ BlockHash = bytes
 NONE_HASH: BlockHash = b""
 
 
-def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """Chained hash of one full block: (parent hash, token ids)."""
+def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], salt: str | None = None) -> BlockHash:
+    """Chained hash of one full block: (parent hash, token ids[, salt])."""
     h = hashlib.sha256(parent or NONE_HASH)
     h.update(array("q", token_ids).tobytes())
+    if salt:
+        h.update(salt.encode())
     return h.digest()
 
 

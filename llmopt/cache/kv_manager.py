@@ -1,8 +1,10 @@
 """What the scheduler sees of the KV cache: per-request block lists, prefix-cache lookups, slot
 allocation for a step's new tokens, and freeing.
 
-A request only needs `request_id`, `all_token_ids` (prompt + outputs so far) and
-`num_computed_tokens` (tokens whose K/V are in its blocks). Full blocks are registered in the prefix
+A request only needs `request_id`, `all_token_ids` (prompt + outputs so far),
+`num_computed_tokens` (tokens whose K/V are in its blocks) and `cache_salt`: requests with a salt
+(the n samples of one prompt) share blocks among themselves even when prefix caching is off, since
+their hashes start from the salt and match no one else's. Full blocks are registered in the prefix
 cache as soon as slots for them are allocated: within a step every layer writes the K/V of all
 tokens before any attention reads them, so a request scheduled later in the same step may already
 share them.
@@ -12,12 +14,13 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-from llmopt.cache.block_pool import BlockHash, BlockPool, KVBlock, hash_request_blocks
+from llmopt.cache.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens, hash_request_blocks
 
 
 class CacheRequest(Protocol):
     request_id: str
     num_computed_tokens: int
+    cache_salt: str | None
 
     @property
     def all_token_ids(self) -> Sequence[int]: ...
@@ -31,7 +34,7 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.pool = BlockPool(num_blocks)  # caching decided here, per request
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_registered: dict[str, int] = {}  # leading blocks of a request offered to the cache
@@ -44,12 +47,15 @@ class KVCacheManager:
     def stats(self):
         return self.pool.stats
 
+    def _caches(self, req: CacheRequest) -> bool:
+        return self.enable_prefix_caching or bool(getattr(req, "cache_salt", None))
+
     def block_hashes(self, req: CacheRequest) -> list[BlockHash]:
         """Chained hashes of the request's full blocks, extended as its tokens grow."""
         hashes = self._hashes.setdefault(req.request_id, [])
         tokens = req.all_token_ids
         if len(tokens) // self.block_size > len(hashes):
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else (hash_block_tokens(None, [], req.cache_salt) if req.cache_salt else None)
             hashes.extend(hash_request_blocks(tokens, self.block_size, len(hashes), parent))
         return hashes
 
@@ -57,7 +63,7 @@ class KVCacheManager:
         """Longest cached prefix of a request not yet started: (blocks, number of tokens they hold).
         At least one token is always left to compute, so the step produces logits. The caller
         records the lookup with `record_lookup` once the request is really scheduled."""
-        if not self.enable_prefix_caching:
+        if not self._caches(req):
             return [], 0
         n_tokens = len(req.all_token_ids)
         max_blocks = (n_tokens - 1) // self.block_size
@@ -90,7 +96,7 @@ class KVCacheManager:
             blocks.extend(new_computed_blocks)
         if need:
             blocks.extend(self.pool.get_new_blocks(need))
-        if self.enable_prefix_caching:
+        if self._caches(req):
             n_full = min(num_computed + num_new_tokens, len(req.all_token_ids)) // self.block_size
             start = self._num_registered.get(req.request_id, 0)
             if n_full > start:

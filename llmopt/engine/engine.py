@@ -136,6 +136,8 @@ class LLMEngine:
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             children.append(Request(rid, ids, p, self.eos_token_ids, self.max_model_len, text, priority,
                                     arrival_time, parent_id=request_id, index=i))
+            if params.n > 1 and not self.args.enable_prefix_caching:  # share the prompt among siblings only
+                children[-1].cache_salt = f"n:{request_id}"
         self._parents[request_id] = _Parent(request_id, text, ids, children)
         for req in children:
             if self.args.detokenize and self.tokenizer is not None:

@@ -55,6 +55,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1              # prefix-cache hit at first schedule (-1: not yet)
         self.num_preemptions = 0
+        self.cache_salt: str | None = None       # set on the n samples of one prompt: they share blocks
         limit = params.max_tokens if params.max_tokens is not None else (max_model_len or 1 << 30) - len(prompt_token_ids)
         if max_model_len is not None:
             limit = min(limit, max_model_len - len(prompt_token_ids))
