@@ -19,8 +19,8 @@ from llmopt.kernels import triton_attention_kernels as K
 from llmopt.kernels import triton_kv, triton_norm
 
 FLOAT_SCALARS = {"k_scale", "v_scale", "qk_scale", "eps"}
-QUICK = {"decode fp32 kv_mode=0 split=False", "decode bf16 kv_mode=3 split=True", "varlen fp32 kv_mode=0",
-         "varlen bf16 kv_mode=1", "merge", "write_kv u8", "write_kv i8", "rms_norm bf16 residual=True", "rotary bf16"}
+QUICK = {"decode bf16 kv_mode=3 split=True", "varlen fp32 kv_mode=0", "varlen bf16 kv_mode=1", "merge", "write_kv u8",
+         "rms_norm bf16 residual=True", "rotary bf16"}
 
 
 def _signature(kernel, ptr_types: dict, constexprs: dict) -> dict:
