@@ -22,6 +22,13 @@ import triton.language as tl
 GEMV_MAX_ROWS = 4
 
 
+# Only builtins inside the kernels (no tl.sum / tl.cdiv / tl.zeros, which are jit functions of triton's
+# standard library): the interpreter cannot call those when triton was imported before
+# TRITON_INTERPRET=1 was set, as happens when another package imports it first. A reduce with the
+# standard sum combiner is what tl.sum does, and the interpreter runs it as numpy's sum.
+_SUM = tl.standard._sum_combine
+
+
 @triton.jit
 def _dequant_tile(q_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, K, N, group_size, stride_qk, stride_sg,
                   BITS: tl.constexpr, ALIGNED: tl.constexpr):
@@ -50,8 +57,8 @@ def _gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, group_size,
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kt in range(pid_k, tl.cdiv(K, BLOCK_K), SPLIT_K):
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    for kt in range(pid_k, (K + BLOCK_K - 1) // BLOCK_K, SPLIT_K):
         offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
@@ -73,14 +80,14 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, group_size,
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, ROWS)
-    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    for kt in range(pid_k, tl.cdiv(K, BLOCK_K), SPLIT_K):
+    acc = tl.full((ROWS, BLOCK_N), 0.0, tl.float32)
+    for kt in range(pid_k, (K + BLOCK_K - 1) // BLOCK_K, SPLIT_K):
         offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
         w = _dequant_tile(q_ptr, s_ptr, z_ptr, kt * BLOCK_K, offs_k, offs_n, K, N, group_size, stride_qk, stride_sg,
                           BITS, ALIGNED)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0).to(tl.float32)
-        acc += tl.sum(x[:, :, None] * w[None, :, :], axis=1)
+        acc += tl.reduce(x[:, :, None] * w[None, :, :], 1, _SUM)
     y = y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
