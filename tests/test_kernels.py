@@ -123,6 +123,29 @@ def test_dispatch_to_triton(monkeypatch):
         kernels.set_backend("auto")
 
 
+def test_model_forward_through_fused_kernels(tmp_path):
+    """The model's RMSNorm and RoPE take the Triton path when the backend is triton: same hidden states."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from llmopt.models.attention import DenseCausalAttention
+    from llmopt.models.loader import load_model
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
+                      num_key_value_heads=2, max_position_embeddings=64)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    model = load_model(str(tmp_path), "float32", "cpu", tokenizer=False).model
+    ids = torch.randint(0, 128, (2, 7))
+    pos = torch.arange(7)
+    with torch.no_grad():
+        want = model(ids, pos, DenseCausalAttention())
+        kernels.set_backend("triton")
+        try:
+            got = model(ids, pos, DenseCausalAttention())
+        finally:
+            kernels.set_backend("auto")
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")

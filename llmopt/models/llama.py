@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from llmopt import kernels
 from llmopt.models.config import ModelConfig
 
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, "int | None"], torch.Tensor]
@@ -27,6 +28,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fused(x):
+            return kernels.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -58,6 +61,12 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.d
     freqs = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _fused(x: torch.Tensor) -> bool:
+    """Use llmopt.kernels' fused RMSNorm/rotary: on CUDA (Triton unless --attention-backend torch)
+    or when the triton backend is chosen explicitly; never where autograd needs the graph."""
+    return (x.is_cuda or kernels.get_backend() == "triton") and not (torch.is_grad_enabled() and x.requires_grad)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -92,7 +101,13 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if _fused(q):
+            d = self.head_dim
+            cs = [torch.broadcast_to(t, (*lead, d)).reshape(-1, d) for t in (cos, sin)]
+            q, k = kernels.rotary(q.reshape(-1, self.num_heads, d), k.reshape(-1, self.num_kv_heads, d), *cs)
+            q, k = q.view(*lead, self.num_heads, d), k.view(*lead, self.num_kv_heads, d)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = attn(self.layer_idx, q, k, v, self.window)
         return self.o_proj(o.reshape(*lead, self.num_heads * self.head_dim))
 
