@@ -174,3 +174,46 @@ def test_configs_match_the_peer_tools():
     assert c["format"] == grp["format"] == "float-quantized" and c["ignore"] == ["lm_head"]
     assert grp["input_activations"]["strategy"] == "token" and grp["input_activations"]["dynamic"] is True
     assert c["quant_method"] == "compressed-tensors" and grp["targets"] == ["Linear"]
+
+
+def _meta_model(tie=False):
+    from llmopt.models.config import ModelConfig
+    from llmopt.models.llama import LlamaForCausalLM
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=tie)
+    with torch.device("meta"):
+        return LlamaForCausalLM(cfg)
+
+
+def test_convert_for_runtime_targets():
+    from llmopt.errors import ModelLoadError
+    from llmopt.quant.modules import AWQLinear, CTPackedLinear, GPTQLinear
+    from llmopt.quant.modules_w8a8 import W8Linear
+    from llmopt.quant.runtime import convert_for_runtime
+    kinds = lambda m: {n: type(x).__name__ for n, x in m.named_modules() if n.endswith(("proj", "lm_head"))}  # noqa
+    m = _meta_model()
+    assert convert_for_runtime(m, dict(quantization_config("awq", method="awq", group_size=32),
+                                       modules_to_not_convert=["mlp.down_proj"])) == 12
+    k = kinds(m)
+    assert k["model.layers.0.mlp.down_proj"] == "Linear" and k["lm_head"] == "Linear"
+    assert k["model.layers.1.self_attn.q_proj"] == AWQLinear.__name__
+    m = _meta_model()
+    g = dict(quantization_config("gptq", method="gptq", group_size=32), dynamic={
+        r"-:model\.layers\.1\..*": {}, r"+:.*v_proj": {"bits": 8}})
+    assert convert_for_runtime(m, g) == 7
+    assert isinstance(m.model.layers[0].self_attn.v_proj, GPTQLinear) and m.model.layers[0].self_attn.v_proj.bits == 8
+    assert m.model.layers[0].self_attn.q_proj.bits == 4 and type(m.model.layers[1].mlp.up_proj).__name__ == "Linear"
+    m = _meta_model()
+    c = quantization_config("compressed-tensors", method="int8", activations="dynamic")
+    c["ignore"] = ["lm_head", "re:.*mlp\\.gate_proj$"]
+    assert convert_for_runtime(m, c) == 12
+    assert isinstance(m.model.layers[0].mlp.up_proj, W8Linear) and type(m.model.layers[0].mlp.gate_proj).__name__ == "Linear"
+    m = _meta_model()
+    c = quantization_config("compressed-tensors", method="rtn", group_size=32)
+    c["config_groups"]["group_0"]["targets"] = ["re:.*self_attn\\..*"]
+    assert convert_for_runtime(m, c) == 8 and isinstance(m.model.layers[1].self_attn.o_proj, CTPackedLinear)
+    with pytest.raises(ModelLoadError, match="lm_head"):
+        convert_for_runtime(_meta_model(tie=True), dict(quantization_config("gptq", method="gptq", group_size=32),
+                                                         lm_head=True))
+    with pytest.raises(ModelLoadError, match="not supported"):
+        convert_for_runtime(_meta_model(), {"quant_method": "bitsandbytes"})

@@ -48,7 +48,10 @@ def _build(fmt: str, qcfg: dict, name: str, lin: nn.Linear):
     if fmt == "awq":
         if name == "lm_head" or any(s in name for s in (qcfg.get("modules_to_not_convert") or [])):
             return None
-        return AWQLinear(*dims, bits=int(qcfg.get("bits", 4)), group_size=int(qcfg["group_size"]))
+        bits, group_size = qcfg.get("bits", qcfg.get("w_bit", 4)), qcfg.get("group_size", qcfg.get("q_group_size"))
+        if group_size is None:
+            raise ModelLoadError("the awq quantization_config has no group_size")
+        return AWQLinear(*dims, bits=int(bits), group_size=int(group_size))
     if fmt == "gptq":
         args = gptq_args(qcfg, name)
         if args is None:

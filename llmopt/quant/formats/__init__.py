@@ -74,7 +74,8 @@ def unpack_linear(tensors: dict[str, torch.Tensor], qcfg: dict, group: dict | No
     compressed-tensors pass the module's config group (see runtime.ct_group_for)."""
     fmt = format_of(qcfg)
     if fmt == "awq":
-        return awq.unpack(tensors, int(qcfg["bits"]), int(qcfg["group_size"]), sym=False)
+        return awq.unpack(tensors, int(qcfg.get("bits", qcfg.get("w_bit", 4))),
+                          int(qcfg.get("group_size", qcfg.get("q_group_size"))), sym=False)
     if fmt == "gptq":
         cf = str(qcfg.get("checkpoint_format", "gptq")).lower()
         return gptq.unpack(tensors, int(qcfg["bits"]), int(qcfg["group_size"]), bool(qcfg.get("sym", True)), cf)
