@@ -1,6 +1,10 @@
 """The PyTorch reference kernels against independent float64 computations."""
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -177,3 +181,13 @@ def test_dispatch_backends():
         torch.testing.assert_close(kernels.rms_norm(b.q, torch.ones(8), 1e-6), ref.rms_norm(b.q, torch.ones(8), 1e-6))
     finally:
         kernels.set_backend("auto")
+
+
+def test_gpu_check_without_cuda_exits_with_one_line():
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    assert r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no CUDA GPU" in lines[0]

@@ -45,9 +45,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             r2 = r2.contiguous()
         rout = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
+        block = triton.next_power_of_2(n)
         _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight.contiguous(), y, rout, x2.stride(0), r2.stride(0),
-                                         y.stride(0), n, float(eps), BLOCK=triton.next_power_of_2(n),
-                                         HAS_RESIDUAL=residual is not None)
+                                         y.stride(0), n, float(eps), BLOCK=block, HAS_RESIDUAL=residual is not None,
+                                         num_warps=min(max(block // 256, 1), 8))
     if residual is not None:
         return y.view(shape), rout.view(shape)
     return y.view(shape)
