@@ -8,6 +8,8 @@ Signatures: docs/design.md, "Paged KV cache".
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 
 import torch
@@ -34,14 +36,15 @@ def get_backend() -> str:
     return _backend
 
 
+@functools.cache
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def _triton_available(raise_why: bool = False) -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        if raise_why:
-            raise UserInputError("the triton backend needs the `triton` package (pip install triton)") from None
-        return False
-    return True
+    if not _has_triton() and raise_why:
+        raise UserInputError("the triton backend needs the `triton` package (pip install triton)")
+    return _has_triton()
 
 
 def _use_triton(t: torch.Tensor) -> bool:
