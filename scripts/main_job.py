@@ -1,1 +1,87 @@
-"""The main job (`make run`): walk the default model through the toolkit and print one summary."""
+"""The main job (`make run`): walk the default model through the toolkit and print one summary.
+
+eval-ppl (base) -> quantize (AWQ w4 g64) -> eval-ppl (quantized, KL against base) -> kv-estimate
+-> generate (a chat prompt through the paged-KV engine on the quantized model). Each step is the
+real CLI with --json; progress bars go to stderr. Exits non-zero on the first failing step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parents[1]
+EVAL = ["--method", "chunks", "--ctx", "2048", "--dataset", "../shared/data/wikitext-2-raw/wiki.test.raw"]
+
+
+def llmopt(*args: str) -> tuple[dict, float]:
+    """Run one `llmopt ... --json` command; return its JSON object and wall time."""
+    cmd = [sys.executable, "-m", "llmopt.cli.app", *args, "--json"]
+    Console(stderr=True).print(f"[bold cyan]$ llmopt {' '.join(args)} --json")
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"main job: `llmopt {args[0]}` failed with exit code {proc.returncode}")
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    return json.loads(lines[-1]), time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--limit", type=int, default=40960, help="WikiText-2 test tokens scored (default 40,960)")
+    ap.add_argument("--num-samples", type=int, default=128, help="AWQ calibration windows")
+    ap.add_argument("--out", default="out/smollm2-135m-awq-w4g64", help="quantized checkpoint folder")
+    ap.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    a = ap.parse_args()
+    limit = ["--limit", str(a.limit)]
+
+    base, t_base = llmopt("eval-ppl", *EVAL, *limit)
+    quant, t_quant = llmopt("quantize", "--method", "awq", "--bits", "4", "--group-size", "64",
+                            "--num-samples", str(a.num_samples), "--output", a.out)
+    after, t_after = llmopt("eval-ppl", "--model", a.out, "--base-model", "smollm2-135m", *EVAL, *limit)
+    kv, _ = llmopt("kv-estimate", "--model", a.out, "--kv-cache-memory", "1GiB", "--max-model-len", "8192")
+    gen, t_gen = llmopt("generate", "--model", a.out, "--chat", "What is the capital of France?",
+                        "--max-tokens", "48")
+
+    summary = {"base": base, "quantize": quant, "quantized": after, "kv_estimate": kv, "generate": gen,
+               "seconds": {"eval_base": t_base, "quantize": t_quant, "eval_quantized": t_after, "generate": t_gen}}
+    if a.json:
+        print(json.dumps(summary))
+        return
+    t = Table(title="llmopt main job: SmolLM2-135M-Instruct, AWQ w4 g64", title_justify="left")
+    t.add_column("step", style="bold")
+    t.add_column("result")
+    t.add_column("time", justify="right")
+    t.add_row("eval-ppl base", f"ppl {base['ppl']:.4f} over {base['scored_tokens']:,} tokens", f"{t_base:.0f} s")
+    t.add_row("quantize awq", _quant_line(quant), f"{t_quant:.0f} s")
+    kl = after.get("kl") or {}
+    t.add_row("eval-ppl awq", f"ppl {after['ppl']:.4f} ({after['ppl'] / base['ppl'] - 1:+.2%}); "
+              f"KLD mean {kl.get('kld_mean', float('nan')):.4f}, top-1 agreement {kl.get('top1_agreement', float('nan')):.2%}",
+              f"{t_after:.0f} s")
+    t.add_row("kv-estimate", _kv_line(kv), "")
+    t.add_row("generate", repr(gen["text"][:120]), f"{t_gen:.0f} s")
+    Console().print(t)
+
+
+def _quant_line(q: dict) -> str:
+    before, after = q["size_before"], q["size_after"]
+    return (f"{before / 2**20:,.0f} MiB -> {after / 2**20:,.0f} MiB ({before / after:.1f}x smaller), "
+            f"mean layer rel. error {q['mean_rel_error']:.4f}")
+
+
+def _kv_line(kv: dict) -> str:
+    paged = kv["paged"]
+    return (f"{kv['bytes_per_token']:,} KV bytes/token ({kv['kv_cache_dtype']}); 1 GiB holds "
+            f"{paged['num_blocks']:,} blocks = {paged['tokens']:,} tokens, "
+            f"{paged['max_concurrency']:.1f} requests of {kv['max_model_len']:,} tokens")
+
+
+if __name__ == "__main__":
+    main()
