@@ -98,6 +98,14 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="comma-separated row prefixes to run (e.g. RTN,GPTQ)")
     args = ap.parse_args()
     torch.manual_seed(0)
+    quantized = []                       # quantize everything first (timings not disturbed by scoring)
+    for name, spec in rows(args):
+        if args.only and not any(name.startswith(p) for p in args.only.split(",")):
+            continue
+        t0 = time.perf_counter()
+        res = quantize_model(None, Path(args.workdir) / name.split()[0].lower(), spec, overwrite=True)
+        quantized.append((name, spec, res, time.perf_counter() - t0))
+        print(f"{name}: quantized in {quantized[-1][3]:.0f} s", file=sys.stderr, flush=True)
     base = load_model(None, dtype="float32", device="cpu")
     cfg = base.config
     tokens = eval_tokens(base.tokenizer, args.limit_tokens)
@@ -107,12 +115,7 @@ def main() -> None:
     results = [dict(name="base (fp32 weights of the Q4_1 GGUF)", seconds=0.0, size=packed_bytes(cfg, None),
                     **score(base.model, chunks, base_lp))]
     print(results[-1], file=sys.stderr, flush=True)
-    for name, spec in rows(args):
-        if args.only and not any(name.startswith(p) for p in args.only.split(",")):
-            continue
-        t0 = time.perf_counter()
-        res = quantize_model(None, Path(args.workdir) / name.split()[0].lower(), spec, overwrite=True)
-        secs = time.perf_counter() - t0
+    for name, spec, res, secs in quantized:
         q = load_model(res.output, dtype="float32", device="cpu", tokenizer=False).model
         hooks = activation_hooks(q, spec.method if spec.activations == "dynamic" else None)
         results.append(dict(name=name, seconds=secs, size=packed_bytes(cfg, spec.resolved()),
