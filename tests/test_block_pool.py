@@ -151,3 +151,18 @@ def test_priority_policy_runs_the_most_urgent_first():
         sched.add_request(_req(rid, [1, 2, 3], priority=prio, arrival=0.0))
     out = sched.schedule()
     assert [s.request_id for s in out.scheduled] == ["high"]
+
+
+def test_blocks_of_a_request_preempted_before_its_step_ran_are_not_served():
+    """Full blocks are offered to the cache when their slots are allocated; if the request is
+    preempted in that same schedule (its K/V never written), they must leave the cache again."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = _req("a", list(range(13)))
+    assert kv.allocate_slots(a, 8)
+    a.num_computed_tokens = 8                  # the first chunk ran: blocks 0-1 hold K/V
+    assert kv.allocate_slots(a, 5)             # second chunk allocated (blocks 2-3 offered to the cache)...
+    kv.free(a)                                 # ...but preempted before it ran
+    b = _req("b", list(range(13)))
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 8 and len(hits) == 2
+    kv.pool.check_invariants()
