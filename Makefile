@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/python scripts/main_job.py
+	$(BIN)/python scripts/main_job.py $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
