@@ -42,6 +42,8 @@ def rows(args):
     return [
         ("RTN w4 g%d sym" % g, QuantSpec(method="rtn", bits=4, group_size=g, sym=True, **common)),
         ("GPTQ w4 g%d sym" % g, QuantSpec(method="gptq", bits=4, group_size=g, sym=True, **common)),
+        ("GPTQ-act-order w4 g%d sym" % g, QuantSpec(method="gptq", bits=4, group_size=g, sym=True, act_order=True,
+                                                    **common)),
         ("AWQ w4 g%d asym" % g, QuantSpec(method="awq", bits=4, group_size=g, sym=False,
                                           awq_search_tokens=args.awq_search_tokens, **common)),
         ("FP8 W8A8 (per-channel, dynamic)", QuantSpec(method="fp8", **common)),
