@@ -23,7 +23,7 @@ EVAL = ["--method", "chunks", "--ctx", "2048", "--dataset", "../shared/data/wiki
 
 def llmopt(*args: str) -> tuple[dict, float]:
     """Run one `llmopt ... --json` command; return its JSON object and wall time."""
-    cmd = [sys.executable, "-m", "llmopt.cli.app", *args, "--json"]
+    cmd = [sys.executable, "-m", "llmopt", *args, "--json"]
     Console(stderr=True).print(f"[bold cyan]$ llmopt {' '.join(args)} --json")
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
@@ -35,8 +35,8 @@ def llmopt(*args: str) -> tuple[dict, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--limit", type=int, default=40960, help="WikiText-2 test tokens scored (default 40,960)")
-    ap.add_argument("--num-samples", type=int, default=128, help="AWQ calibration windows")
+    ap.add_argument("--limit", type=int, default=16384, help="WikiText-2 test tokens scored (default 16,384)")
+    ap.add_argument("--num-samples", type=int, default=32, help="AWQ calibration windows of 512 tokens (default 32)")
     ap.add_argument("--out", default="out/smollm2-135m-awq-w4g64", help="quantized checkpoint folder")
     ap.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     a = ap.parse_args()

@@ -38,6 +38,3 @@ from llmopt.cli import quantize  # noqa: E402,F401
 def main() -> None:
     app()
 
-
-if __name__ == "__main__":
-    main()
