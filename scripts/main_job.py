@@ -44,7 +44,7 @@ def main() -> None:
 
     base, t_base = llmopt("eval-ppl", *EVAL, *limit)
     quant, t_quant = llmopt("quantize", "--method", "awq", "--bits", "4", "--group-size", "64",
-                            "--num-samples", str(a.num_samples), "--output", a.out)
+                            "--num-samples", str(a.num_samples), "--output", a.out, "--overwrite")
     after, t_after = llmopt("eval-ppl", "--model", a.out, "--base-model", "smollm2-135m", *EVAL, *limit)
     kv, _ = llmopt("kv-estimate", "--model", a.out, "--kv-cache-memory", "1GiB", "--max-model-len", "8192")
     gen, t_gen = llmopt("generate", "--model", a.out, "--chat", "What is the capital of France?",
