@@ -6,6 +6,8 @@ VocabParallelEmbedding / ParallelLMHead, `rep` replicated (norms, MLA's A projec
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from llmopt.estimate.model_spec import ModelSpec
@@ -20,10 +22,7 @@ class Param:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def is_linear(self) -> bool:

@@ -3,6 +3,8 @@ storage types and bytes, for safetensors folders and GGUF files."""
 
 from __future__ import annotations
 
+import math
+
 import json
 import struct
 from dataclasses import dataclass
@@ -24,10 +26,7 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 def ggml_nbytes(n_elements: int, type_name: str) -> int:
