@@ -98,9 +98,10 @@ def bench_hf_single(hf, prompts, outs, device):
     return sum(outs) / dt, dt, mem.peak, res
 
 
-def bench_hf_batched(hf, prompts, outs, device, batch: int):
-    with PeakMemory(device) as mem, torch.no_grad():
-        t = time.perf_counter()
+def hf_generate_left_padded(hf, prompts, outs, device, batch: int) -> None:
+    """transformers' batched greedy `generate`, left-padded batches of `batch`; each batch runs to
+    its longest request (also used by gpu_check_engine.py)."""
+    with torch.no_grad():
         for i in range(0, len(prompts), batch):
             ps, ms = prompts[i:i + batch], outs[i:i + batch]
             width = max(len(p) for p in ps)
@@ -108,6 +109,12 @@ def bench_hf_batched(hf, prompts, outs, device, batch: int):
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps], device=device)
             hf.generate(ids, attention_mask=mask, max_new_tokens=max(ms), do_sample=False, eos_token_id=-1,
                         pad_token_id=0)
+
+
+def bench_hf_batched(hf, prompts, outs, device, batch: int):
+    with PeakMemory(device) as mem:
+        t = time.perf_counter()
+        hf_generate_left_padded(hf, prompts, outs, device, batch)
         dt = time.perf_counter() - t
     return sum(outs) / dt, dt, mem.peak
 

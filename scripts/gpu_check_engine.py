@@ -59,16 +59,10 @@ def run_llmopt(loaded, prompts, outs, backend: str):
 
 
 def run_hf_batched(hf, prompts, outs, dev, batch: int = 16):
+    from bench_engine import hf_generate_left_padded  # scripts/bench_engine.py (scripts/ is on sys.path)
     _sync(dev)
     t = time.perf_counter()
-    with torch.no_grad():
-        for i in range(0, len(prompts), batch):
-            ps, ms = prompts[i:i + batch], outs[i:i + batch]
-            width = max(len(p) for p in ps)
-            ids = torch.tensor([[0] * (width - len(p)) + p for p in ps], device=dev)
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps], device=dev)
-            hf.generate(ids, attention_mask=mask, max_new_tokens=max(ms), do_sample=False, eos_token_id=-1,
-                        pad_token_id=0)
+    hf_generate_left_padded(hf, prompts, outs, dev, batch)
     _sync(dev)
     dt = time.perf_counter() - t
     return sum(outs) / dt, dt
