@@ -53,7 +53,9 @@ def quantize(
                             "gptq for gptq, compressed-tensors otherwise)."),
     damp: float = typer.Option(None, "--damp", help=f"GPTQ dampening, fraction of the mean Hessian diagonal "
                                f"(default {defaults.GPTQ_DAMP})."),
-    act_order: bool = typer.Option(None, "--act-order/--no-act-order", help="GPTQ: columns by decreasing Hessian diagonal."),
+    act_order: str = typer.Option(None, "--act-order", help="GPTQ column order: static (default: by decreasing Hessian "
+                                  "diagonal, natural groups), group (GPTQModel's desc_act: g_idx, --format gptq only) "
+                                  "or none."),
     smoothquant_alpha: float = typer.Option(None, "--smoothquant-alpha", help="INT8 W8A8 SmoothQuant migration strength "
                                             f"(default {defaults.SMOOTHQUANT_ALPHA})."),
     awq_duo_scaling: bool = typer.Option(None, "--awq-duo-scaling/--no-awq-duo-scaling",

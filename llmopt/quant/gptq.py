@@ -4,7 +4,8 @@ least-squares objective ||XWᵀ - XŴᵀ||², H = 2XᵀX over the calibration to
 
 Steps: dampen H (damp · mean diag), take the upper Cholesky factor of H⁻¹, quantize in blocks of
 128 columns with the error pushed inside the block at once and to the rest lazily after the block;
-with act-order the columns go by decreasing diag(H) and g_idx maps each column to its group.
+with act-order the columns go by decreasing diag(H) (`group`: groups formed in that order, g_idx maps
+each column to its group; `static`: natural groups with scales fixed up front, no g_idx).
 """
 
 from __future__ import annotations
@@ -20,21 +21,24 @@ from llmopt.quant.types import IntQuantized
 
 
 class HessianAccumulator:
-    """H = 2/n Σ x xᵀ over the n calibration tokens seen so far (a running mean, in float64)."""
+    """H = 2/n Σ x xᵀ over the n calibration tokens seen so far. The sum is kept in float32 (as
+    GPTQModel and llm-compressor keep it): on the CPU a float64 xᵀx costs twice the time, and the
+    sum of 65k tokens' outer products loses nothing GPTQ's dampening does not dwarf."""
 
-    def __init__(self, in_features: int, device=None) -> None:
-        self.H = torch.zeros(in_features, in_features, dtype=torch.float64, device=device)
+    def __init__(self, in_features: int, device=None, dtype: torch.dtype = torch.float32) -> None:
+        self.sum = torch.zeros(in_features, in_features, dtype=dtype, device=device)
         self.n = 0
 
     def add(self, x: torch.Tensor) -> None:
-        x = x.reshape(-1, x.shape[-1]).to(self.H.dtype)
-        m = x.shape[0]
-        if m == 0:
+        x = x.reshape(-1, x.shape[-1]).to(self.sum.dtype)
+        if x.shape[0] == 0:
             return
-        self.H *= self.n / (self.n + m)
-        self.n += m
-        x = x * (2.0 / self.n) ** 0.5
-        self.H += x.T @ x
+        self.sum.addmm_(x.T, x)
+        self.n += x.shape[0]
+
+    @property
+    def H(self) -> torch.Tensor:
+        return self.sum * (2.0 / max(self.n, 1))
 
 
 @dataclass
@@ -43,10 +47,30 @@ class GPTQResult:
     loss: float                    # Σ (w - q)² / [H⁻¹]_jj², the objective's proxy GPTQ reports
 
 
+ACT_ORDERS = ("none", "static", "group")
+
+
+def act_order_mode(act_order: "str | bool | None") -> str:
+    """`none`, `static` or `group` (llm-compressor's names); True is GPTQModel's desc_act (`group`)."""
+    if act_order is True:
+        return "group"
+    if act_order is False or act_order is None:
+        return "none"
+    return str(act_order)
+
+
 def gptq_quantize(w: torch.Tensor, H: torch.Tensor, bits: int, group_size: int, sym: bool,
-                  damp: float = defaults.GPTQ_DAMP, act_order: bool = False,
+                  damp: float = defaults.GPTQ_DAMP, act_order: "str | bool" = "none",
                   block: int = defaults.GPTQ_BLOCK, bias: torch.Tensor | None = None,
                   scale_dtype: torch.dtype | None = None) -> GPTQResult:
+    """Quantize w [out, in] against the Hessian H [in, in] of its inputs.
+
+    act_order: `none` (columns in order; each group's scale from its columns as updated so far),
+    `group` (columns by decreasing diag(H), groups formed in that order: g_idx permutes, GPTQModel's
+    desc_act) or `static` (columns by decreasing diag(H), but each column keeps its natural group,
+    whose scale is taken from the original weights up front: act-order's accuracy with a plain
+    sequential layout, llm-compressor's default)."""
+    mode = act_order_mode(act_order)
     out_f, in_f = w.shape
     gs = check_group_size(in_f, group_size)
     W = w.detach().to(torch.float32).clone()
@@ -54,16 +78,22 @@ def gptq_quantize(w: torch.Tensor, H: torch.Tensor, bits: int, group_size: int, 
     dead = torch.diag(H) == 0
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
-    perm = None
-    if act_order:
-        perm = torch.argsort(torch.diag(H), descending=True)
-        W, H = W[:, perm], H[perm][:, perm]
-    Hinv = _inverse_cholesky_upper(H, damp)
-
-    Q = torch.zeros_like(W)
     n_groups = in_f // gs
     scales = torch.zeros(out_f, n_groups)
     zeros = torch.zeros(out_f, n_groups)
+    perm = None
+    col_group = torch.arange(in_f) // gs       # the group of the column at each processing position
+    if mode == "static":
+        s0, z0 = group_params(W.reshape(out_f, n_groups, gs), bits, sym, scale_dtype)
+        scales, zeros = s0[..., 0], z0[..., 0]
+    if mode in ("static", "group"):
+        perm = torch.argsort(torch.diag(H), descending=True)
+        W, H = W[:, perm], H[perm][:, perm]
+        if mode == "static":
+            col_group = col_group[perm]
+    Hinv = _inverse_cholesky_upper(H, damp)
+
+    Q = torch.zeros_like(W)
     scale = zero = None
     loss = 0.0
     for b0 in range(0, in_f, block):
@@ -73,10 +103,13 @@ def gptq_quantize(w: torch.Tensor, H: torch.Tensor, bits: int, group_size: int, 
         Hinv1 = Hinv[b0:b1, b0:b1]
         for i in range(b1 - b0):
             col = b0 + i
-            if col % gs == 0:
+            if mode == "static":
+                g = int(col_group[col])
+                scale, zero = scales[:, g:g + 1], zeros[:, g:g + 1]
+            elif col % gs == 0:
                 # the group's parameters from its columns as updated so far (in-block ones from W1)
-                g = torch.cat([W1[:, i:], W[:, b1:]], dim=1)[:, :gs]
-                scale, zero = group_params(g, bits, sym, scale_dtype)
+                grp = torch.cat([W1[:, i:], W[:, b1:]], dim=1)[:, :gs]
+                scale, zero = group_params(grp, bits, sym, scale_dtype)
                 scales[:, col // gs], zeros[:, col // gs] = scale[:, 0], zero[:, 0]
             wcol = W1[:, i:i + 1]
             q = quantize_codes(wcol, scale, zero, bits)
@@ -88,14 +121,14 @@ def gptq_quantize(w: torch.Tensor, H: torch.Tensor, bits: int, group_size: int, 
             Err1[:, i:i + 1] = err
         W[:, b1:] -= Err1 @ Hinv[b0:b1, b1:]
 
-    g_idx = torch.arange(in_f) // gs
+    g_idx = None
     if perm is not None:
         inv = torch.argsort(perm)
         Q = Q[:, inv]
-        g_idx = g_idx[inv]
+        if mode == "group":
+            g_idx = (torch.arange(in_f) // gs)[inv].to(torch.int32)
     qt = IntQuantized(qweight=Q.to(torch.int32), scales=scales, zeros=zeros.to(torch.int32), bits=bits,
-                      group_size=group_size, sym=sym, g_idx=g_idx.to(torch.int32) if perm is not None else None,
-                      bias=bias)
+                      group_size=group_size, sym=sym, g_idx=g_idx, bias=bias)
     return GPTQResult(qt, loss)
 
 

@@ -9,12 +9,13 @@ output; AWQ (as AutoAWQ) and SmoothQuant pass on the float output.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 import torch.nn as nn
 
+from llmopt import defaults
 from llmopt.quant import awq, fp8, gptq, int8, rtn
 from llmopt.quant.spec import QuantSpec
 
@@ -82,7 +83,8 @@ def quantize_layer(layer: nn.Module, x: torch.Tensor, err_samples: int, ctx: Lay
         fq = fp8.fake_quantize_tokens_fp8 if spec.method == "fp8" else int8.fake_quantize_tokens_int8
         handles = [layer.get_submodule(n).register_forward_pre_hook(lambda _m, a: (fq(a[0]),)) for n in LINEARS]
     try:
-        y_q = ctx.forward(layer, ex)
+        # GPTQ passes on the quantized layer's output: its first samples are y_q
+        y_q = next_x[:ex.shape[0]] if spec.method == "gptq" else ctx.forward(layer, ex)
         if next_x is None:
             next_x = y_q if ex.shape[0] == x.shape[0] else ctx.forward(layer, x)
     finally:
@@ -118,22 +120,62 @@ def _fp8(layer, x, ctx, spec):
 
 
 def _gptq(layer, x, ctx, spec):
-    """True-sequential: q/k/v, then o, then gate/up, then down, each group's Hessian from inputs
-    recomputed through the sublayers already quantized."""
-    groups = (LINEARS[:3], LINEARS[3:4], LINEARS[4:6], LINEARS[6:])
-    out = {}
-    for names in groups:
-        first = _linear(layer, names[0])
-        acc = gptq.HessianAccumulator(first.in_features)
-        for xb in batches(x):
-            acc.add(input_of(first, lambda: layer(xb, ctx.cos, ctx.sin, ctx.attn)))
-        for n in names:
-            lin = _linear(layer, n)
-            out[n] = gptq.gptq_quantize(lin.weight, acc.H, spec.bits, spec.group_size, spec.sym, damp=spec.damp,
-                                        act_order=spec.act_order, bias=_bias(lin),
-                                        scale_dtype=spec.scale_torch_dtype).quantized
-            set_weight(lin, out[n])
-    return out, None
+    """True-sequential in one pass: q/k/v from the input norm's output; o from the attention output
+    through the quantized q/k/v; gate/up from the post-attention norm of that; down from act(gate)·up
+    through the quantized gate/up; then the layer's output for the next layer. Each Linear runs once
+    over the calibration tokens (the intermediate activations are kept between the steps; act(gate)·up
+    only while it fits `defaults.GPTQ_CACHE_BYTES`, else it is recomputed at the end). Linears that
+    share an input (q/k/v, gate/up) share its Hessian and are quantized as one matrix: GPTQ treats
+    rows independently, so that equals quantizing each."""
+    at, mlp = layer.self_attn, layer.mlp
+    out: dict = {}
+    xs = batches(x)
+
+    def quantize(names, inputs):
+        acc = gptq.HessianAccumulator(inputs[0].shape[-1])
+        for t in inputs:
+            acc.add(t)
+        out.update(_gptq_rows(layer, names, acc.H, spec))
+
+    quantize(LINEARS[:3], [layer.input_layernorm(xb) for xb in xs])
+    attn_out = [input_of(at.o_proj, lambda xb=xb: at(layer.input_layernorm(xb), ctx.cos, ctx.sin, ctx.attn))
+                for xb in xs]
+    quantize(LINEARS[3:4], attn_out)
+    mid = [xb + at.o_proj(ab) for xb, ab in zip(xs, attn_out)]
+    del attn_out
+    quantize(LINEARS[4:6], [layer.post_attention_layernorm(hb) for hb in mid])
+    inter_bytes = x.shape[0] * x.shape[1] * mlp.down_proj.in_features * x.element_size()
+    keep = inter_bytes <= defaults.GPTQ_CACHE_BYTES
+    acc = gptq.HessianAccumulator(mlp.down_proj.in_features)
+    kept = []
+    for hb in mid:
+        m = input_of(mlp.down_proj, lambda hb=hb: mlp(layer.post_attention_layernorm(hb)))
+        acc.add(m)
+        if keep:
+            kept.append(m)
+    out.update(_gptq_rows(layer, LINEARS[6:], acc.H, spec))
+    if keep:
+        next_x = torch.cat([hb + mlp.down_proj(m) for hb, m in zip(mid, kept)])
+    else:
+        next_x = torch.cat([hb + mlp(layer.post_attention_layernorm(hb)) for hb in mid])
+    return out, next_x
+
+
+def _gptq_rows(layer, names, H, spec) -> dict:
+    """GPTQ on the Linears `names` (same input, so same H) stacked by rows; split back, set the
+    dequantized weights in the layer."""
+    lins = [_linear(layer, n) for n in names]
+    w = torch.cat([lin.weight for lin in lins]) if len(lins) > 1 else lins[0].weight
+    res = gptq.gptq_quantize(w, H, spec.bits, spec.group_size, spec.sym, damp=spec.damp, act_order=spec.act_order,
+                             scale_dtype=spec.scale_torch_dtype).quantized
+    out, r0 = {}, 0
+    for n, lin in zip(names, lins):
+        r1 = r0 + lin.out_features
+        qt = replace(res, qweight=res.qweight[r0:r1].clone(), scales=res.scales[r0:r1].clone(),
+                     zeros=res.zeros[r0:r1].clone(), bias=_bias(lin))
+        set_weight(lin, qt)
+        out[n], r0 = qt, r1
+    return out
 
 
 class _InputStats:

@@ -26,7 +26,7 @@ class QuantSpec:
     seq_len: int = defaults.QUANT_SEQ_LEN
     seed: int = defaults.QUANT_SEED
     damp: float = defaults.GPTQ_DAMP
-    act_order: bool = False
+    act_order: str | bool | None = None   # GPTQ: none | static | group; None: defaults.GPTQ_ACT_ORDER
     smoothquant_alpha: float = defaults.SMOOTHQUANT_ALPHA
     awq_duo_scaling: bool = False
     awq_grid: int = defaults.AWQ_GRID
@@ -61,11 +61,16 @@ class QuantSpec:
             raise UserInputError(f"unknown --format {s.format!r}: use one of {', '.join(FORMATS)}")
         if s.method in ("fp8", "int8") and s.format not in ("compressed-tensors", "dequantized"):
             raise UserInputError(f"--method {s.method} is written as compressed-tensors only: use --format compressed-tensors")
-        if s.format == "awq" and (s.bits != 4 or s.sym or s.group_size == -1 or s.act_order):
+        if s.act_order is not None and s.act_order is not False and s.method != "gptq":
+            raise UserInputError("--act-order applies to --method gptq only")
+        from llmopt.quant.gptq import ACT_ORDERS, act_order_mode
+        s.act_order = act_order_mode(s.act_order if s.act_order is not None or s.method != "gptq"
+                                     else defaults.GPTQ_ACT_ORDER)
+        if s.act_order not in ACT_ORDERS:
+            raise UserInputError(f"--act-order {s.act_order!r}: use one of {', '.join(ACT_ORDERS)}")
+        if s.format == "awq" and (s.bits != 4 or s.sym or s.group_size == -1 or s.act_order == "group"):
             raise UserInputError("--format awq (AutoAWQ GEMM) holds 4-bit asymmetric weights with groups: "
                                  "use --bits 4 --asym --group-size 128|64|32, or --format gptq|compressed-tensors")
-        if s.act_order and s.method != "gptq":
-            raise UserInputError("--act-order applies to --method gptq only")
         if s.group_size != -1 and s.group_size <= 0:
             raise UserInputError(f"--group-size {s.group_size}: use a positive divisor of the hidden size or -1")
         if not 0 < s.damp < 1:

@@ -34,7 +34,8 @@ def quantization_config(fmt: str, spec=None, *, method: str | None = None, bits:
     or the keywords."""
     if spec is not None:
         method, bits, group_size, sym = spec.method, spec.bits, spec.group_size, bool(spec.sym)
-        act_order = bool(getattr(spec, "act_order", False))
+        from llmopt.quant.gptq import act_order_mode
+        act_order = act_order_mode(getattr(spec, "act_order", False)) == "group"   # static keeps g_idx trivial
         activations = getattr(spec, "activations", activations)
         fp8_scale = getattr(spec, "fp8_scale", fp8_scale)
         damp = getattr(spec, "damp", damp)
