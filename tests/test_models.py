@@ -107,6 +107,39 @@ def test_qwen3_qk_norm(tmp_path):
     assert lm.model.model.layers[0].self_attn.q_norm is not None
 
 
+def _suffix_logits(lm, ids, s):
+    pos = torch.arange(ids.shape[1]).expand_as(ids)
+    with torch.no_grad():
+        return lm.model.compute_logits(lm.model(ids, pos, DenseCausalAttention(), suffix_from=s))
+
+
+def test_suffix_only_last_layer_matches_transformers(tmp_path):
+    """suffix_from: the last layer runs its queries/MLP for the suffix only (eval-ppl's sliding windows);
+    the rows must be transformers' rows, inside and past a sliding window, with q/k/v bias too."""
+    for cfg in (MistralConfig(**BASE, sliding_window=8), Qwen2Config(**BASE)):
+        hf, lm, ids, ref = _check(tmp_path, cfg, seq=30)
+        for s in (1, 9, 29):
+            ours = _suffix_logits(lm, ids, s)
+            assert ours.shape == ref[:, s:].shape
+            assert _rel(ours, ref[:, s:]) <= TOL, (type(cfg).__name__, s)
+
+
+def test_fused_qkv_follows_its_projections(tmp_path):
+    """Loading fuses q/k/v into one GEMM over views; replacing a projection's weight (as a quantizer
+    or a reload does) must fall back to the three projections, never use the stale fused copy."""
+    hf, lm, ids, ref = _check(tmp_path, LlamaConfig(**BASE))
+    at = lm.model.model.layers[0].self_attn
+    assert at._qkv is not None and at._qkv[0].data_ptr() == at.q_proj.weight.data_ptr()
+    new = torch.nn.Parameter(at.q_proj.weight.detach() * 1.5, requires_grad=False)
+    at.q_proj.weight = new
+    hf.model.layers[0].self_attn.q_proj.weight.data = new.detach().clone()
+    with torch.no_grad():
+        ref2 = hf(ids).logits
+    assert _rel(ref2, ref) > 100 * TOL
+    assert _rel(_ours_logits(lm, ids), ref2) <= TOL
+    assert at._qkv is None
+
+
 def test_positions_are_independent_per_row(tmp_path):
     """A batch of two different rows equals the rows run one at a time (no cross-row leakage)."""
     hf, lm, ids, ref = _check(tmp_path, LlamaConfig(**BASE), seq=16, batch=3)

@@ -1,5 +1,5 @@
-"""Run windows through the model and score them: batched forward, logits only for the scored
-positions, computed `defaults.LOSS_CHUNK_TOKENS` rows at a time (a chunked cross-entropy: never a
+"""Run windows through the model and score them: batched forward (the last decoder layer only from
+the first scored position on), logits only for the scored positions, computed `defaults.LOSS_CHUNK_TOKENS` rows at a time (a chunked cross-entropy: never a
 full float32 [tokens, vocab] logits tensor for a window). Optionally the same rows through a base
 model, for KL divergence and top-1 agreement in the same pass."""
 
@@ -39,8 +39,9 @@ def _hidden_rows(model, wins: list[Window], device) -> tuple[torch.Tensor, torch
         ids[b, :len(w.ids)] = w.ids  # right padding never reaches earlier positions (causal)
     ids = ids.to(device)
     pos = torch.arange(L, device=device).expand(len(wins), L)
-    hidden = model(ids, pos, DenseCausalAttention())
-    rows = torch.cat([hidden[b, w.start:w.start + len(w.targets)] for b, w in enumerate(wins)])
+    s = min(w.start for w in wins)   # the first scored position: the last layer runs from there on only
+    hidden = model(ids, pos, DenseCausalAttention(), suffix_from=s)
+    rows = torch.cat([hidden[b, w.start - s:w.start - s + len(w.targets)] for b, w in enumerate(wins)])
     return rows, torch.cat([w.targets for w in wins]).to(device)
 
 

@@ -71,10 +71,11 @@ def _fused(x: torch.Tensor) -> bool:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE. x: [..., heads, head_dim]; cos/sin: [..., head_dim]."""
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     h = x.shape[-1] // 2
-    rot = torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-    return x * cos + rot * sin
+    # rotate_half(x) = roll(x, h) with its first half negated: fold the sign into sin (a [..., d]
+    # tensor, not [..., heads, d]) and finish in one addcmul: three passes over x instead of five
+    signed_sin = torch.cat((-sin[..., :h], sin[..., h:]), dim=-1).unsqueeze(-2)
+    return torch.addcmul(x * cos.unsqueeze(-2), x.roll(h, -1), signed_sin)
 
 
 class Attention(nn.Module):
@@ -93,23 +94,69 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
+    def fuse_qkv(self) -> bool:
+        """One [q; k; v] weight (and bias) for float Linears, with q/k/v_proj.weight left as views
+        into it: one GEMM instead of three (the narrow k/v ones run far below the CPU's peak).
+        Quantized projections stay separate."""
+        lins = (self.q_proj, self.k_proj, self.v_proj)
+        if any(type(lin) is not nn.Linear or lin.weight.is_meta for lin in lins):
+            return False
+        w = torch.cat([lin.weight.detach() for lin in lins])
+        b = torch.cat([lin.bias.detach() for lin in lins]) if self.q_proj.bias is not None else None
+        sizes = [lin.out_features for lin in lins]
+        for lin, wp, bp in zip(lins, w.split(sizes), b.split(sizes) if b is not None else (None,) * 3):
+            lin.weight = nn.Parameter(wp, requires_grad=False)
+            if bp is not None:
+                lin.bias = nn.Parameter(bp, requires_grad=False)
+        self._qkv = (w, b)
+        return True
+
+    def _project(self, x: torch.Tensor):
+        f = self._qkv
+        lins = (self.q_proj, self.k_proj, self.v_proj)
+        if f is not None and all(type(lin) is nn.Linear for lin in lins) and _views_of(f[0], [lin.weight for lin in lins]) \
+                and (f[1] is None or _views_of(f[1], [lin.bias for lin in lins])):
+            return F.linear(x, *f).split([lin.out_features for lin in lins], dim=-1)
+        self._qkv = None    # a projection was replaced (quantized, reloaded): back to three GEMMs
+        return tuple(lin(x) for lin in lins)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn,
+                q_from: int = 0) -> torch.Tensor:
+        """q_from > 0: outputs only for the tokens from q_from on (along the last token dim; K/V for
+        all of them), for callers that need the last layer's output at a suffix only."""
         lead = x.shape[:-1]
-        q = self.q_proj(x).view(*lead, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        q, k, v = self._project(x)
+        if q_from:
+            q, cos_q, sin_q = (t[..., q_from:, :] for t in (q, cos, sin))
+        else:
+            cos_q, sin_q = cos, sin
+        q_lead = q.shape[:-1]
+        q = q.reshape(*q_lead, self.num_heads, self.head_dim)
+        k = k.reshape(*lead, self.num_kv_heads, self.head_dim)
+        v = v.reshape(*lead, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if _fused(q):
+        if _fused(q) and not q_from:
             d = self.head_dim
             cs = [torch.broadcast_to(t, (*lead, d)).reshape(-1, d) for t in (cos, sin)]
             q, k = kernels.rotary(q.reshape(-1, self.num_heads, d), k.reshape(-1, self.num_kv_heads, d), *cs)
             q, k = q.view(*lead, self.num_heads, d), k.view(*lead, self.num_kv_heads, d)
         else:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = apply_rope(q, cos_q, sin_q), apply_rope(k, cos, sin)
         o = attn(self.layer_idx, q, k, v, self.window)
-        return self.o_proj(o.reshape(*lead, self.num_heads * self.head_dim))
+        return self.o_proj(o.reshape(*q_lead, self.num_heads * self.head_dim))
+
+
+def _views_of(base: torch.Tensor, parts) -> bool:
+    """Whether `parts` are still the consecutive row blocks of `base` that fuse_qkv made."""
+    ptr, step = base.data_ptr(), base.element_size()
+    for p in parts:
+        if p is None or p.data_ptr() != ptr or p.dtype != base.dtype:
+            return False
+        ptr += p.numel() * step
+    return ptr == base.data_ptr() + base.numel() * step
 
 
 class MLP(nn.Module):
@@ -121,7 +168,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        g, u = self.gate_proj(x), self.up_proj(x)
+        if torch.is_grad_enabled():
+            return self.down_proj(F.silu(g) * u)
+        return self.down_proj(F.silu(g, inplace=True).mul_(u))   # no two [tokens, intermediate] temporaries
 
 
 class DecoderLayer(nn.Module):
@@ -132,8 +182,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, attn: AttentionFn) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+    def forward(self, x, cos, sin, attn: AttentionFn, q_from: int = 0) -> torch.Tensor:
+        h = self.self_attn(self.input_layernorm(x), cos, sin, attn, q_from)
+        x = (x[..., q_from:, :] if q_from else x) + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -159,12 +210,20 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states after the final norm, shape [*input_ids.shape, hidden]."""
+                inputs_embeds: torch.Tensor | None = None, suffix_from: int = 0) -> torch.Tensor:
+        """Hidden states after the final norm, shape [*input_ids.shape, hidden].
+
+        suffix_from > 0: only the positions from there on (along the last token dim) are returned,
+        and the last layer computes its queries, attention and MLP for those only (eval-ppl's
+        sliding windows score a suffix). The attention context must accept fewer queries than keys
+        (`supports_query_suffix`)."""
+        if suffix_from and not getattr(attn, "supports_query_suffix", False):
+            raise ValueError(f"{type(attn).__name__} cannot attend from a suffix of the queries")
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, attn)
+        last = len(self.model.layers) - 1
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, attn, suffix_from if i == last else 0)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -198,6 +257,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():   # quantized modules check their buffers and prepare their kernels
             if hasattr(module, "finish_loading"):
                 module.finish_loading()
+        for layer in self.model.layers:
+            layer.self_attn.fuse_qkv()
         return loaded
 
 
