@@ -63,6 +63,18 @@ def gptq_quantize(w: torch.Tensor, H: torch.Tensor, bits: int, group_size: int, 
                   damp: float = defaults.GPTQ_DAMP, act_order: "str | bool" = "none",
                   block: int = defaults.GPTQ_BLOCK, bias: torch.Tensor | None = None,
                   scale_dtype: torch.dtype | None = None) -> GPTQResult:
+    """Quantize w [out, in] against H; see _gptq. Runs on one thread: its column loop is thousands
+    of small ops and its factorizations are small, so fork/join would cost more than it saves
+    (and under load, far more)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _gptq(w, H, bits, group_size, sym, damp, act_order, block, bias, scale_dtype)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _gptq(w, H, bits, group_size, sym, damp, act_order, block, bias, scale_dtype) -> GPTQResult:
     """Quantize w [out, in] against the Hessian H [in, in] of its inputs.
 
     act_order: `none` (columns in order; each group's scale from its columns as updated so far),
@@ -93,33 +105,36 @@ def gptq_quantize(w: torch.Tensor, H: torch.Tensor, bits: int, group_size: int, 
             col_group = col_group[perm]
     Hinv = _inverse_cholesky_upper(H, damp)
 
-    Q = torch.zeros_like(W)
+    # Columns are rows of WT [in, out] (contiguous), so each step touches contiguous memory.
+    WT = W.t().contiguous()
+    QT = torch.zeros_like(WT)
     scale = zero = None
     loss = 0.0
     for b0 in range(0, in_f, block):
         b1 = min(b0 + block, in_f)
-        W1 = W[:, b0:b1].clone()
-        Err1 = torch.zeros_like(W1)
+        W1 = WT[b0:b1].clone()
+        Err1 = torch.empty_like(W1)
         Hinv1 = Hinv[b0:b1, b0:b1]
         for i in range(b1 - b0):
             col = b0 + i
             if mode == "static":
                 g = int(col_group[col])
-                scale, zero = scales[:, g:g + 1], zeros[:, g:g + 1]
+                scale, zero = scales[:, g], zeros[:, g]
             elif col % gs == 0:
                 # the group's parameters from its columns as updated so far (in-block ones from W1)
-                grp = torch.cat([W1[:, i:], W[:, b1:]], dim=1)[:, :gs]
-                scale, zero = group_params(grp, bits, sym, scale_dtype)
-                scales[:, col // gs], zeros[:, col // gs] = scale[:, 0], zero[:, 0]
-            wcol = W1[:, i:i + 1]
-            q = quantize_codes(wcol, scale, zero, bits)
-            Q[:, col:col + 1] = q
-            d = Hinv1[i, i]
-            err = (wcol - (q - zero) * scale) / d
-            loss += float((err ** 2).sum())
-            W1[:, i:] -= err @ Hinv1[i:i + 1, i:]
-            Err1[:, i:i + 1] = err
-        W[:, b1:] -= Err1 @ Hinv[b0:b1, b1:]
+                grp = torch.cat([W1[i:], WT[b1:]])[:gs]
+                scale, zero = (t[:, 0] for t in group_params(grp.t(), bits, sym, scale_dtype))
+                scales[:, col // gs], zeros[:, col // gs] = scale, zero
+            w = W1[i]
+            q = quantize_codes(w, scale, zero, bits)
+            QT[col] = q
+            err = (w - (q - zero) * scale) / Hinv1[i, i]
+            W1[i:].addr_(Hinv1[i, i:], err, alpha=-1)     # W1[j] -= Hinv1[i, j] · err, j >= i
+            Err1[i] = err
+        loss += float(Err1.pow(2).sum())
+        if b1 < in_f:
+            WT[b1:].addmm_(Hinv[b0:b1, b1:].t(), Err1, alpha=-1)
+    Q = QT.t()
 
     g_idx = None
     if perm is not None:
