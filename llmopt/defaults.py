@@ -51,6 +51,7 @@ QUANT_SEED = 0
 GPTQ_DAMP = 0.01
 GPTQ_BLOCK = 128
 GPTQ_ACT_ORDER = "static"   # none | static | group (llm-compressor's names; group = GPTQModel's desc_act)
+GPTQ_HESSIAN_BLOCKED_FROM = 1024  # input width from which H's upper block triangle only is summed
 GPTQ_CACHE_BYTES = 2 << 30  # GPTQ keeps a layer's act(gate)·up activations up to this size, else recomputes them
 AWQ_GRID = 20
 AWQ_SEARCH_TOKENS = 4096  # calibration tokens the AWQ scale search evaluates each grid point on

@@ -62,6 +62,13 @@ def test_hessian_accumulator_is_2xtx_over_n():
         acc.add(x)
     X = torch.cat([x.reshape(-1, 16) for x in xs]).double()
     torch.testing.assert_close(acc.H.double(), 2 * X.T @ X / X.shape[0], rtol=1e-5, atol=1e-5)
+    wide = [torch.randn(40, 1030), torch.randn(3, 5, 1030)]   # the blocked upper-triangle path
+    acc = gptq.HessianAccumulator(1030)
+    assert len(acc.edges) == 5
+    for x in wide:
+        acc.add(x)
+    X = torch.cat([x.reshape(-1, 1030) for x in wide]).double()
+    torch.testing.assert_close(acc.H.double(), 2 * X.T @ X / X.shape[0], rtol=1e-5, atol=1e-5)
 
 
 def test_gptq_with_uncorrelated_inputs_is_rtn():

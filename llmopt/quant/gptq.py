@@ -23,22 +23,34 @@ from llmopt.quant.types import IntQuantized
 class HessianAccumulator:
     """H = 2/n Σ x xᵀ over the n calibration tokens seen so far. The sum is kept in float32 (as
     GPTQModel and llm-compressor keep it): on the CPU a float64 xᵀx costs twice the time, and the
-    sum of 65k tokens' outer products loses nothing GPTQ's dampening does not dwarf."""
+    sum of 65k tokens' outer products loses nothing GPTQ's dampening does not dwarf. For wide inputs
+    (an MLP's down_proj) only the upper block triangle is accumulated, in 4 row blocks: 5/8 of the
+    multiply-adds, mirrored once when H is read."""
 
     def __init__(self, in_features: int, device=None, dtype: torch.dtype = torch.float32) -> None:
         self.sum = torch.zeros(in_features, in_features, dtype=dtype, device=device)
         self.n = 0
+        k = 4 if in_features >= defaults.GPTQ_HESSIAN_BLOCKED_FROM else 1
+        self.edges = [in_features * i // k for i in range(k + 1)]
 
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).to(self.sum.dtype)
         if x.shape[0] == 0:
             return
-        self.sum.addmm_(x.T, x)
+        e = self.edges
+        for a, b in zip(e[:-1], e[1:]):
+            self.sum[a:b, a:].addmm_(x[:, a:b].T, x[:, a:])
         self.n += x.shape[0]
 
     @property
     def H(self) -> torch.Tensor:
-        return self.sum * (2.0 / max(self.n, 1))
+        s = self.sum
+        if len(self.edges) > 2:
+            upper = torch.zeros_like(s, dtype=torch.bool)
+            for a, b in zip(self.edges[:-1], self.edges[1:]):
+                upper[a:b, a:] = True
+            s = torch.where(upper, s, s.T)
+        return s * (2.0 / max(self.n, 1))
 
 
 @dataclass
