@@ -130,6 +130,11 @@ def test_fused_qkv_follows_its_projections(tmp_path):
     hf, lm, ids, ref = _check(tmp_path, LlamaConfig(**BASE))
     at = lm.model.model.layers[0].self_attn
     assert at._qkv is not None and at._qkv[0].data_ptr() == at.q_proj.weight.data_ptr()
+    seen = []
+    h = at.k_proj.register_forward_pre_hook(lambda _m, a: seen.append(a[0].shape))
+    assert _rel(_ours_logits(lm, ids), ref) <= TOL
+    h.remove()
+    assert len(seen) == 1          # a hooked projection is called (as calibration hooks expect)
     new = torch.nn.Parameter(at.q_proj.weight.detach() * 1.5, requires_grad=False)
     at.q_proj.weight = new
     hf.model.layers[0].self_attn.q_proj.weight.data = new.detach().clone()
