@@ -9,16 +9,18 @@ seq_len], the exact windows llmopt uses, so both tools see the same data.
         --calib-ids calib.pt --group-size 64 --output OUT_DIR
 
 Prints one JSON line on stdout: {"seconds": oneshot wall time, "load_seconds",
-"versions", "actorder", "num_samples", "seq_len", ...}. llm-compressor's own
-logging goes to stderr.
+"versions", "actorder", "num_samples", "seq_len", ...}. llm-compressor logs
+to stdout (loguru); this script points fd 1 at stderr so stdout stays one line.
 
 actorder: when left unset, GPTQModifier (llmcompressor 0.14) resolves its
-sentinel default to "static" for group-strategy schemes.
+sentinel default to "static" for group-strategy schemes ("none" turns it off,
+"weight" is its other mode; its GPTQ rejects "group").
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from importlib.metadata import version
@@ -31,7 +33,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", required=True, help="Hugging Face float checkpoint folder")
     p.add_argument("--calib-ids", required=True, help="torch.save'd int64 tensor [num_samples, seq_len]")
     p.add_argument("--group-size", type=int, default=64)
-    p.add_argument("--actorder", choices=["none", "static", "group"], default=None,
+    # llmcompressor 0.14's GPTQ accepts only "static" and "weight" ("group" raises ValueError)
+    p.add_argument("--actorder", choices=["none", "static", "weight"], default=None,
                    help="default: llm-compressor's own default (static in 0.14)")
     p.add_argument("--dampening-frac", type=float, default=0.01)
     p.add_argument("--output", required=True)
@@ -59,6 +62,9 @@ def build_recipe(group_size: int, actorder: str | None, dampening_frac: float):
 
 def main() -> None:
     args = parse_args()
+    result_out = os.fdopen(os.dup(1), "w")  # the real stdout, for the JSON line only
+    sys.stdout.flush()
+    os.dup2(2, 1)  # everything else written to stdout (llm-compressor's logger) goes to stderr
     if args.threads:
         torch.set_num_threads(args.threads)
     from datasets import Dataset
@@ -101,7 +107,7 @@ def main() -> None:
         "dampening_frac": args.dampening_frac,
         "num_samples": num_samples, "seq_len": seq_len,
         "threads": torch.get_num_threads(), "output": args.output,
-    }), flush=True)
+    }), file=result_out, flush=True)
 
 
 if __name__ == "__main__":
