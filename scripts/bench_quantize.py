@@ -47,8 +47,6 @@ def rows(args):
         ("RTN w4 g%d sym" % g, QuantSpec(method="rtn", bits=4, group_size=g, sym=True, **common)),
         ("GPTQ w4 g%d sym" % g, QuantSpec(method="gptq", bits=4, group_size=g, sym=True, **common)),
         (PEER % g, None),
-        ("GPTQ act-order none w4 g%d sym" % g, QuantSpec(method="gptq", bits=4, group_size=g, sym=True,
-                                                         act_order="none", **common)),
         ("AWQ w4 g%d asym" % g, QuantSpec(method="awq", bits=4, group_size=g, sym=False, **common)),
         ("FP8 W8A8 (per-channel, dynamic)", QuantSpec(method="fp8", **common)),
         ("INT8 W8A8 SmoothQuant 0.5", QuantSpec(method="int8", **common)),
@@ -69,6 +67,7 @@ def run_peer(args, out: Path) -> tuple[float, dict]:
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""})
     if proc.returncode:
         sys.exit(f"llm-compressor failed:\n{proc.stderr[-3000:]}")
+    print(proc.stdout.strip().splitlines()[-1], file=sys.stderr, flush=True)
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     return float(report["seconds"]), report
 
@@ -101,7 +100,9 @@ def main() -> None:
         else:
             quantize_model(None, out, spec, overwrite=True)
             secs, info = time.perf_counter() - t0, {}
-        done.append(dict(name=name, path=str(out), seconds=secs, load_avg=os.getloadavg()[0], **info))
+        done.append(dict(name=name, path=str(out), seconds=secs, load_avg=os.getloadavg()[0], peer=info))
+        if args.out:   # the quantize records as soon as they exist
+            Path(args.out).write_text(json.dumps(dict(args=vars(args), quantized=done), indent=2))
         print(f"{name}: quantized in {secs:.0f} s (load {done[-1]['load_avg']:.1f})", file=sys.stderr, flush=True)
     base = load_model(None, dtype="float32", device="cpu")
     plan = plan_ppl(base.tokenizer, base.config.max_position_embeddings, load_text_dataset(None), "chunks",
