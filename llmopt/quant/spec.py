@@ -61,7 +61,7 @@ class QuantSpec:
             raise UserInputError(f"unknown --format {s.format!r}: use one of {', '.join(FORMATS)}")
         if s.method in ("fp8", "int8") and s.format not in ("compressed-tensors", "dequantized"):
             raise UserInputError(f"--method {s.method} is written as compressed-tensors only: use --format compressed-tensors")
-        if s.act_order is not None and s.act_order is not False and s.method != "gptq":
+        if s.act_order not in (None, False, "none") and s.method != "gptq":
             raise UserInputError("--act-order applies to --method gptq only")
         from llmopt.quant.gptq import ACT_ORDERS, act_order_mode
         s.act_order = act_order_mode(s.act_order if s.act_order is not None or s.method != "gptq"
