@@ -131,29 +131,33 @@ def _gptq(layer, x, ctx, spec):
     out: dict = {}
     xs = batches(x)
 
-    def quantize(names, inputs):
-        acc = gptq.HessianAccumulator(inputs[0].shape[-1])
+    def quantize(names, inputs, width):
+        """Hessian over `inputs` (an iterable, so the batches need not all exist at once), then GPTQ."""
+        acc = gptq.HessianAccumulator(width)
         for t in inputs:
             acc.add(t)
         out.update(_gptq_rows(layer, names, acc.H, spec))
 
-    quantize(LINEARS[:3], [layer.input_layernorm(xb) for xb in xs])
+    h = x.shape[-1]
+    quantize(LINEARS[:3], (layer.input_layernorm(xb) for xb in xs), h)
     attn_out = [input_of(at.o_proj, lambda xb=xb: at(layer.input_layernorm(xb), ctx.cos, ctx.sin, ctx.attn))
                 for xb in xs]
-    quantize(LINEARS[3:4], attn_out)
+    quantize(LINEARS[3:4], attn_out, at.o_proj.in_features)
     mid = [xb + at.o_proj(ab) for xb, ab in zip(xs, attn_out)]
     del attn_out
-    quantize(LINEARS[4:6], [layer.post_attention_layernorm(hb) for hb in mid])
+    quantize(LINEARS[4:6], (layer.post_attention_layernorm(hb) for hb in mid), h)
     inter_bytes = x.shape[0] * x.shape[1] * mlp.down_proj.in_features * x.element_size()
     keep = inter_bytes <= defaults.GPTQ_CACHE_BYTES
-    acc = gptq.HessianAccumulator(mlp.down_proj.in_features)
     kept = []
-    for hb in mid:
-        m = input_of(mlp.down_proj, lambda hb=hb: mlp(layer.post_attention_layernorm(hb)))
-        acc.add(m)
-        if keep:
-            kept.append(m)
-    out.update(_gptq_rows(layer, LINEARS[6:], acc.H, spec))
+
+    def down_inputs():
+        for hb in mid:
+            m = input_of(mlp.down_proj, lambda hb=hb: mlp(layer.post_attention_layernorm(hb)))
+            if keep:
+                kept.append(m)
+            yield m
+
+    quantize(LINEARS[6:], down_inputs(), mlp.down_proj.in_features)
     if keep:
         next_x = torch.cat([hb + mlp.down_proj(m) for hb, m in zip(mid, kept)])
     else:
