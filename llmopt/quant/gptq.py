@@ -16,7 +16,7 @@ import torch
 
 from llmopt import defaults
 from llmopt.errors import LLMOptError
-from llmopt.quant.rtn import check_group_size, group_params, quantize_codes
+from llmopt.quant.rtn import check_group_size, group_params
 from llmopt.quant.types import IntQuantized
 
 
@@ -117,32 +117,38 @@ def _gptq(w, H, bits, group_size, sym, damp, act_order, block, bias, scale_dtype
             col_group = col_group[perm]
     Hinv = _inverse_cholesky_upper(H, damp)
 
-    # Columns are rows of WT [in, out] (contiguous), so each step touches contiguous memory.
+    # Columns are rows of WT [in, out] (contiguous), so each step touches contiguous memory; the
+    # column loop is thousands of small ops, so each writes in place and nothing is recomputed.
     WT = W.t().contiguous()
-    QT = torch.zeros_like(WT)
-    scale = zero = None
+    QT = torch.empty_like(WT)
+    maxq = 2 ** bits - 1
+    if mode == "static":   # every column's scale and zero known up front: one contiguous row each
+        S, Z = scales.t()[col_group].contiguous(), zeros.t()[col_group].contiguous()
+    else:
+        S, Z = torch.empty_like(WT), torch.empty_like(WT)
+    dq = torch.empty(out_f)
     loss = 0.0
     for b0 in range(0, in_f, block):
         b1 = min(b0 + block, in_f)
         W1 = WT[b0:b1].clone()
         Err1 = torch.empty_like(W1)
         Hinv1 = Hinv[b0:b1, b0:b1]
+        d = torch.diagonal(Hinv1).clone()
+        Hs = Hinv1 / d[:, None]            # row i scaled by 1/Hinv[i, i]: the in-block update weights
         for i in range(b1 - b0):
             col = b0 + i
-            if mode == "static":
-                g = int(col_group[col])
-                scale, zero = scales[:, g], zeros[:, g]
-            elif col % gs == 0:
+            if mode != "static" and col % gs == 0:
                 # the group's parameters from its columns as updated so far (in-block ones from W1)
                 grp = torch.cat([W1[i:], WT[b1:]])[:gs]
-                scale, zero = (t[:, 0] for t in group_params(grp.t(), bits, sym, scale_dtype))
-                scales[:, col // gs], zeros[:, col // gs] = scale, zero
-            w = W1[i]
-            q = quantize_codes(w, scale, zero, bits)
-            QT[col] = q
-            err = (w - (q - zero) * scale) / Hinv1[i, i]
-            W1[i:].addr_(Hinv1[i, i:], err, alpha=-1)     # W1[j] -= Hinv1[i, j] · err, j >= i
-            Err1[i] = err
+                sc, zc = (t[:, 0] for t in group_params(grp.t(), bits, sym, scale_dtype))
+                scales[:, col // gs], zeros[:, col // gs] = sc, zc
+                S[col:col + gs], Z[col:col + gs] = sc, zc
+            w, s, z, q = W1[i], S[col], Z[col], QT[col]
+            torch.div(w, s, out=q).round_().add_(z).clamp_(0, maxq)
+            torch.sub(q, z, out=dq).mul_(s)
+            e = torch.sub(w, dq, out=Err1[i])                 # w − ŵ; divided by Hinv[i, i] below
+            W1[i:].addr_(Hs[i, i:], e, alpha=-1)              # W1[j] −= Hinv[i, j] / Hinv[i, i] · (w − ŵ)
+        Err1.div_(d[:, None])
         loss += float(Err1.pow(2).sum())
         if b1 < in_f:
             WT[b1:].addmm_(Hinv[b0:b1, b1:].t(), Err1, alpha=-1)
