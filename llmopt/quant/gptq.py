@@ -122,10 +122,9 @@ def _gptq(w, H, bits, group_size, sym, damp, act_order, block, bias, scale_dtype
     WT = W.t().contiguous()
     QT = torch.empty_like(WT)
     maxq = 2 ** bits - 1
-    if mode == "static":   # every column's scale and zero known up front: one contiguous row each
-        S, Z = scales.t()[col_group].contiguous(), zeros.t()[col_group].contiguous()
-    else:
-        S, Z = torch.empty_like(WT), torch.empty_like(WT)
+    # each group's scale and zero as one contiguous row ([groups, out]); static: all known up front
+    S, Z = scales.t().contiguous(), zeros.t().contiguous()
+    group_of = col_group.tolist()
     dq = torch.empty(out_f)
     loss = 0.0
     for b0 in range(0, in_f, block):
@@ -140,10 +139,9 @@ def _gptq(w, H, bits, group_size, sym, damp, act_order, block, bias, scale_dtype
             if mode != "static" and col % gs == 0:
                 # the group's parameters from its columns as updated so far (in-block ones from W1)
                 grp = torch.cat([W1[i:], WT[b1:]])[:gs]
-                sc, zc = (t[:, 0] for t in group_params(grp.t(), bits, sym, scale_dtype))
-                scales[:, col // gs], zeros[:, col // gs] = sc, zc
-                S[col:col + gs], Z[col:col + gs] = sc, zc
-            w, s, z, q = W1[i], S[col], Z[col], QT[col]
+                S[col // gs], Z[col // gs] = (t[:, 0] for t in group_params(grp.t(), bits, sym, scale_dtype))
+            g = group_of[col]
+            w, s, z, q = W1[i], S[g], Z[g], QT[col]
             torch.div(w, s, out=q).round_().add_(z).clamp_(0, maxq)
             torch.sub(q, z, out=dq).mul_(s)
             e = torch.sub(w, dq, out=Err1[i])                 # w − ŵ; divided by Hinv[i, i] below
@@ -152,6 +150,7 @@ def _gptq(w, H, bits, group_size, sym, damp, act_order, block, bias, scale_dtype
         loss += float(Err1.pow(2).sum())
         if b1 < in_f:
             WT[b1:].addmm_(Hinv[b0:b1, b1:].t(), Err1, alpha=-1)
+    scales, zeros = S.t().contiguous(), Z.t().contiguous()
     Q = QT.t()
 
     g_idx = None
