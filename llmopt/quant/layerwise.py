@@ -194,11 +194,13 @@ class _InputStats:
     def _hook(self, key):
         def hook(_mod, args):
             a = args[0]
-            flat = a.reshape(-1, a.shape[-1]).float()
-            self.sum[key] = self.sum.get(key, 0) + flat.abs().sum(0, dtype=torch.float64)
-            m = flat.abs().amax(0)
+            ab = a.reshape(-1, a.shape[-1]).float().abs()
+            # one forward batch (≤ FORWARD_TOKENS rows) sums in float32, the batches in float64: a
+            # float64 reduction of the whole [tokens, intermediate] batch costs more than its GEMM
+            self.sum[key] = self.sum.get(key, 0) + ab.sum(0).double()
+            m = ab.amax(0)
             self.amax[key] = torch.maximum(self.amax[key], m) if key in self.amax else m
-            self.count[key] = self.count.get(key, 0) + flat.shape[0]
+            self.count[key] = self.count.get(key, 0) + ab.shape[0]
             room = self.keep - sum(t.shape[0] for t in self.sample[key])
             if room > 0:
                 self.sample[key].append(a[:room].clone())
