@@ -103,13 +103,13 @@ def _gptq(w, H, bits, group_size, sym, damp, act_order, block, bias, scale_dtype
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
     n_groups = in_f // gs
-    scales = torch.zeros(out_f, n_groups)
-    zeros = torch.zeros(out_f, n_groups)
+    # each group's scale and zero as one contiguous row ([groups, out]): the column loop reads one per column
+    S, Z = torch.zeros(n_groups, out_f), torch.zeros(n_groups, out_f)
     perm = None
     col_group = torch.arange(in_f) // gs       # the group of the column at each processing position
-    if mode == "static":
+    if mode == "static":                       # all known up front, from the original weights
         s0, z0 = group_params(W.reshape(out_f, n_groups, gs), bits, sym, scale_dtype)
-        scales, zeros = s0[..., 0], z0[..., 0]
+        S, Z = s0[..., 0].t().contiguous(), z0[..., 0].t().contiguous()
     if mode in ("static", "group"):
         perm = torch.argsort(torch.diag(H), descending=True)
         W, H = W[:, perm], H[perm][:, perm]
@@ -122,8 +122,6 @@ def _gptq(w, H, bits, group_size, sym, damp, act_order, block, bias, scale_dtype
     WT = W.t().contiguous()
     QT = torch.empty_like(WT)
     maxq = 2 ** bits - 1
-    # each group's scale and zero as one contiguous row ([groups, out]); static: all known up front
-    S, Z = scales.t().contiguous(), zeros.t().contiguous()
     group_of = col_group.tolist()
     dq = torch.empty(out_f)
     loss = 0.0
