@@ -67,8 +67,9 @@ def run_peer(args, out: Path) -> tuple[float, dict]:
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""})
     if proc.returncode:
         sys.exit(f"llm-compressor failed:\n{proc.stderr[-3000:]}")
-    print(proc.stdout.strip().splitlines()[-1], file=sys.stderr, flush=True)
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    line = proc.stdout.strip().splitlines()[-1]
+    print(line, file=sys.stderr, flush=True)
+    report = json.loads(line)
     return float(report["seconds"]), report
 
 
