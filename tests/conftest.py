@@ -1,4 +1,9 @@
-"""Test-wide settings: nothing is fetched from a hub; the shared data folder is found relative to the repo."""
+"""Test-wide settings and the one tiny-model builder.
+
+Nothing is fetched from a hub; the shared data folder is found relative to the repo. Every test
+that needs a small random checkpoint builds it with `make_tiny` (or the `tiny_factory` /
+`tiny_llama` fixtures), transformers' own model classes writing the Hugging Face folder, so the
+checkpoint is an independent reference for our loader and model."""
 
 import os
 from pathlib import Path
@@ -15,6 +20,69 @@ import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO / ".." / "shared" / "data"
+
+# The common tiny shape: GQA 4/2, head_dim 16, two layers. Override any key per test.
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-5,
+            initializer_range=0.2, tie_word_embeddings=False)
+
+_CONFIGS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+
+
+def make_tiny(path: Path, model_type: str = "llama", seed: int = 0, tokenizer: bool = False,
+              weight_std: float | None = None, dtype=None, **overrides) -> Path:
+    """Save a random transformers model of `model_type` (llama, mistral, qwen2, qwen3) to `path`.
+
+    tokenizer=True copies the default model's (SmolLM2) tokenizer files into the folder and sizes
+    the vocabulary and BOS/EOS ids to it. weight_std redraws every parameter from N(0, std) (big
+    enough weights that quantization matters, like a trained model's). Returns `path`."""
+    import torch
+    import transformers
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    kw = {**TINY, **overrides}
+    tok = None
+    if tokenizer:
+        from transformers import AutoTokenizer
+        from llmopt.models.loader import resolve_checkpoint
+        tok = AutoTokenizer.from_pretrained(str(resolve_checkpoint(None)))
+        kw.setdefault("bos_token_id", tok.bos_token_id)
+        kw.setdefault("eos_token_id", tok.eos_token_id)
+        if "vocab_size" not in overrides:
+            kw["vocab_size"] = len(tok)
+    cfg = getattr(transformers, _CONFIGS[model_type])(**kw)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    if weight_std is not None:
+        for p in model.parameters():
+            p.data.normal_(0, weight_std)
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(path)
+    if tok is not None:
+        tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_factory(tmp_path_factory):
+    """make_tiny(...) memoized per arguments for the whole session: `tiny_factory(seed=1, ...)`."""
+    cache: dict = {}
+
+    def build(**kw) -> Path:
+        key = repr(sorted(kw.items()))
+        if key not in cache:
+            cache[key] = make_tiny(tmp_path_factory.mktemp("tiny"), **kw)
+        return cache[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_factory) -> Path:
+    """The default tiny Llama folder (no tokenizer)."""
+    return tiny_factory()
 
 
 @pytest.fixture(scope="session")
