@@ -1,11 +1,17 @@
-"""The `llmopt` command: one Typer app, one thin module per subcommand."""
+"""The `llmopt` command: one Typer app, and the one place where subcommands are registered.
+
+Command modules define plain functions (Typer options as defaults, the body calling the library)
+and an EXAMPLES list; they never import `app`. Each is registered here once, wrapped by
+`output.guarded`, which turns LLMOptError and friends into one red line and an exit code."""
 
 from __future__ import annotations
+
+import os
 
 import typer
 
 from llmopt import __version__
-from llmopt.cli import output
+from llmopt.cli import eval_ppl, generate, kv_estimate, output, quantize
 
 app = typer.Typer(name="llmopt", help="LLM inference optimization toolkit: quantize, estimate, serve, "
                   "benchmark and evaluate Llama-family models.", no_args_is_help=True,
@@ -23,18 +29,20 @@ def _root(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks instead of one-line errors."),
 ) -> None:
-    if debug:
-        output.DEBUG["on"] = True
+    output.DEBUG["on"] = debug or bool(os.environ.get("LLMOPT_DEBUG"))
 
 
-# Subcommands register themselves on `app` when imported; each appears only once it works.
-# (one import line per subcommand module, below)
-from llmopt.cli import kv_estimate  # noqa: E402,F401
-from llmopt.cli import eval_ppl  # noqa: E402,F401
-from llmopt.cli import generate  # noqa: E402,F401
-from llmopt.cli import quantize  # noqa: E402,F401
+# (name, module, function): the order of `llmopt --help`.
+COMMANDS = [
+    ("eval-ppl", eval_ppl, eval_ppl.eval_ppl),
+    ("quantize", quantize, quantize.quantize),
+    ("kv-estimate", kv_estimate, kv_estimate.kv_estimate),
+    ("generate", generate, generate.generate),
+]
+
+for _name, _module, _function in COMMANDS:
+    app.command(_name, epilog=output.examples_epilog(_module.EXAMPLES))(output.guarded(_function))
 
 
 def main() -> None:
     app()
-

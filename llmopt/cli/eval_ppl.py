@@ -6,7 +6,6 @@ import typer
 
 from llmopt import defaults
 from llmopt.cli import common, output
-from llmopt.cli.app import app
 
 METHOD_HELP = ("sliding: Hugging Face fixed-length loop (--max-length, --stride); chunks: GPTQ/AWQ "
                "non-overlapping --ctx windows; rolling: lm-evaluation-harness wikitext (per-document "
@@ -32,7 +31,13 @@ def _table(r):
     return tables
 
 
-@app.command("eval-ppl")
+# Shown under Examples in --help (app.py registers the command); one short line each.
+EXAMPLES = [
+    "llmopt eval-ppl --method chunks --ctx 2048 --limit 40000",
+    "llmopt eval-ppl --model out/smollm2-awq --base-model smollm2-135m",
+]
+
+
 def eval_ppl(
     model: str = common.ModelOpt,
     dtype: str = common.DtypeOpt,
@@ -56,17 +61,15 @@ def eval_ppl(
     quiet: bool = common.QuietOpt,
 ) -> None:
     """Perplexity (and KL divergence against a base model) on a text, by a peer's exact protocol."""
-    def run():
-        from llmopt.eval import load_text_dataset, plan_ppl, run_ppl
-        from llmopt.models.loader import load_model
+    from llmopt.eval import load_text_dataset, plan_ppl, run_ppl
+    from llmopt.models.loader import load_model
 
-        data = load_text_dataset(dataset, text_field)
-        lm = load_model(model, dtype, device)
-        base = load_model(base_model, dtype, device) if base_model else None
-        plan = plan_ppl(lm.tokenizer, lm.config.max_position_embeddings, data, method, ctx=ctx,
-                        max_length=max_length, stride=stride, limit=limit)
-        with output.progress(f"eval-ppl {method}", len(plan.windows), enabled=not quiet) as advance:
-            result = run_ppl(lm, plan, batch_size, base=base, progress=advance)
-        output.emit(result, as_json=json_out, table=_table, output=out_file)
+    data = load_text_dataset(dataset, text_field)
+    lm = load_model(model, dtype, device)
+    base = load_model(base_model, dtype, device) if base_model else None
+    plan = plan_ppl(lm.tokenizer, lm.config.max_position_embeddings, data, method, ctx=ctx,
+                    max_length=max_length, stride=stride, limit=limit)
+    with output.progress(f"eval-ppl {method}", len(plan.windows), enabled=not quiet) as advance:
+        result = run_ppl(lm, plan, batch_size, base=base, progress=advance)
+    output.emit(result, as_json=json_out, table=_table, output=out_file)
 
-    output.run_guarded(run)

@@ -11,7 +11,6 @@ import typer
 
 from llmopt import defaults
 from llmopt.cli import common, output
-from llmopt.cli.app import app
 from llmopt.errors import UserInputError
 
 _SUFFIX = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -47,7 +46,13 @@ def read_prompts(prompts: list[str], file: str | None) -> list[str]:
     return out
 
 
-@app.command("generate")
+# Shown under Examples in --help (app.py registers the command); one short line each.
+EXAMPLES = [
+    'llmopt generate --chat "What is the capital of France?"',
+    'echo "Once upon a time" | llmopt generate --max-tokens 64 --json',
+]
+
+
 def generate(
     prompts: list[str] = typer.Argument(None, help="Prompts (default: one per line from --file or stdin)."),
     file: str = typer.Option(None, "--file", "-f", help="Read prompts from this file, one per line."),
@@ -88,43 +93,41 @@ def generate(
     quiet: bool = common.QuietOpt,
 ) -> None:
     """Complete prompts with the paged-KV, continuous-batching engine."""
-    def run():
-        from llmopt.engine.llm import LLM
-        from llmopt.engine.sampling_params import SamplingParams
+    from llmopt.engine.llm import LLM
+    from llmopt.engine.sampling_params import SamplingParams
 
-        texts = read_prompts(prompts or [], file)
-        params = SamplingParams(
-            n=num, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-            repetition_penalty=repetition_penalty, stop=list(stop or []), stop_token_ids=list(stop_token_ids or []),
-            max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos, logprobs=logprobs)
-        if not quiet:
-            logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-        llm = LLM(model, dtype=dtype, device=device, block_size=block_size,
-                  kv_cache_memory=parse_bytes(kv_cache_memory), gpu_memory_utilization=gpu_memory_utilization,
-                  kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                  max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=prefix_caching,
-                  attention_backend=attention_backend, seed=seed or 0)
-        with output.progress("generate", len(texts), enabled=not quiet and len(texts) > 1) as advance:
-            if chat:
-                convs = [([{"role": "system", "content": system}] if system else []) +
-                         [{"role": "user", "content": t}] for t in texts]
-                results = llm.chat(convs, params, progress=advance)
+    texts = read_prompts(prompts or [], file)
+    params = SamplingParams(
+        n=num, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty, stop=list(stop or []), stop_token_ids=list(stop_token_ids or []),
+        max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos, logprobs=logprobs)
+    if not quiet:
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    llm = LLM(model, dtype=dtype, device=device, block_size=block_size,
+              kv_cache_memory=parse_bytes(kv_cache_memory), gpu_memory_utilization=gpu_memory_utilization,
+              kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+              max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=prefix_caching,
+              attention_backend=attention_backend, seed=seed or 0)
+    with output.progress("generate", len(texts), enabled=not quiet and len(texts) > 1) as advance:
+        if chat:
+            convs = [([{"role": "system", "content": system}] if system else []) +
+                     [{"role": "user", "content": t}] for t in texts]
+            results = llm.chat(convs, params, progress=advance)
+        else:
+            results = llm.generate(texts, params, progress=advance)
+    for prompt, res in zip(texts, results):
+        for c in res.outputs:
+            if json_out:
+                row = {"prompt": prompt, "index": c.index, "text": c.text, "token_ids": c.token_ids,
+                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                       "num_prompt_tokens": len(res.prompt_token_ids), "num_output_tokens": len(c.token_ids),
+                       "num_cached_tokens": res.num_cached_tokens}
+                if c.logprobs is not None:
+                    row["logprobs"] = c.logprobs
+                    row["cumulative_logprob"] = c.cumulative_logprob
+                sys.stdout.write(output.dumps(row) + "\n")
             else:
-                results = llm.generate(texts, params, progress=advance)
-        for prompt, res in zip(texts, results):
-            for c in res.outputs:
-                if json_out:
-                    row = {"prompt": prompt, "index": c.index, "text": c.text, "token_ids": c.token_ids,
-                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                           "num_prompt_tokens": len(res.prompt_token_ids), "num_output_tokens": len(c.token_ids),
-                           "num_cached_tokens": res.num_cached_tokens}
-                    if c.logprobs is not None:
-                        row["logprobs"] = c.logprobs
-                        row["cumulative_logprob"] = c.cumulative_logprob
-                    sys.stdout.write(output.dumps(row) + "\n")
-                else:
-                    sys.stdout.write(c.text + "\n")
-        sys.stdout.flush()
+                sys.stdout.write(c.text + "\n")
+    sys.stdout.flush()
 
-    output.run_guarded(run)

@@ -8,7 +8,6 @@ import typer
 
 from llmopt import defaults
 from llmopt.cli import output
-from llmopt.cli.app import app
 from llmopt.cli.common import JsonOpt, ModelOpt
 from llmopt.cli.kv_estimate_view import list_presets as show_presets
 from llmopt.cli.kv_estimate_view import render
@@ -17,7 +16,13 @@ from llmopt.errors import DoesNotFitError, UserInputError
 GIB = 1 << 30
 
 
-@app.command("kv-estimate")
+# Shown under Examples in --help (app.py registers the command); one short line each.
+EXAMPLES = [
+    "llmopt kv-estimate --model Qwen/Qwen2.5-7B --gpu H100-80GB",
+    "llmopt kv-estimate --gpu-memory 8 --max-model-len 8k --require-fit",
+]
+
+
 def kv_estimate(
     model: Optional[str] = ModelOpt,
     gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU preset: H100-80GB, H200, A100-40GB, A100-80GB, L40S, "
@@ -63,34 +68,32 @@ def kv_estimate(
     as_json: bool = JsonOpt,
 ) -> None:
     """Plan KV-cache and weight memory: bytes per token, blocks, concurrency, longest context, fit."""
-    def run() -> None:
-        if list_presets:
-            show_presets(as_json)
-            return
-        from llmopt.estimate import estimate, resolve_model_spec
-        from llmopt.estimate.units import parse_bytes, parse_list, parse_tokens
-        overrides = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
-                     "hidden_size": hidden_size, "num_attention_heads": num_attention_heads,
-                     "intermediate_size": intermediate_size, "vocab_size": vocab_size,
-                     "sliding_window": sliding_window, "kv_lora_rank": kv_lora_rank}
-        spec = resolve_model_spec(model, overrides)
-        if reserve_gib is not None and reserve_gib < 0:
-            raise UserInputError(f"--reserve-gib must be non-negative, got {reserve_gib}")
-        est = estimate(
-            spec, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
-            max_model_len=parse_tokens(max_model_len, "--max-model-len") if max_model_len else None,
-            max_num_batched_tokens=parse_tokens(max_num_batched_tokens, "--max-num-batched-tokens"),
-            max_num_seqs=max_num_seqs, tensor_parallel_size=tensor_parallel_size, gpu=gpu, gpu_memory_gib=gpu_memory,
-            gpu_memory_utilization=gpu_memory_utilization,
-            kv_cache_memory=parse_bytes(kv_cache_memory) if kv_cache_memory else None,
-            reserve_bytes=None if reserve_gib is None else int(reserve_gib * GIB), weight_format=weight_format,
-            group_size=group_size, batch_sizes=parse_list(batch_sizes, "--batch-sizes") if batch_sizes else None,
-            seq_lens=parse_list(seq_lens, "--seq-lens") if seq_lens else None, naive=naive, hybrid=not no_hybrid,
-            what_if=what_if)
-        output.emit(est, as_json=as_json, table=render)
-        if require_fit:
-            if est.fits is None:
-                raise UserInputError("--require-fit needs a memory budget: --gpu, --gpu-memory or --kv-cache-memory")
-            if not est.fits:
-                raise DoesNotFitError("does not fit: " + "; ".join(est.problems))
-    output.run_guarded(run)
+    if list_presets:
+        show_presets(as_json)
+        return
+    from llmopt.estimate import estimate, resolve_model_spec
+    from llmopt.estimate.units import parse_bytes, parse_list, parse_tokens
+    overrides = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
+                 "hidden_size": hidden_size, "num_attention_heads": num_attention_heads,
+                 "intermediate_size": intermediate_size, "vocab_size": vocab_size,
+                 "sliding_window": sliding_window, "kv_lora_rank": kv_lora_rank}
+    spec = resolve_model_spec(model, overrides)
+    if reserve_gib is not None and reserve_gib < 0:
+        raise UserInputError(f"--reserve-gib must be non-negative, got {reserve_gib}")
+    est = estimate(
+        spec, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
+        max_model_len=parse_tokens(max_model_len, "--max-model-len") if max_model_len else None,
+        max_num_batched_tokens=parse_tokens(max_num_batched_tokens, "--max-num-batched-tokens"),
+        max_num_seqs=max_num_seqs, tensor_parallel_size=tensor_parallel_size, gpu=gpu, gpu_memory_gib=gpu_memory,
+        gpu_memory_utilization=gpu_memory_utilization,
+        kv_cache_memory=parse_bytes(kv_cache_memory) if kv_cache_memory else None,
+        reserve_bytes=None if reserve_gib is None else int(reserve_gib * GIB), weight_format=weight_format,
+        group_size=group_size, batch_sizes=parse_list(batch_sizes, "--batch-sizes") if batch_sizes else None,
+        seq_lens=parse_list(seq_lens, "--seq-lens") if seq_lens else None, naive=naive, hybrid=not no_hybrid,
+        what_if=what_if)
+    output.emit(est, as_json=as_json, table=render)
+    if require_fit:
+        if est.fits is None:
+            raise UserInputError("--require-fit needs a memory budget: --gpu, --gpu-memory or --kv-cache-memory")
+        if not est.fits:
+            raise DoesNotFitError("does not fit: " + "; ".join(est.problems))

@@ -4,6 +4,7 @@ a progress bar on stderr, and errors as one red line (traceback with --debug / L
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -97,15 +98,33 @@ def progress(description: str, total: int | None, *, enabled: bool = True) -> It
         yield lambda n=1: bar.advance(task, n)
 
 
+def examples_epilog(examples: Iterable[str]) -> str:
+    """The Examples section of a command's --help: a heading and one line per example. Typer's rich
+    help keeps single line breaks, and examples are kept short enough not to wrap at 80 columns."""
+    return "Examples:\n" + "\n".join(examples)
+
+
 def fail(message: str, code: int = 2) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    message = " ".join(line.strip() for line in str(message).splitlines() if line.strip())  # one line
+    err.print("[bold red]error:[/] ", end="", highlight=False)
+    err.print(message, markup=False, highlight=False, soft_wrap=True)
     raise SystemExit(code)
 
 
-def run_guarded(fn: Callable[[], Any]) -> Any:
-    """Call fn; LLMOptError (and common user errors) become one red line and their exit code."""
+def guarded(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a command function so its errors become one red line and an exit code (see run_guarded).
+    functools.wraps keeps the signature, so Typer still reads the options from it."""
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return run_guarded(command, *args, **kwargs)
+    return wrapper
+
+
+def run_guarded(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call fn(*args, **kwargs); LLMOptError (exit 2/1/3 by kind), missing or unreadable files (2) and
+    Ctrl-C (130) become one red line on stderr; with --debug / LLMOPT_DEBUG=1 errors propagate."""
     try:
-        return fn()
+        return fn(*args, **kwargs)
     except LLMOptError as e:
         if DEBUG["on"]:
             raise

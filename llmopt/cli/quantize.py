@@ -3,13 +3,10 @@ checkpoints, one decoder layer at a time."""
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 import typer
 
 from llmopt import defaults
 from llmopt.cli import common, output
-from llmopt.cli.app import app
 
 
 def _mb(n: int) -> str:
@@ -31,11 +28,20 @@ def _tables(r):
         t.add_row(str(lr.layer), output.fmt(lr.rel_error), f"{lr.seconds:.1f}")
     tables.append(t)
     if r.eval:
-        tables.append(output.kv_table("eval-ppl (before -> after)", [(k, v) for k, v in r.eval.items()]))
+        e = r.eval
+        tables.append(output.kv_table(f"eval-ppl {e.method} {e.window} (before -> after)", [
+            ("perplexity before", e.perplexity_before), ("perplexity after", e.perplexity_after),
+            ("KLD mean", e.kld_mean), ("top-1 agreement", e.top1_agreement), ("scored tokens", e.scored_tokens)]))
     return tables
 
 
-@app.command("quantize")
+# Shown under Examples in --help (app.py registers the command); one short line each.
+EXAMPLES = [
+    "llmopt quantize --method awq --group-size 64 -o out/smollm2-awq",
+    "llmopt quantize --recipe recipes/gptq-w4-g64.yaml -o out/gptq --eval",
+]
+
+
 def quantize(
     model: str = common.ModelOpt,
     method: str = typer.Option(None, "--method", help="awq | gptq | rtn | fp8 | int8 (default awq)."),
@@ -70,48 +76,19 @@ def quantize(
     quiet: bool = common.QuietOpt,
 ) -> None:
     """Quantize a checkpoint layer by layer (peak memory: one layer plus the calibration activations)."""
-    flags = dict(method=method, bits=bits, group_size=group_size, sym=sym, calib_data=calib_data,
-                 num_samples=num_samples, seq_len=seq_len, seed=seed, format=fmt, damp=damp, act_order=act_order,
-                 smoothquant_alpha=smoothquant_alpha, awq_duo_scaling=awq_duo_scaling, fp8_scale=fp8_scale,
-                 activations=activations)
+    from llmopt.quant.evaluate import plan_quant_eval, run_quant_eval
+    from llmopt.quant.pipeline import count_layers, quantize_model
+    from llmopt.quant.spec import merge_sources
 
-    def run():
-        from llmopt.errors import UserInputError
-        from llmopt.models.config import ModelConfig
-        from llmopt.models.loader import resolve_checkpoint
-        from llmopt.quant.pipeline import quantize_model
-        from llmopt.quant.spec import QuantSpec, load_recipe
-
-        settings = load_recipe(recipe) if recipe else {}
-        settings.update({k: v for k, v in flags.items() if v is not None})
-        src = model if model is not None else settings.pop("model", None)
-        settings.pop("model", None)
-        dest = out_dir if out_dir is not None else settings.pop("output", None)
-        settings.pop("output", None)
-        if not dest:
-            raise UserInputError("--output is required (or `output:` in the recipe)")
-        known = {f.name for f in fields(QuantSpec)}
-        spec = QuantSpec(**{k: v for k, v in settings.items() if k in known})
-        folder = resolve_checkpoint(src)
-        n_layers = ModelConfig.from_path(folder).num_hidden_layers
-        with output.progress(f"quantize {spec.method}", n_layers, enabled=not quiet) as advance:
-            result = quantize_model(str(folder), dest, spec, overwrite=overwrite, progress=advance)
-        result.eval = _evaluate(str(folder), result.output, eval_limit, quiet) if run_eval else {}
-        output.emit(result, as_json=json_out, table=_tables)
-
-    output.run_guarded(run)
-
-
-def _evaluate(base: str, quantized: str, limit: int, quiet: bool) -> dict:
-    """eval-ppl chunks on WikiText-2 test, base then quantized with KLD against the base."""
-    from llmopt.eval import load_text_dataset, plan_ppl, run_ppl
-    from llmopt.models.loader import load_model
-    data = load_text_dataset(defaults.PPL_DATASET)
-    base_lm = load_model(base, "auto", "auto")
-    q_lm = load_model(quantized, "auto", "auto")
-    plan = plan_ppl(base_lm.tokenizer, base_lm.config.max_position_embeddings, data, "chunks",
-                    ctx=defaults.PPL_CTX, limit=limit)
-    with output.progress("eval-ppl", len(plan.windows), enabled=not quiet) as advance:
-        r = run_ppl(q_lm, plan, base=base_lm, progress=advance)
-    return {"perplexity before": r.kl.base_ppl, "perplexity after": r.ppl, "KLD mean": r.kl.kld_mean,
-            "top-1 agreement": r.kl.top1_agreement, "scored tokens": r.scored_tokens}
+    job = merge_sources(recipe, dict(
+        model=model, output=out_dir, method=method, bits=bits, group_size=group_size, sym=sym,
+        calib_data=calib_data, num_samples=num_samples, seq_len=seq_len, seed=seed, format=fmt, damp=damp,
+        act_order=act_order, smoothquant_alpha=smoothquant_alpha, awq_duo_scaling=awq_duo_scaling,
+        fp8_scale=fp8_scale, activations=activations))
+    with output.progress(f"quantize {job.spec.method}", count_layers(job.model), enabled=not quiet) as advance:
+        result = quantize_model(job.model, job.output, job.spec, overwrite=overwrite, progress=advance)
+    if run_eval:
+        plan = plan_quant_eval(result.source, result.output, limit=eval_limit)
+        with output.progress("eval-ppl", plan.windows, enabled=not quiet) as advance:
+            result.eval = run_quant_eval(plan, progress=advance)
+    output.emit(result, as_json=json_out, table=_tables)

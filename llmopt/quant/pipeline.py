@@ -29,6 +29,7 @@ from llmopt.models.llama import DecoderLayer, rope_cos_sin, rope_inv_freq
 from llmopt.models.loader import load_tokenizer, resolve_checkpoint, safetensors_files
 from llmopt.quant.calib import load_calibration
 from llmopt.quant.checkpoint import CheckpointReader, save_shard, write_metadata
+from llmopt.quant.evaluate import QuantEval
 from llmopt.quant.layerwise import LINEARS, LayerContext, quantize_layer
 from llmopt.quant.rtn import check_group_size
 from llmopt.quant.spec import QuantSpec
@@ -58,7 +59,7 @@ class QuantizeResult:
     mean_rel_error: float
     max_rel_error: float
     layers: list[LayerReport] = field(default_factory=list)
-    eval: dict = field(default_factory=dict)      # filled by `llmopt quantize --eval`
+    eval: QuantEval | None = None      # llmopt.quant.evaluate, when asked for (`llmopt quantize --eval`)
 
 
 def validate(cfg: ModelConfig, spec: QuantSpec) -> None:
@@ -78,6 +79,11 @@ def output_dtype(spec: QuantSpec, reader: "CheckpointReader") -> torch.dtype:
         return torch.float16            # what the AutoAWQ / GPTQ kernels compute in
     dt = reader.float_dtype()
     return dt if dt in (torch.float16, torch.bfloat16) else torch.float16
+
+
+def count_layers(model: str | None) -> int:
+    """Decoder layers of a checkpoint: the steps quantize_model reports to its progress callback."""
+    return ModelConfig.from_path(resolve_checkpoint(model)).num_hidden_layers
 
 
 def quantize_model(model: str | None, output: str | Path, spec: QuantSpec, overwrite: bool = False,

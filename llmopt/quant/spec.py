@@ -91,6 +91,57 @@ class QuantSpec:
         return self.method in ("awq", "gptq") or (self.method == "int8" and self.activations == "dynamic")
 
 
+@dataclass
+class QuantJob:
+    """A quantize run with every source merged: what to quantize, where to, and how."""
+    spec: QuantSpec
+    model: str | None      # None: the default model
+    output: str
+
+
+JOB_KEYS = ("model", "output")
+
+
+def _field_types() -> dict[str, tuple[type, ...]]:
+    """Accepted Python types per recipe key, read from QuantSpec's annotations ('int | None')."""
+    names = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "None": (type(None),)}
+    out = {}
+    for f in fields(QuantSpec):
+        parts = [t.strip() for t in str(f.type).split("|")]
+        if all(t in names for t in parts):
+            out[f.name] = tuple(x for t in parts for x in names[t])
+    return {**out, "model": (str,), "output": (str,)}
+
+
+def merge_sources(recipe: str | Path | None = None, flags: dict | None = None) -> QuantJob:
+    """Merge a YAML recipe and command-line flags into a QuantJob: flags (None = not given) override
+    recipe keys, which override QuantSpec's defaults. Keys are QuantSpec fields plus model and output;
+    unknown keys and values of the wrong type are refused."""
+    types = _field_types()
+
+    def check(where: str, k: str, v) -> None:
+        ok = types.get(k)
+        if ok and (not isinstance(v, ok) or (isinstance(v, bool) and bool not in ok)):
+            want = " or ".join(t.__name__ for t in ok if t is not type(None))
+            raise UserInputError(f"{where}: {k.replace('_', '-')} must be {want}, got {v!r}")
+
+    settings = load_recipe(recipe) if recipe else {}
+    for k, v in settings.items():
+        check(f"recipe {recipe}", k, v)
+    known = {f.name for f in fields(QuantSpec)} | set(JOB_KEYS)
+    for k, v in (flags or {}).items():
+        if k not in known:
+            raise UserInputError(f"unknown quantize setting {k!r} (known: {', '.join(sorted(known))})")
+        if v is not None:
+            check("flags", k, v)
+            settings[k] = v
+    model = settings.pop("model", None)
+    output = settings.pop("output", None)
+    if not output:
+        raise UserInputError("--output is required (or `output:` in the recipe)")
+    return QuantJob(spec=QuantSpec(**settings), model=model, output=str(output))
+
+
 def load_recipe(path: str | Path) -> dict:
     """A YAML recipe whose keys mirror the CLI flags (dashes or underscores)."""
     import yaml
