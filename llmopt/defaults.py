@@ -20,6 +20,8 @@ PPL_STRIDE = 512
 PPL_LLAMACPP_CTX = 512
 PPL_BATCH_SIZE = 1
 PPL_DATASET = "../shared/data/wikitext-2-raw/wiki.test.raw"
+PPL_SPLIT = "test"     # split of a Hugging Face --dataset that names none
+TEXT_FIELD = "text"    # field of .jsonl rows / dataset column read by --dataset and --calib-data
 LOSS_CHUNK_TOKENS = 512  # rows of logits materialized at once by the chunked cross-entropy
 
 # engine
@@ -44,6 +46,7 @@ ESTIMATE_RUNTIME_OVERHEAD_GIB = 1.0  # CUDA graphs, NCCL and cuBLAS workspaces, 
 
 # quantize
 CALIB_DATA = "../shared/data/wikitext-2/wiki.valid.tokens"
+CALIB_SPLIT = "train"  # split of a Hugging Face --calib-data that names none
 QUANT_NUM_SAMPLES = 128
 QUANT_SEQ_LEN = 512
 QUANT_GROUP_SIZE = 128

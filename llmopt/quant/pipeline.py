@@ -186,7 +186,7 @@ def _load_layer(cfg: ModelConfig, reader: "CheckpointReader", i: int) -> Decoder
 def _calibration(folder: Path, spec: QuantSpec) -> torch.Tensor:
     """Token windows: the full set for methods that calibrate, else only what the error report uses."""
     n = spec.num_samples if spec.needs_calibration else max(1, spec.error_tokens // spec.seq_len)
-    return load_calibration(spec.calib_data, load_tokenizer(folder), n, spec.seq_len, spec.seed).ids
+    return load_calibration(spec.calib_data, load_tokenizer(folder), n, spec.seq_len, spec.seed, spec.text_field).ids
 
 
 def _packer(fmt: str):

@@ -22,6 +22,7 @@ class QuantSpec:
     sym: bool | None = None            # None: symmetric for gptq/rtn, asymmetric (zero points) for awq
     format: str | None = None          # None: DEFAULT_FORMAT[method]
     calib_data: str = defaults.CALIB_DATA
+    text_field: str = defaults.TEXT_FIELD   # .jsonl field / dataset column of calib_data
     num_samples: int = defaults.QUANT_NUM_SAMPLES
     seq_len: int = defaults.QUANT_SEQ_LEN
     seed: int = defaults.QUANT_SEED
