@@ -129,3 +129,21 @@ def our_logits(folder: Path, ids: torch.Tensor, dtype: str = "float32") -> torch
 
 __all__ = ["LINEARS", "dequantized_reference", "fp8", "int8", "our_logits", "rtn", "tiny_llama",
            "write_quantized", "quantization_config"]
+
+
+def our_layer(heads=4, kv_heads=4, seed=0):
+    """One of our DecoderLayers (hidden 64) with weights N(0, 0.2) (norms around 1), and its context
+    for 32 positions."""
+    from llmopt.models.attention import DenseCausalAttention
+    from llmopt.models.config import ModelConfig
+    from llmopt.models.llama import DecoderLayer, rope_cos_sin, rope_inv_freq
+    from llmopt.quant.layerwise import LayerContext
+    torch.manual_seed(seed)
+    cfg = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=16, rms_norm_eps=1e-6)
+    layer = DecoderLayer(cfg, 0).eval()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.ndim == 1 else 0.0))
+    ctx = LayerContext(*rope_cos_sin(rope_inv_freq(cfg), torch.arange(32), torch.float32), DenseCausalAttention())
+    return layer, ctx

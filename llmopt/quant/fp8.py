@@ -1,15 +1,14 @@
 """FP8 e4m3 weights with per-tensor or per-output-channel scales (W ≈ w8·s, s = absmax / 448),
-weight-only or W8A8 with dynamic per-token activation scales (applied at run time)."""
+weight-only or W8A8 with dynamic per-token activation scales (quant/activations.py, applied at run time)."""
 
 from __future__ import annotations
 
 import torch
 
 from llmopt.errors import UserInputError
+from llmopt.quant.activations import FP8_MAX
 from llmopt.quant.rtn import round_scale
 from llmopt.quant.types import FloatQuantized
-
-FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 
 
 def quantize_fp8(w: torch.Tensor, scheme: str = "channel", activations: str = "dynamic",
@@ -24,9 +23,3 @@ def quantize_fp8(w: torch.Tensor, scheme: str = "channel", activations: str = "d
     scale = round_scale((amax / FP8_MAX).clamp(min=1e-12), scale_dtype)
     w8 = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return FloatQuantized(weight=w8, weight_scale=scale.to(torch.float32), activations=activations, bias=bias)
-
-
-def fake_quantize_tokens_fp8(x: torch.Tensor) -> torch.Tensor:
-    """What a W8A8 FP8 kernel does to its input: per-token absmax scale, cast, back."""
-    scale = (x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
-    return ((x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)

@@ -20,12 +20,6 @@ def quantize_int8(w: torch.Tensor, activations: str = "dynamic", bias: torch.Ten
     return Int8Quantized(weight=w8, weight_scale=scale, activations=activations, bias=bias)
 
 
-def fake_quantize_tokens_int8(x: torch.Tensor) -> torch.Tensor:
-    """What a W8A8 INT8 kernel does to its input: per-token symmetric absmax / 127."""
-    scale = (x.float().abs().amax(dim=-1, keepdim=True) / 127.0).clamp(min=1e-12)
-    return (torch.round(x.float() / scale).clamp(-127, 127) * scale).to(x.dtype)
-
-
 def smoothing_scales(act_absmax: torch.Tensor, linears: list[nn.Linear], alpha: float) -> torch.Tensor:
     """Per-input-channel divisor s: activations ÷ s, weight columns × s."""
     w_absmax = torch.cat([lin.weight.detach().abs().float() for lin in linears], dim=0).amax(dim=0)

@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from llmopt import defaults
 from llmopt.quant import awq, fp8, gptq, int8, rtn
+from llmopt.quant.activations import fake_quantize_tokens
 from llmopt.quant.spec import QuantSpec
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -80,8 +81,9 @@ def quantize_layer(layer: nn.Module, x: torch.Tensor, err_samples: int, ctx: Lay
     quantized, next_x = METHODS[spec.method](layer, x, ctx, spec)
     handles = []
     if spec.method in ("fp8", "int8") and spec.activations == "dynamic":
-        fq = fp8.fake_quantize_tokens_fp8 if spec.method == "fp8" else int8.fake_quantize_tokens_int8
-        handles = [layer.get_submodule(n).register_forward_pre_hook(lambda _m, a: (fq(a[0]),)) for n in LINEARS]
+        # the arithmetic the runtime modules run (quant/modules_w8a8.py), as dequantize(quantize(x))
+        handles = [layer.get_submodule(n).register_forward_pre_hook(
+            lambda _m, a: (fake_quantize_tokens(a[0], spec.method),)) for n in LINEARS]
     try:
         # GPTQ passes on the quantized layer's output: its first samples are y_q
         y_q = next_x[:ex.shape[0]] if spec.method == "gptq" else ctx.forward(layer, ex)

@@ -1,9 +1,8 @@
 """Runtime modules for 8-bit compressed-tensors checkpoints: FP8 e4m3 (float-quantized, or
 naive-quantized when weight-only) and INT8 W8A8 (int-quantized).
 
-W8A8 quantizes the activations per token, dynamically and symmetrically, as vLLM does:
-  fp8:  s = amax|x| / 448, xq = fp8(clamp(x / s)),   y = (xq @ w8ᵀ) * s * s_w
-  int8: s = amax|x| / 127, xq = round(x / s) (int8), y = (xq @ w8ᵀ) * s * s_w
+W8A8 quantizes the activations per token, dynamically and symmetrically, as vLLM does
+(`quant/activations.py`, the definition calibration simulates too), then y = (xq @ w8ᵀ) * s * s_w.
 On CUDA through torch._scaled_mm (fp8, row-wise scales) and torch._int_mm (int8), on the CPU the
 same arithmetic in float32. Weight-only FP8 dequantizes (cached on the CPU, per call on a GPU).
 """
@@ -13,25 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from llmopt.quant.activations import quantize_tokens, quantize_tokens_fp8, quantize_tokens_int8
 from llmopt.quant.modules import QuantLinear
 from llmopt.quant.types import FloatQuantized, Int8Quantized
-
-FP8_MAX = 448.0
-_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)   # vLLM's floor for a per-token fp8 scale
-
-
-def quantize_tokens_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (fp8 codes [M, K], float32 scales [M, 1])."""
-    s = (x.abs().amax(-1, keepdim=True).float() / FP8_MAX).clamp(min=_MIN_SCALE)
-    return (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), s
-
-
-def quantize_tokens_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (int8 codes [M, K], float32 scales [M, 1]); an all-zero row gets scale 1."""
-    amax = x.abs().amax(-1, keepdim=True).float()
-    s = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    return torch.round(x.float() / s).clamp(-128, 127).to(torch.int8), s
-
 
 class W8Linear(QuantLinear):
     """weight [out, in] (fp8 or int8) and weight_scale [out, 1] or [1]."""
@@ -83,7 +66,7 @@ class W8Linear(QuantLinear):
         return F.linear(x, self._dense, self._bias(x.dtype))
 
     def _emulated_w8a8(self, x2: torch.Tensor) -> torch.Tensor:
-        xq, sx = quantize_tokens_fp8(x2) if self.kind == "fp8" else quantize_tokens_int8(x2)
+        xq, sx = quantize_tokens(x2, self.kind)
         acc = xq.float() @ self.weight.float().t()
         return acc * sx * self._w_scale_row()
 
