@@ -31,8 +31,13 @@ def kv_estimate(
     gpu_memory_utilization: float = typer.Option(defaults.GPU_MEMORY_UTILIZATION, "--gpu-memory-utilization",
                                                  help="Share of GPU memory the server may use (vLLM's meaning)."),
     tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", help="GPUs per replica."),
+    device: str = typer.Option(defaults.DEVICE, "--device", help="auto|cpu|cuda: where the plan runs (auto: a GPU "
+                               "with --gpu/--gpu-memory, else what the engine picks on this machine)."),
+    dtype: str = typer.Option(defaults.DTYPE, "--dtype", help="auto|float32|bfloat16|float16: the model's dtype, as "
+                              "the engine resolves it (auto: float32 on the CPU, the checkpoint's dtype on a GPU)."),
     kv_cache_dtype: str = typer.Option(defaults.KV_CACHE_DTYPE, "--kv-cache-dtype",
-                                       help="auto|float32|bfloat16|float16|fp8|fp8_e4m3|fp8_e5m2|int8|int4|kivi2|fp8_ds_mla."),
+                                       help="auto (the model's dtype)|float32|bfloat16|float16|fp8|fp8_e4m3|fp8_e5m2|"
+                                       "int8|int4|kivi2|fp8_ds_mla."),
     block_size: int = typer.Option(defaults.BLOCK_SIZE, "--block-size", help="Tokens per KV block."),
     max_model_len: Optional[str] = typer.Option(None, "--max-model-len", help="Context per request, e.g. 32768 or 32k "
                                                 "(default: the model's max_position_embeddings)."),
@@ -81,7 +86,7 @@ def kv_estimate(
     if reserve_gib is not None and reserve_gib < 0:
         raise UserInputError(f"--reserve-gib must be non-negative, got {reserve_gib}")
     est = estimate(
-        spec, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
+        spec, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
         max_model_len=parse_tokens(max_model_len, "--max-model-len") if max_model_len else None,
         max_num_batched_tokens=parse_tokens(max_num_batched_tokens, "--max-num-batched-tokens"),
         max_num_seqs=max_num_seqs, tensor_parallel_size=tensor_parallel_size, gpu=gpu, gpu_memory_gib=gpu_memory,

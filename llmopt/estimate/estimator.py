@@ -3,7 +3,7 @@ concurrency, the longest context, a batch x length grid and the naive formula, a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
 from llmopt import defaults
@@ -16,6 +16,7 @@ from llmopt.estimate.presets import find_gpu
 from llmopt.estimate.units import GIB
 from llmopt.estimate.weights import WeightMemory, weight_memory
 from llmopt.estimate.whatif import WhatIf, what_ifs
+from llmopt.models.config import resolve_device_name, resolve_dtype_name
 
 
 @dataclass
@@ -66,6 +67,8 @@ class KVEstimate:
     kv_heads_per_rank: int
     head_dim: int
     max_position_embeddings: int
+    device: str                 # cpu | cuda: where the plan runs (what `auto` resolved to)
+    dtype: str                  # the model's compute dtype there (what `--dtype auto` resolved to)
     kv_cache_dtype: str
     tensor_parallel_size: int
     block_size: int
@@ -105,16 +108,23 @@ def reserve_estimate(spec: ModelSpec, tp: int, max_num_batched_tokens: int, max_
             "runtime": int(defaults.ESTIMATE_RUNTIME_OVERHEAD_GIB * GIB)}
 
 
-def estimate(spec: ModelSpec, *, kv_cache_dtype: str = "auto", block_size: int = defaults.BLOCK_SIZE,
+def estimate(spec: ModelSpec, *, device: str | None = None, dtype: str = defaults.DTYPE,
+             kv_cache_dtype: str = defaults.KV_CACHE_DTYPE, block_size: int = defaults.BLOCK_SIZE,
              max_model_len: int | None = None, max_num_batched_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS,
              max_num_seqs: int = defaults.MAX_NUM_SEQS, tensor_parallel_size: int = 1, gpu: str | None = None,
              gpu_memory_gib: float | None = None, gpu_memory_utilization: float = defaults.GPU_MEMORY_UTILIZATION,
              kv_cache_memory: int | None = None, reserve_bytes: int | None = None, weight_format: str = "auto",
              group_size: int | None = None, batch_sizes: list[int] | None = None, seq_lens: list[int] | None = None,
              naive: bool = False, hybrid: bool = True, what_if: bool = False) -> KVEstimate:
-    """The whole plan. `what_if` re-runs it with the usual levers (fp8 KV, quantized weights, 2x GPUs,
-    the longest context that fits) when a memory budget is given."""
-    levers = dict(kv_cache_dtype=kv_cache_dtype, block_size=block_size, max_model_len=max_model_len,
+    """The whole plan. `device`/`dtype` resolve `auto` as the engine does (models/config.py):
+    device auto is a GPU when one is planned for (gpu / gpu_memory_gib) or present here, else the
+    CPU; None plans for a GPU. dtype auto is float32 on the CPU, the checkpoint's dtype on a GPU;
+    a KV dtype of auto is the model's dtype. `what_if` re-runs the plan with the usual levers (fp8
+    KV, quantized weights, 2x GPUs, the longest context that fits) when a memory budget is given."""
+    dev = resolve_device_name(device or "cuda", gpu_planned=gpu is not None or gpu_memory_gib is not None,
+                              must_exist=False)
+    spec = replace(spec, dtype=resolve_dtype_name(dtype, "cpu" if dev == "cpu" else "cuda", spec.checkpoint_dtype))
+    levers = dict(device=dev, dtype=spec.dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size, max_model_len=max_model_len,
                   max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                   tensor_parallel_size=tensor_parallel_size, gpu=gpu, gpu_memory_gib=gpu_memory_gib,
                   gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory=kv_cache_memory,
@@ -132,11 +142,11 @@ def estimate(spec: ModelSpec, *, kv_cache_dtype: str = "auto", block_size: int =
         raise UserInputError(f"--tensor-parallel-size {tp} does not divide {spec.num_kv_heads} KV heads")
     if not spec.mla and spec.num_kv_heads < tp and tp % spec.num_kv_heads:
         raise UserInputError(f"{spec.num_kv_heads} KV heads cannot be replicated evenly over {tp} ranks")
-    dtype = canonical_kv_dtype(kv_cache_dtype, spec)
+    kv_dtype = canonical_kv_dtype(kv_cache_dtype, spec)
     max_len = max_model_len or spec.max_position_embeddings
     if max_len < 1:
         raise UserInputError(f"--max-model-len must be positive, got {max_len}")
-    layers = layer_kv_specs(spec, dtype, tp)
+    layers = layer_kv_specs(spec, kv_dtype, tp)
     layout = build_layout(layers, block_size, hybrid)
     per_kind: dict[tuple, list] = {}
     for x in layers:
@@ -151,11 +161,12 @@ def estimate(spec: ModelSpec, *, kv_cache_dtype: str = "auto", block_size: int =
         model=spec.name, source=spec.source, origin=spec.origin, attention=spec.attention, num_layers=spec.num_layers,
         num_kv_heads=1 if spec.mla else spec.num_kv_heads,
         kv_heads_per_rank=1 if spec.mla else kv_heads_per_rank(spec.num_kv_heads, tp),
-        head_dim=layers[0].head_size, max_position_embeddings=spec.max_position_embeddings, kv_cache_dtype=dtype,
+        head_dim=layers[0].head_size, max_position_embeddings=spec.max_position_embeddings,
+        device=dev, dtype=spec.dtype, kv_cache_dtype=kv_dtype,
         tensor_parallel_size=tp, block_size=block_size, max_model_len=max_len,
         max_num_batched_tokens=max_num_batched_tokens,
         bytes_per_token=_num(sum((x.token_bytes for x in layers), Fraction(0))),
-        bytes_per_token_model=_num(sum((x.token_bytes for x in layer_kv_specs(spec, dtype, 1)), Fraction(0))),
+        bytes_per_token_model=_num(sum((x.token_bytes for x in layer_kv_specs(spec, kv_dtype, 1)), Fraction(0))),
         layers=summary, weights=weights, request_bytes=layout.bytes_for(max_len, max_num_batched_tokens), note=note)
     available = kv_cache_memory
     if gpu is not None or gpu_memory_gib is not None:
@@ -185,8 +196,8 @@ def estimate(spec: ModelSpec, *, kv_cache_dtype: str = "auto", block_size: int =
             est.problems.append(f"{len(misses)} of {len(est.grid)} grid cells do not fit (e.g. batch "
                                 f"{misses[0].batch_size} x {misses[0].seq_len:,} tokens)")
     if naive:
-        layers1 = layer_kv_specs(spec, dtype, 1)
-        est.naive = naive_mod.compare(spec, dtype, layers1, build_layout(layers1, block_size, hybrid), max_len, 1,
+        layers1 = layer_kv_specs(spec, kv_dtype, 1)
+        est.naive = naive_mod.compare(spec, kv_dtype, layers1, build_layout(layers1, block_size, hybrid), max_len, 1,
                                       block_size, max_num_batched_tokens)
     est.fits = None if available is None else not est.problems
     if what_if and est.memory is not None:

@@ -9,6 +9,7 @@ from typing import Any
 
 from llmopt.errors import ModelLoadError, UserInputError
 from llmopt.estimate.tensors import TensorInfo
+from llmopt.models.config import parse_hf_config, resolve_dtype_name, text_config
 
 
 @dataclass
@@ -48,15 +49,21 @@ class ModelSpec:
     tie_word_embeddings: bool
     checkpoint_dtype: str
     layer_windows: list[int | None]
+    dtype: str = ""                   # what the model runs in; "" until resolved (then the checkpoint's)
     mla: MLA | None = None
     moe: MoE | None = None
     qkv_bias: bool = False
+    o_bias: bool = False
     qk_norm: bool = False
     norms_per_layer: int = 2
     quantization_config: dict | None = None
     tensors: list[TensorInfo] | None = None   # the file's real tensors, when it was read
     config: dict[str, Any] = field(default_factory=dict, repr=False)
     note: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.dtype:           # `auto` on a GPU: the checkpoint's dtype (models/config.py)
+            self.dtype = resolve_dtype_name("auto", "cuda", self.checkpoint_dtype)
 
     @property
     def attention(self) -> str:
@@ -68,11 +75,9 @@ class ModelSpec:
 
     @property
     def serving_dtype(self) -> str:
-        """What `auto` means: the checkpoint dtype; float32 checkpoints are served in bfloat16 (as vLLM
-        does on GPUs); a GGUF's KV cache defaults to float16 (llama.cpp's default cache type)."""
-        if self.source in ("gguf", "builtin"):
-            return "float16"
-        return "bfloat16" if self.checkpoint_dtype in ("float32", "float") else self.checkpoint_dtype
+        """The model's compute dtype: what a KV cache dtype of `auto` means (estimate() resolves it
+        for the device planned, as the engine does)."""
+        return self.dtype
 
 
 OVERRIDE_KEYS = {  # --flag name -> config.json key
@@ -84,76 +89,45 @@ OVERRIDE_KEYS = {  # --flag name -> config.json key
 }
 
 
-def _windows(d: dict[str, Any], mt: str, n: int) -> list[int | None]:
-    sw = d.get("sliding_window")
-    if not sw:
-        return [None] * n
-    sw = int(sw)
-    if d.get("layer_types"):
-        return [sw if t == "sliding_attention" else None for t in d["layer_types"]][:n] + [None] * (n - len(d["layer_types"]))
-    if mt == "gemma2":          # transformers Gemma2Config: even layers slide, odd layers are global
-        return [sw if i % 2 == 0 else None for i in range(n)]
-    if mt in ("gemma3", "gemma3_text"):   # every `sliding_window_pattern`-th layer is global
-        pattern = int(d.get("sliding_window_pattern") or 6)
-        return [sw if (i + 1) % pattern else None for i in range(n)]
-    if mt.startswith("qwen"):
-        if not d.get("use_sliding_window"):
-            return [None] * n
-        first = int(d.get("max_window_layers", n))
-        return [sw if i >= first else None for i in range(n)]
-    return [sw] * n             # mistral, mixtral, llama with an explicit window: every layer
-
-
 def spec_from_config(d: dict[str, Any], name: str, source: str, origin: str, note: str = "") -> ModelSpec:
-    if "text_config" in d and "num_hidden_layers" not in d:
-        d = {**d["text_config"], "quantization_config": d.get("quantization_config"),
-             "torch_dtype": d["text_config"].get("torch_dtype") or d.get("torch_dtype")}
+    """The shared parser (models/config.py: parse_hf_config) plus what only planning needs: MLA, MoE,
+    Gemma's four norms per layer."""
+    d = text_config(d)
+    arch = parse_hf_config(d, origin)
+    mt, inter = arch.model_type, arch.intermediate_size
     try:
-        mt = str(d.get("model_type") or "llama")
-        n = int(d["num_hidden_layers"])
-        hidden = int(d["hidden_size"])
-        heads = int(d["num_attention_heads"])
-        kv = int(d.get("num_key_value_heads") or heads)
-        head_dim = int(d.get("head_dim") or hidden // heads)
-        vocab = int(d["vocab_size"])
-        inter = int(d.get("intermediate_size") or 0)
+        mla = None
+        if d.get("kv_lora_rank"):
+            mla = MLA(int(d["kv_lora_rank"]), int(d.get("qk_rope_head_dim") or 64),
+                      int(d.get("qk_nope_head_dim") or 128), int(d.get("v_head_dim") or 128),
+                      int(d["q_lora_rank"]) if d.get("q_lora_rank") else None)
+        moe = None
+        if d.get("num_local_experts"):
+            moe = MoE(int(d["num_local_experts"]), int(d.get("num_experts_per_tok") or 2), inter, 0, 0, "mixtral")
+        elif d.get("n_routed_experts"):
+            mi = int(d["moe_intermediate_size"])
+            moe = MoE(int(d["n_routed_experts"]), int(d["num_experts_per_tok"]), mi,
+                      mi * int(d.get("n_shared_experts") or 0), int(d.get("first_k_dense_replace") or 0), "deepseek")
+        elif d.get("num_experts") and d.get("moe_intermediate_size"):
+            moe = MoE(int(d["num_experts"]), int(d["num_experts_per_tok"]), int(d["moe_intermediate_size"]),
+                      int(d.get("shared_expert_intermediate_size") or 0), 0, "qwen")
     except (KeyError, TypeError, ValueError) as e:
-        raise ModelLoadError(f"{origin}: config lacks {e} (needs num_hidden_layers, hidden_size, "
-                             f"num_attention_heads, vocab_size)") from e
-    for key, v in (("num_layers", n), ("hidden_size", hidden), ("num_attention_heads", heads),
-                   ("num_kv_heads", kv), ("head_dim", head_dim), ("vocab_size", vocab)):
-        if v <= 0:
-            raise UserInputError(f"{origin}: {key} must be positive, got {v}")
-    if heads % kv:
-        raise UserInputError(f"{origin}: {heads} attention heads are not a multiple of {kv} KV heads")
-    mla = None
-    if d.get("kv_lora_rank"):
-        mla = MLA(int(d["kv_lora_rank"]), int(d.get("qk_rope_head_dim") or 64), int(d.get("qk_nope_head_dim") or 128),
-                  int(d.get("v_head_dim") or 128), int(d["q_lora_rank"]) if d.get("q_lora_rank") else None)
-    moe = None
-    if d.get("num_local_experts"):
-        moe = MoE(int(d["num_local_experts"]), int(d.get("num_experts_per_tok") or 2), inter, 0, 0, "mixtral")
-    elif d.get("n_routed_experts"):
-        mi = int(d["moe_intermediate_size"])
-        moe = MoE(int(d["n_routed_experts"]), int(d["num_experts_per_tok"]), mi, mi * int(d.get("n_shared_experts") or 0),
-                  int(d.get("first_k_dense_replace") or 0), "deepseek")
-    elif d.get("num_experts") and d.get("moe_intermediate_size"):
-        moe = MoE(int(d["num_experts"]), int(d["num_experts_per_tok"]), int(d["moe_intermediate_size"]),
-                  int(d.get("shared_expert_intermediate_size") or 0), 0, "qwen")
+        raise ModelLoadError(f"{origin}: MLA/MoE config lacks a valid {e}") from e
     return ModelSpec(
-        name=name, source=source, origin=origin, model_type=mt, num_layers=n, hidden_size=hidden,
-        num_attention_heads=heads, num_kv_heads=kv, head_dim=head_dim, intermediate_size=inter,
-        vocab_size=vocab, max_position_embeddings=int(d.get("max_position_embeddings") or 4096),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        checkpoint_dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16").replace("torch.", ""),
-        layer_windows=_windows(d, mt, n), mla=mla, moe=moe,
-        qkv_bias=mt in ("qwen2", "qwen2_moe") or bool(d.get("attention_bias", False)),
-        qk_norm=mt in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text"),
-        norms_per_layer=4 if mt in ("gemma2", "gemma3", "gemma3_text") else 2,
-        quantization_config=d.get("quantization_config"), config=dict(d), note=note)
+        name=name, source=source, origin=origin, model_type=mt, num_layers=arch.num_hidden_layers,
+        hidden_size=arch.hidden_size, num_attention_heads=arch.num_attention_heads,
+        num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim, intermediate_size=inter,
+        vocab_size=arch.vocab_size, max_position_embeddings=arch.max_position_embeddings,
+        tie_word_embeddings=arch.tie_word_embeddings, checkpoint_dtype=arch.torch_dtype,
+        layer_windows=arch.layer_windows, mla=mla, moe=moe, qkv_bias=arch.qkv_bias, o_bias=arch.o_bias,
+        qk_norm=arch.qk_norm, norms_per_layer=4 if mt in ("gemma2", "gemma3", "gemma3_text") else 2,
+        quantization_config=arch.quantization_config, config=dict(d), note=note)
 
 
 def apply_overrides(spec: ModelSpec, overrides: dict[str, Any]) -> ModelSpec:
+    """`--num-layers`, `--num-kv-heads`, ... re-parse the config with the new values.
+    `--sliding-window W` is a what-if on the parsed windows, whatever the model type would make of a
+    `sliding_window` key: the layers that slide get W, every layer when none does; 0 removes them."""
     given = {k: v for k, v in overrides.items() if v is not None}
     if not given:
         return spec
@@ -161,17 +135,22 @@ def apply_overrides(spec: ModelSpec, overrides: dict[str, Any]) -> ModelSpec:
     for k, v in given.items():
         if k not in OVERRIDE_KEYS:
             raise UserInputError(f"unknown override {k!r}: use one of {', '.join(OVERRIDE_KEYS)}")
-        if k != "sliding_window" and (not isinstance(v, int) or v <= 0):
+        if k == "sliding_window":
+            if not isinstance(v, int) or v < 0:
+                raise UserInputError(f"--sliding-window must be a non-negative integer (0: none), got {v!r}")
+            continue
+        if not isinstance(v, int) or v <= 0:
             raise UserInputError(f"--{k.replace('_', '-')} must be a positive integer, got {v!r}")
         d[OVERRIDE_KEYS[k]] = v
     if "num_layers" in given and d.get("layer_types"):
         d.pop("layer_types")      # re-derive the pattern for the new depth
+    out = spec_from_config(d, spec.name, spec.source, spec.origin, spec.note)
+    out.dtype = spec.dtype
     if "sliding_window" in given:
         w = given["sliding_window"]
-        if not isinstance(w, int) or w < 0:
-            raise UserInputError(f"--sliding-window must be a non-negative integer (0: none), got {w!r}")
-        d["use_sliding_window"] = bool(w)
-        d["sliding_window"] = w or None
-    out = spec_from_config(d, spec.name, spec.source, spec.origin, spec.note)
+        slides = [x is not None for x in out.layer_windows]
+        if not any(slides):
+            slides = [True] * out.num_layers
+        out.layer_windows = [w if s and w else None for s in slides]
     out.note = (spec.note + "; " if spec.note else "") + "overridden: " + ", ".join(f"{k}={v}" for k, v in given.items())
     return out      # tensors dropped: the file's shapes no longer describe this model

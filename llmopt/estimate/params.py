@@ -53,8 +53,8 @@ def _attention(spec: ModelSpec, p: str) -> list[Param]:
     if spec.qkv_bias:
         out += [Param(f"{p}.q_proj.bias", (nh * hd,), "attn", "col"), Param(f"{p}.k_proj.bias", (kv * hd,), "attn", "kv"),
                 Param(f"{p}.v_proj.bias", (kv * hd,), "attn", "kv")]
-        if not spec.model_type.startswith("qwen2"):   # llama attention_bias=True: o_proj has a bias too
-            out.append(Param(f"{p}.o_proj.bias", (h,), "attn", "rep"))
+    if spec.o_bias:                                   # llama attention_bias=True: o_proj has a bias too
+        out.append(Param(f"{p}.o_proj.bias", (h,), "attn", "rep"))
     if spec.qk_norm:
         out += [Param(f"{p}.q_norm.weight", (hd,), "norm", "rep"), Param(f"{p}.k_norm.weight", (hd,), "norm", "rep")]
     return out

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from llmopt.errors import ModelLoadError
+from llmopt.models.config import gguf_hf_config
 
 CONVERTER_VERSION = 2
 
@@ -45,40 +46,25 @@ def unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, out // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _field(reader, key, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
+def reader_metadata(reader) -> dict:
+    """A gguf.GGUFReader's metadata as key -> value, string arrays (the vocabulary) left out."""
+    import gguf
+    meta = {}
+    for key, f in reader.fields.items():
+        if f.types and f.types[0] == gguf.GGUFValueType.ARRAY and f.types[-1] == gguf.GGUFValueType.STRING:
+            continue
+        meta[key] = f.contents()
+    return meta
 
 
 def gguf_config(reader) -> dict:
-    arch = _field(reader, "general.architecture")
+    """The config.json of the converted folder: models/config.py's gguf_hf_config, the mapping
+    kv-estimate reads GGUF headers with too."""
+    meta = reader_metadata(reader)
+    arch = meta.get("general.architecture")
     if arch != "llama":
         raise ModelLoadError(f"GGUF architecture {arch!r} is not supported: llmopt reads llama-architecture GGUF files")
-    a = lambda k, d=None: _field(reader, f"llama.{k}", d)  # noqa: E731
-    heads = int(a("attention.head_count"))
-    hidden = int(a("embedding_length"))
-    names = {t.name for t in reader.tensors}
-    emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    cfg = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": int(a("vocab_size", emb.shape[-1])), "hidden_size": hidden,
-        "intermediate_size": int(a("feed_forward_length")), "num_hidden_layers": int(a("block_count")),
-        "num_attention_heads": heads, "num_key_value_heads": int(a("attention.head_count_kv", heads)),
-        "head_dim": int(a("rope.dimension_count", hidden // heads)),
-        "rms_norm_eps": float(a("attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(a("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(a("context_length", 4096)),
-        "tie_word_embeddings": "output.weight" not in names, "hidden_act": "silu",
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
-        "torch_dtype": "float32",
-    }
-    factor = a("rope.scaling.factor")
-    if factor and a("rope.scaling.type") == "linear":
-        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
-    return cfg
+    return gguf_hf_config(meta, [(t.name, tuple(int(s) for s in reversed(t.shape))) for t in reader.tensors])
 
 
 def cache_key(path: Path) -> str:

