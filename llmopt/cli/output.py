@@ -85,17 +85,32 @@ def fmt(v: Any) -> str:
     return str(v)
 
 
+class Advance:
+    """What `progress` yields: advance(n) moves the bar; advance.set_total(n) sizes it once the library
+    knows (both are plain callbacks, so library functions need no rich)."""
+
+    def __init__(self, bar: Progress | None = None, task: Any = None):
+        self._bar, self._task = bar, task
+
+    def __call__(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.advance(self._task, n)
+
+    def set_total(self, total: int | None) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, total=total)
+
+
 @contextmanager
-def progress(description: str, total: int | None, *, enabled: bool = True) -> Iterator[Callable[[int], None]]:
-    """A progress bar on stderr; yields `advance(n)`. Disabled when stderr is not wanted."""
+def progress(description: str, total: int | None, *, enabled: bool = True) -> Iterator[Advance]:
+    """A progress bar on stderr; yields `advance(n)` (with `.set_total`). Disabled: does nothing."""
     if not enabled:
-        yield lambda n=1: None
+        yield Advance()
         return
     bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=False)
     with bar:
-        task = bar.add_task(description, total=total)
-        yield lambda n=1: bar.advance(task, n)
+        yield Advance(bar, bar.add_task(description, total=total))
 
 
 def examples_epilog(examples: Iterable[str]) -> str:

@@ -81,14 +81,12 @@ def output_dtype(spec: QuantSpec, reader: "CheckpointReader") -> torch.dtype:
     return dt if dt in (torch.float16, torch.bfloat16) else torch.float16
 
 
-def count_layers(model: str | None) -> int:
-    """Decoder layers of a checkpoint: the steps quantize_model reports to its progress callback."""
-    return ModelConfig.from_path(resolve_checkpoint(model)).num_hidden_layers
-
-
 def quantize_model(model: str | None, output: str | Path, spec: QuantSpec, overwrite: bool = False,
                    progress: Callable[[int], None] | None = None,
-                   on_layer: Callable[[LayerReport], None] | None = None) -> QuantizeResult:
+                   on_layer: Callable[[LayerReport], None] | None = None,
+                   on_start: Callable[[int], None] | None = None) -> QuantizeResult:
+    """Quantize `model` into the folder `output`. Once the inputs are checked, on_start(layers) tells
+    how many steps follow; progress(1) after each decoder layer, on_layer(report) with its error."""
     t0 = time.perf_counter()
     spec = spec.resolved()
     output = Path(output).expanduser()
@@ -112,6 +110,8 @@ def quantize_model(model: str | None, output: str | Path, spec: QuantSpec, overw
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     n_layers = cfg.num_hidden_layers
+    if on_start:
+        on_start(n_layers)
     shard = lambda k: f"model-{k + 1:05d}-of-{n_layers + 1:05d}.safetensors"  # noqa: E731
     weight_map: dict[str, str] = {}
     reports: list[LayerReport] = []

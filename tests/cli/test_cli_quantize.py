@@ -101,5 +101,6 @@ def test_cli_quantize_eval_reports_snake_case_keys(tiny_tok, tmp_path):
     assert ev["perplexity_after"] != ev["perplexity_before"] and ev["kld_mean"] > 0
     assert 0 <= ev["top1_agreement"] < 1
     res = CliRunner().invoke(app, ["quantize", "--model", str(folder), "--recipe", str(recipe),
-                                   "--output", str(tmp_path / "q2"), "--quiet", "--json"])
+                                   "--output", str(tmp_path / "q2"), "--json"], env={"COLUMNS": "120"})
     assert res.exit_code == 0 and json.loads(res.stdout.strip().splitlines()[-1])["eval"] is None
+    assert "quantize rtn" in res.stderr and "2/2" in res.stderr     # the bar, sized by the pipeline
