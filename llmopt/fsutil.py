@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import hashlib
 import json
 import os
 import re
@@ -185,9 +186,55 @@ def check_output_folder(output: str | Path, overwrite: bool, inputs: list[str | 
         parent = parent.parent
     if not parent.is_dir():
         raise UserInputError(f"{flag} {output}: {parent} is a file, not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
+    if not os.access(parent, os.W_OK | os.X_OK) or not _can_create(parent, out.name, is_folder=True):
         raise UserInputError(f"{flag} {output}: {parent} is not writable")
     return out
+
+
+def _can_create(folder: Path, name: str, is_folder: bool) -> bool:
+    """Whether a `.NAME.tmp<PID>` entry can really be made in `folder` (permissions, read-only or
+    virtual file systems, root's quirks): made and removed at once."""
+    probe = temp_path(folder / name)
+    try:
+        if is_folder:
+            probe.mkdir()
+            probe.rmdir()
+        else:
+            with open(probe, "xb"):
+                pass
+            probe.unlink()
+    except FileExistsError:
+        return True      # our own temporary is already there: the folder takes new entries
+    except OSError:
+        return False
+    return True
+
+
+def check_output_file(output: str | Path, inputs: list[str | Path] = (), flag: str = "--output") -> Path:
+    """Refuse, before any work, a result file that cannot be written or would replace an input: a
+    folder, a missing parent folder (not created: a typo is an error, not a new tree), an unwritable
+    folder, or the same file as one of `inputs`. An existing result file is replaced. Returns the
+    absolute path."""
+    out = _resolved(output)
+    for src in inputs:
+        if src is not None and out == _resolved(src):
+            raise UserInputError(f"{flag} {output} is the input {src}: write the result to another file")
+    if out.is_dir():
+        raise UserInputError(f"{flag} {output} is a folder: give a file name, e.g. {Path(output) / 'result.json'}")
+    if not out.parent.is_dir():
+        raise UserInputError(f"{flag} {output}: folder {out.parent} does not exist: create it first or fix the path")
+    if not os.access(out.parent, os.W_OK | os.X_OK) or (out.exists() and not os.access(out, os.W_OK)) \
+            or not _can_create(out.parent, out.name, is_folder=False):
+        raise UserInputError(f"{flag} {output}: {out.parent if not out.exists() else out} is not writable")
+    return out
+
+
+def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
 
 
 _libc = None

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import torch
 
+from llmopt.fsutil import MARKER, temp_path, write_atomic
 from llmopt.models.loader import safetensors_files
 
-METADATA_SKIP = {"config.json", "model.safetensors.index.json"}
+METADATA_SKIP = {"config.json", "model.safetensors.index.json", MARKER}   # written here, not copied
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
 
 
@@ -45,18 +46,20 @@ class CheckpointReader:
 
 
 def save_shard(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
-    """Write one safetensors shard via a temp file and rename; returns its part of the weight map."""
+    """Write one safetensors shard via `.NAME.tmp<PID>` and a rename; returns its part of the weight map."""
     from safetensors.torch import save_file
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, path)
+    tmp = temp_path(path)
+    try:
+        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return {k: path.name for k in tensors}
 
 
 def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj, indent=2) + "\n")
 
 
 def write_metadata(source: Path, out: Path, weight_map: dict[str, str], quantization_config: dict | None,

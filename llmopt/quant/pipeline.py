@@ -5,14 +5,14 @@ The input folder's safetensors are memory-mapped; for each decoder layer its wei
 the calibration activations run through it, it is quantized (llmopt.quant.layerwise), packed into
 the output format (llmopt.quant.formats) and written as its own shard, then freed, and the
 activations move on to the next layer. Embeddings, the final norm and the head are copied. The
-whole output is written in a temporary folder beside the target and renamed into place at the end.
+whole output is written in a `.NAME.tmp<PID>` folder beside the target and swapped into place at
+the end (llmopt.fsutil.atomic_folder): an interrupted run leaves nothing, a replaced folder is one
+llmopt wrote (its llmopt.json marker), and never the input of the same command.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from llmopt import defaults
 from llmopt.errors import ModelLoadError, UserInputError
+from llmopt.fsutil import atomic_folder, check_output_folder
 from llmopt.models.attention import DenseCausalAttention
 from llmopt.models.config import ModelConfig
 from llmopt.models.llama import DecoderLayer, rope_cos_sin, rope_inv_freq
@@ -90,9 +91,12 @@ def quantize_model(model: str | None, output: str | Path, spec: QuantSpec, overw
     t0 = time.perf_counter()
     spec = spec.resolved()
     output = Path(output).expanduser()
-    if output.exists() and not overwrite and (not output.is_dir() or any(output.iterdir())):
-        raise UserInputError(f"{output} exists and is not empty: choose another --output or pass --overwrite")
+    # Everything a bad --output would lose is refused before any work (the GGUF conversion included):
+    # the inputs as named (--model, --calib-data), then the folder --model resolves to.
+    inputs = [p for p in (model, spec.calib_data) if p and Path(p).expanduser().exists()]
+    check_output_folder(output, overwrite, inputs)
     folder = resolve_checkpoint(model)
+    check_output_folder(output, overwrite, [*inputs, folder])
     cfg = ModelConfig.from_path(folder)
     if cfg.quantization_config:
         raise ModelLoadError(f"{folder} is already quantized ({cfg.quantization_config.get('quant_method')}): "
@@ -105,17 +109,17 @@ def quantize_model(model: str | None, output: str | Path, spec: QuantSpec, overw
     err_samples = max(1, min(calib_ids.shape[0], spec.error_tokens // spec.seq_len))
 
     pack_linear, quantization_config = _packer(spec.format)
-    tmp = output.parent / f".{output.name}.tmp{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
     n_layers = cfg.num_hidden_layers
     if on_start:
         on_start(n_layers)
     shard = lambda k: f"model-{k + 1:05d}-of-{n_layers + 1:05d}.safetensors"  # noqa: E731
     weight_map: dict[str, str] = {}
     reports: list[LayerReport] = []
-    try:
+    marker = {"command": "quantize", "method": spec.method, "format": spec.format, "bits": spec.bits,
+              "group_size": spec.group_size, "source": str(folder.resolve()), "model": model or defaults.DEFAULT_MODEL}
+    # A `.NAME.tmp<PID>` folder beside the target, removed on any error, Ctrl-C or SIGTERM, swapped
+    # into place atomically at the end (a dead run's leftover is removed by the next start).
+    with atomic_folder(output, marker) as tmp:
         rest = {n: _cast(reader.get(n), out_dtype) for n in reader.names() if not n.startswith("model.layers.")}
         x = F.embedding(calib_ids, reader.get("model.embed_tokens.weight").float())
         weight_map.update(save_shard(tmp / shard(0), rest))
@@ -148,16 +152,6 @@ def quantize_model(model: str | None, output: str | Path, spec: QuantSpec, overw
                 progress(1)
         qcfg = quantization_config(spec.format, spec=spec)
         write_metadata(folder, tmp, weight_map, qcfg, out_dtype)
-        if output.exists():
-            trash = output.parent / f".{output.name}.old{os.getpid()}"
-            os.replace(output, trash)
-            os.replace(tmp, output)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     errors = [r.rel_error for r in reports]
     return QuantizeResult(
         output=str(output), source=str(folder), method=spec.method, format=spec.format, bits=spec.bits,

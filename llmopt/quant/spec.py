@@ -69,6 +69,9 @@ class QuantSpec:
                                      else defaults.GPTQ_ACT_ORDER)
         if s.act_order not in ACT_ORDERS:
             raise UserInputError(f"--act-order {s.act_order!r}: use one of {', '.join(ACT_ORDERS)}")
+        if s.act_order == "group" and s.format == "compressed-tensors":   # refused here, before calibration
+            raise UserInputError("--act-order group needs a g_idx, which --format compressed-tensors has no place "
+                                 "for: use --format gptq, or --act-order static")
         if s.format == "awq" and (s.bits != 4 or s.sym or s.group_size == -1 or s.act_order == "group"):
             raise UserInputError("--format awq (AutoAWQ GEMM) holds 4-bit asymmetric weights with groups: "
                                  "use --bits 4 --asym --group-size 128|64|32, or --format gptq|compressed-tensors")
