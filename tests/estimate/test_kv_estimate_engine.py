@@ -1,11 +1,14 @@
 """kv-estimate against the engine: for a given KV-cache memory, the blocks the estimate predicts are
-the blocks LLMEngine allocates, and its bytes are the nbytes of every KV tensor the engine allocated."""
+the blocks LLMEngine allocates, and its bytes are the nbytes of every KV tensor the engine allocated;
+`kv-estimate --device cpu` (and its default flags on a CPU machine) resolves `auto` as the engine does."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from typer.testing import CliRunner
 
 from llmopt.engine.args import EngineArgs
 from llmopt.engine.engine import LLMEngine
@@ -14,13 +17,23 @@ from llmopt.models.loader import load_model
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      intermediate_size=96, vocab_size=128, max_position_embeddings=256, eos_token_id=1)
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    return folder
+def tiny(tiny_factory):
+    return tiny_factory(num_hidden_layers=3, intermediate_size=96, vocab_size=128, max_position_embeddings=256,
+                        eos_token_id=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tiny_factory):
+    """A bfloat16 checkpoint: `auto` runs it in float32 on the CPU, in bfloat16 on a GPU."""
+    return tiny_factory(num_hidden_layers=3, intermediate_size=96, vocab_size=128, max_position_embeddings=256,
+                        eos_token_id=1, dtype=torch.bfloat16)
+
+
+def _engine(folder, dtype="auto", device="cpu", kv="auto", block_size=16, memory=1 << 20):
+    loaded = load_model(str(folder), dtype, device, tokenizer=False)
+    args = EngineArgs(model=str(folder), dtype=dtype, device=device, block_size=block_size, max_model_len=32,
+                      kv_cache_memory=memory, kv_cache_dtype=kv, detokenize=False)
+    return LLMEngine(args, loaded=loaded).kv_cache_info(), loaded
 
 
 # engine (model dtype, kv_cache_dtype) -> the estimator's KV dtype
@@ -31,13 +44,48 @@ CASES = [("float32", "auto", "float32"), ("bfloat16", "auto", "bfloat16"), ("flo
 @pytest.mark.parametrize("dtype,engine_kv,est_kv", CASES)
 @pytest.mark.parametrize("block_size,memory", [(16, (1 << 20) + 777), (8, 300_001)])
 def test_engine_allocates_what_the_estimate_says(tiny, dtype, engine_kv, est_kv, block_size, memory):
-    loaded = load_model(str(tiny), dtype, "cpu", tokenizer=False)
-    args = EngineArgs(model=str(tiny), dtype=dtype, device="cpu", block_size=block_size, max_model_len=32,
-                      kv_cache_memory=memory, kv_cache_dtype=engine_kv, detokenize=False)
-    info = LLMEngine(args, loaded=loaded).kv_cache_info()
+    info, _ = _engine(tiny, dtype, "cpu", engine_kv, block_size, memory)
     est = estimate(resolve_model_spec(str(tiny)), kv_cache_dtype=est_kv, block_size=block_size,
                    kv_cache_memory=memory, max_model_len=32)
     assert est.paged.layout == "uniform"
     assert est.paged.num_blocks == info.num_blocks
     assert est.paged.block_bytes == info.num_layers * info.bytes_per_block
     assert est.paged.kv_cache_bytes == info.bytes_allocated
+
+
+@pytest.fixture(scope="module")
+def cli():
+    from llmopt.cli.app import app
+    runner = CliRunner()
+    return lambda *args: runner.invoke(app, ["kv-estimate", *args, "--json"])
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+@pytest.mark.parametrize("flags", [["--device", "cpu"], ["--device", "cpu", "--dtype", "auto"],
+                                   ["--device", "cpu", "--dtype", "bfloat16"], []])
+def test_cli_device_and_dtype_resolve_auto_as_the_engine(tiny_bf16, cli, flags, kv):
+    """The same flags to kv-estimate and to the engine give the same blocks for the same memory: on
+    the CPU a bfloat16 checkpoint runs in float32 under auto (kv-estimate used to plan bfloat16).
+    No flags at all: the engine's own defaults (auto device, auto dtype) on this machine."""
+    memory = (1 << 20) + 12345
+    r = cli("--model", str(tiny_bf16), "--kv-cache-memory", str(memory), "--max-model-len", "32",
+            "--kv-cache-dtype", kv, *flags)
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    opts = dict(zip(flags[::2], flags[1::2]))
+    info, loaded = _engine(tiny_bf16, opts.get("--dtype", "auto"), opts.get("--device", "auto"), kv, memory=memory)
+    assert d["device"] == loaded.device.type and d["dtype"] == str(loaded.dtype).removeprefix("torch.")
+    assert d["paged"]["num_blocks"] == info.num_blocks
+    assert d["paged"]["kv_cache_bytes"] == info.bytes_allocated
+    if not torch.cuda.is_available() and opts.get("--dtype", "auto") == "auto":
+        assert d["dtype"] == "float32"
+
+
+def test_gpu_plans_use_the_checkpoint_dtype(tiny_bf16):
+    """--gpu / --gpu-memory plan for a GPU: auto is the checkpoint's dtype there (the engine's rule)."""
+    spec = resolve_model_spec(str(tiny_bf16))
+    est = estimate(spec, device="auto", gpu_memory_gib=1.0, kv_cache_memory=1 << 20)
+    assert (est.device, est.dtype, est.kv_cache_dtype) == ("cuda", "bfloat16", "bfloat16")
+    cpu = estimate(spec, device="cpu", kv_cache_memory=1 << 20)
+    assert (cpu.dtype, cpu.kv_cache_dtype) == ("float32", "float32")
+    assert cpu.paged.num_blocks == est.paged.num_blocks // 2
