@@ -19,6 +19,9 @@ from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 EVAL = ["--method", "chunks", "--ctx", "2048", "--dataset", "../shared/data/wikitext-2-raw/wiki.test.raw"]
+# the engine configuration the generate step runs; kv-estimate plans exactly this one
+ENGINE = ["--device", "auto", "--dtype", "auto", "--kv-cache-dtype", "auto", "--block-size", "16",
+          "--kv-cache-memory", "1GiB", "--max-model-len", "8192"]
 
 
 def llmopt(*args: str) -> tuple[dict, float]:
@@ -46,8 +49,8 @@ def main() -> None:
     quant, t_quant = llmopt("quantize", "--method", "awq", "--bits", "4", "--group-size", "64",
                             "--num-samples", str(a.num_samples), "--output", a.out, "--overwrite")
     after, t_after = llmopt("eval-ppl", "--model", a.out, "--base-model", "smollm2-135m", *EVAL, *limit)
-    kv, _ = llmopt("kv-estimate", "--model", a.out, "--kv-cache-memory", "1GiB", "--max-model-len", "8192")
-    gen, t_gen = llmopt("generate", "--model", a.out, "--chat", "What is the capital of France?",
+    kv, _ = llmopt("kv-estimate", "--model", a.out, *ENGINE)
+    gen, t_gen = llmopt("generate", "--model", a.out, *ENGINE, "--chat", "What is the capital of France?",
                         "--max-tokens", "48")
 
     summary = {"base": base, "quantize": quant, "quantized": after, "kv_estimate": kv, "generate": gen,
@@ -78,7 +81,8 @@ def _quant_line(q: dict) -> str:
 
 def _kv_line(kv: dict) -> str:
     paged = kv["paged"]
-    return (f"{kv['bytes_per_token']:,} KV bytes/token ({kv['kv_cache_dtype']}); 1 GiB holds "
+    return (f"{kv['bytes_per_token']:,} KV bytes/token ({kv['kv_cache_dtype']}, model {kv['dtype']} on "
+            f"{kv['device']}); 1 GiB holds "
             f"{paged['num_blocks']:,} blocks = {paged['tokens']:,} tokens, "
             f"{paged['max_concurrency']:.1f} requests of {kv['max_model_len']:,} tokens")
 
