@@ -1,5 +1,6 @@
-"""Tiny checkpoints for the quantization pipeline tests: a byte-level tokenizer built in code, a
-config.json, and random weights written as safetensors (one shard per layer)."""
+"""Checkpoints too big to build as a transformers model (the pipeline's peak-memory test): a
+byte-level tokenizer built in code, a config.json, and random weights written as safetensors one
+layer per shard, never all in memory. Small test checkpoints come from tests/conftest.py: make_tiny."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Tiny random Llama checkpoints quantized by a plain RTN written here, in any of our formats."""
+"""Quantizers written here (plain RTN, FP8, INT8) applied to tiny checkpoints (tests/conftest.py:
+make_tiny) in any of our formats, and the references they are compared with."""
 
 from __future__ import annotations
 
@@ -13,19 +14,6 @@ from llmopt.quant.types import FloatQuantized, Int8Quantized, IntQuantized
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-
-
-def tiny_llama(folder: Path, seed: int = 0, hidden: int = 64, inter: int = 128, layers: int = 2):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=64,
-                      tie_word_embeddings=False, rms_norm_eps=1e-5)
-    model = LlamaForCausalLM(cfg).eval()
-    for p in model.parameters():   # weights big enough that quantization matters, like a trained model's
-        p.data.normal_(0, 0.2)
-    model.save_pretrained(folder)
-    return model
 
 
 def rtn(w: torch.Tensor, bits: int, group_size: int, sym: bool) -> IntQuantized:
@@ -127,10 +115,6 @@ def our_logits(folder: Path, ids: torch.Tensor, dtype: str = "float32") -> torch
         return lm.model.compute_logits(lm.model(ids, pos, DenseCausalAttention())).float()
 
 
-__all__ = ["LINEARS", "dequantized_reference", "fp8", "int8", "our_logits", "rtn", "tiny_llama",
-           "write_quantized", "quantization_config"]
-
-
 def our_layer(heads=4, kv_heads=4, seed=0):
     """One of our DecoderLayers (hidden 64) with weights N(0, 0.2) (norms around 1), and its context
     for 32 positions."""
@@ -147,3 +131,7 @@ def our_layer(heads=4, kv_heads=4, seed=0):
             p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.ndim == 1 else 0.0))
     ctx = LayerContext(*rope_cos_sin(rope_inv_freq(cfg), torch.arange(32), torch.float32), DenseCausalAttention())
     return layer, ctx
+
+
+__all__ = ["LINEARS", "dequantized_reference", "fp8", "int8", "our_logits", "rtn", "our_layer",
+           "write_quantized", "quantization_config"]

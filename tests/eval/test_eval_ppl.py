@@ -12,36 +12,27 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 from llmopt.errors import DataError, UserInputError
 from llmopt.eval import load_text_dataset, plan_ppl, run_ppl
-from llmopt.eval.data import wikitext_detokenize, wikitext_documents
+from llmopt.eval.data import wikitext_detokenize
 from llmopt.eval.windows import llamacpp_windows
-from llmopt.models.loader import load_model, resolve_checkpoint
+from llmopt.models.loader import load_model
 
-DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
+DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
 WIKI = DATA / "wikitext-2-raw" / "wiki.test.raw"
 LIMIT = 2000
 REL = 1e-4
 
 
-def _tiny_folder(path: Path, seed: int) -> Path:
-    """A tiny random llama with SmolLM2's tokenizer (vocab 49152), saved as an HF folder."""
-    tok = AutoTokenizer.from_pretrained(resolve_checkpoint(None))
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-                      initializer_range=0.1, tie_word_embeddings=True,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+# a tiny random llama with SmolLM2's tokenizer (vocab 49152)
+TINY_EVAL = dict(tokenizer=True, initializer_range=0.1, tie_word_embeddings=True, max_position_embeddings=1024)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    folder = _tiny_folder(tmp_path_factory.mktemp("tiny"), seed=0)
+def tiny(tiny_factory):
+    folder = tiny_factory(seed=0, **TINY_EVAL)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     lm = load_model(str(folder), dtype="float32", device="cpu")
     return folder, hf, lm
@@ -227,9 +218,9 @@ def test_kl_against_itself_is_zero(tiny, wiki):
     assert _rel(r.kl.base_ppl, r.ppl) <= 1e-9
 
 
-def test_kl_against_another_model(tiny, wiki, tmp_path):
+def test_kl_against_another_model(tiny, wiki, tiny_factory):
     folder, hf, lm = tiny
-    base_hf_folder = _tiny_folder(tmp_path / "base", seed=1)
+    base_hf_folder = tiny_factory(seed=1, **TINY_EVAL)
     base = load_model(str(base_hf_folder), dtype="float32", device="cpu")
     base_hf = AutoModelForCausalLM.from_pretrained(base_hf_folder, dtype=torch.float32).eval()
     r = run_ppl(lm, plan_ppl(lm.tokenizer, 1024, wiki, "chunks", ctx=128, limit=600), batch_size=2, base=base)
@@ -276,21 +267,12 @@ def test_jsonl_and_text_field(tmp_path):
     p.write_text(json.dumps({"text": "first doc"}) + "\n" + json.dumps({"text": "second doc", "q": "x"}) + "\n")
     d = load_text_dataset(str(p))
     assert d.documents == ["first doc", "second doc"] and d.text == "first doc\n\nsecond doc"
-    with pytest.raises(DataError) as e:  # row 0 lacks "q"
+    with pytest.raises(DataError) as e:  # line 1 lacks "q"
         load_text_dataset(str(p), text_field="q")
-    assert "row 0" in str(e.value)
+    assert f"{p}:1 has no field 'q'" in str(e.value)
     with pytest.raises(DataError) as e:
         load_text_dataset(str(p), text_field="question")
     assert "--text-field" in str(e.value)
-
-
-def test_hf_wikitext_rows_regrouped_into_pages():
-    from llmopt.eval.data import _from_rows
-    rows = [{"text": t} for t in ["", " = A = \n", "", " x y \n", " = = S = = \n", " = B = \n", " z \n"]]
-    d = _from_rows("wikitext:wikitext-2-raw-v1:test", rows, "text")
-    assert d.documents == [" = A = \n x y \n = = S = = ", " = B = \n z \n"]
-    assert d.text == "\n\n".join(r["text"] for r in rows)  # the GPTQ / HF-guide stream
-    assert _from_rows("other", rows, "text").documents == [" = A = \n", " x y \n", " = = S = = \n", " = B = \n", " z \n"]
 
 
 def test_bad_datasets(tmp_path):
@@ -299,8 +281,9 @@ def test_bad_datasets(tmp_path):
     with pytest.raises(DataError):
         load_text_dataset(str(tmp_path))
     (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00bad")
-    with pytest.raises(DataError):
+    with pytest.raises(DataError) as e:
         load_text_dataset(str(tmp_path / "bin.txt"))
+    assert "byte 0: 0xff" in str(e.value)
     with pytest.raises(DataError) as e:  # offline and not in the local HF cache
         load_text_dataset("no-such-org/no-such-dataset:cfg:test")
     assert "local Hugging Face cache" in str(e.value) and "\n" not in str(e.value)
@@ -320,7 +303,6 @@ def test_bad_options(tiny, wiki):
 
 def _cli(args):
     from typer.testing import CliRunner
-    import llmopt.cli.eval_ppl  # noqa: F401  (registers the command)
     from llmopt.cli.app import app
     return CliRunner().invoke(app, args)
 

@@ -5,13 +5,11 @@ import pytest
 import torch
 import transformers
 
-from llmopt.models.attention import DenseCausalAttention
-from llmopt.models.config import ModelConfig
-from llmopt.models.llama import DecoderLayer, rope_cos_sin, rope_inv_freq
-from llmopt.quant import awq, fp8, gptq, int8, rtn
-from llmopt.quant.layerwise import LINEARS, LayerContext, batches, input_of, quantize_layer
-from llmopt.quant.spec import QuantSpec
 from llmopt.errors import UserInputError
+from llmopt.quant import awq, fp8, gptq, int8, rtn
+from llmopt.quant.layerwise import LINEARS, batches, input_of, quantize_layer
+from llmopt.quant.spec import QuantSpec
+from quant_util import our_layer
 
 
 def direct_rtn(w, bits, gs, sym):
@@ -127,13 +125,6 @@ def test_gptq_equals_the_papers_column_by_column_algorithm(act_order):
     assert abs(out_err(ours) - out_err(ref)) < 0.02 * out_err(ref)
 
 
-def tiny_hf_model(heads=4, kv_heads=2):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256)
-    return transformers.LlamaForCausalLM(cfg).eval(), cfg
-
-
 def linear_inputs(model, ids):
     inputs, hooks = {}, []
     for name, mod in model.named_modules():
@@ -147,8 +138,9 @@ def linear_inputs(model, ids):
 
 
 @pytest.mark.parametrize("act_order", ["none", "static", "group"])
-def test_gptq_beats_rtn_on_every_linear_of_a_tiny_model(act_order):
-    model, _ = tiny_hf_model()
+def test_gptq_beats_rtn_on_every_linear_of_a_tiny_model(act_order, tiny_factory):
+    folder = tiny_factory(vocab_size=256, max_position_embeddings=256, initializer_range=0.02)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(1))
     inputs = linear_inputs(model, ids)
     assert len(inputs) == 14
@@ -168,18 +160,6 @@ def test_gptq_beats_rtn_on_every_linear_of_a_tiny_model(act_order):
             assert g.g_idx is None
         if act_order == "static":   # natural groups, scales fixed from the original weights: RTN's scales
             torch.testing.assert_close(g.scales, r.scales)
-
-
-def our_layer(heads=4, kv_heads=4, seed=0):
-    torch.manual_seed(seed)
-    cfg = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=16, rms_norm_eps=1e-6)
-    layer = DecoderLayer(cfg, 0).eval()
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.ndim == 1 else 0.0))
-    ctx = LayerContext(*rope_cos_sin(rope_inv_freq(cfg), torch.arange(32), torch.float32), DenseCausalAttention())
-    return layer, ctx
 
 
 def outlier_inputs(n=4, t=32, h=64, seed=1):

@@ -19,8 +19,7 @@ from llmopt.errors import ModelLoadError
 from llmopt.quant.formats import quantization_config, unpack_linear
 from llmopt.quant.formats.packing import unpack_codes
 from llmopt.quant.types import IntQuantized
-from quant_util import FakeQuantActivations, dequantized_reference, fp8, int8, our_logits, rtn, tiny_llama, \
-    write_quantized
+from quant_util import FakeQuantActivations, dequantized_reference, fp8, int8, our_logits, rtn, write_quantized
 
 IDS = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
 FP16_TOL = 2e-2     # fp16 activations through two layers, logits of magnitude ~1
@@ -36,10 +35,9 @@ def _hf(folder, dtype):
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("float")
-    tiny_llama(folder)
-    return folder
+def base(tiny_factory):
+    # weights N(0, 0.2): big enough that quantization matters, like a trained model's
+    return tiny_factory(weight_std=0.2, max_position_embeddings=64)
 
 
 def rtn_act_order(w: torch.Tensor, bits: int, gs: int, sym: bool, seed: int = 0) -> IntQuantized:
