@@ -12,21 +12,7 @@ import typer
 from llmopt import defaults
 from llmopt.cli import common, output
 from llmopt.errors import UserInputError
-
-_SUFFIX = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_bytes(text: str | None) -> int | None:
-    """'1073741824', '512M', '1.5G' -> bytes."""
-    if text is None:
-        return None
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    try:
-        if t and t[-1] in _SUFFIX:
-            return int(float(t[:-1]) * _SUFFIX[t[-1]])
-        return int(t)
-    except ValueError:
-        raise UserInputError(f"--kv-cache-memory {text!r} is not a size: give bytes, or e.g. 512M, 2G") from None
+from llmopt.units import SIZE_HELP, parse_bytes
 
 
 def read_prompts(prompts: list[str], file: str | None) -> list[str]:
@@ -77,8 +63,8 @@ def generate(
     num: int = typer.Option(1, "--num-completions", help="Completions per prompt (n)."),
     logprobs: int = typer.Option(None, "--logprobs", help="Also return the top-N logprobs per token (--json)."),
     block_size: int = typer.Option(defaults.BLOCK_SIZE, "--block-size"),
-    kv_cache_memory: str = typer.Option(None, "--kv-cache-memory", help="KV-cache bytes (e.g. 512M, 2G); "
-                                        "default: --gpu-memory-utilization on a GPU, 1G on the CPU."),
+    kv_cache_memory: str = typer.Option(None, "--kv-cache-memory", help=f"KV-cache bytes: {SIZE_HELP}; "
+                                        "default: --gpu-memory-utilization on a GPU, 1GiB on the CPU."),
     gpu_memory_utilization: float = typer.Option(defaults.GPU_MEMORY_UTILIZATION, "--gpu-memory-utilization"),
     kv_cache_dtype: str = typer.Option(defaults.KV_CACHE_DTYPE, "--kv-cache-dtype",
                                        help="auto|fp8|fp8_e4m3|fp8_e5m2|int8."),
@@ -97,6 +83,7 @@ def generate(
     from llmopt.engine.sampling_params import SamplingParams
 
     texts = read_prompts(prompts or [], file)
+    kv_bytes = None if kv_cache_memory is None else parse_bytes(kv_cache_memory, "--kv-cache-memory")
     params = SamplingParams(
         n=num, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
         presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
@@ -105,7 +92,7 @@ def generate(
     if not quiet:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     llm = LLM(model, dtype=dtype, device=device, block_size=block_size,
-              kv_cache_memory=parse_bytes(kv_cache_memory), gpu_memory_utilization=gpu_memory_utilization,
+              kv_cache_memory=kv_bytes, gpu_memory_utilization=gpu_memory_utilization,
               kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=prefix_caching,
               attention_backend=attention_backend, seed=seed or 0)

@@ -12,6 +12,7 @@ from llmopt.cli.common import JsonOpt, ModelOpt
 from llmopt.cli.kv_estimate_view import list_presets as show_presets
 from llmopt.cli.kv_estimate_view import render
 from llmopt.errors import DoesNotFitError, UserInputError
+from llmopt.units import SIZE_HELP
 
 GIB = 1 << 30
 
@@ -44,7 +45,7 @@ def kv_estimate(
     max_num_batched_tokens: str = typer.Option(str(defaults.MAX_NUM_BATCHED_TOKENS), "--max-num-batched-tokens",
                                                help="Tokens per scheduler step (caps sliding-window blocks)."),
     max_num_seqs: int = typer.Option(defaults.MAX_NUM_SEQS, "--max-num-seqs", help="Requests per step (sizes logits)."),
-    kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help="KV cache bytes per GPU, e.g. 8GiB "
+    kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help=f"KV cache bytes per GPU: {SIZE_HELP} "
                                                   "(instead of deriving it from the GPU budget)."),
     reserve_gib: Optional[float] = typer.Option(None, "--reserve-gib", help="Non-KV, non-weight memory per GPU "
                                                 "(default: estimated activations + logits + runtime)."),
@@ -77,7 +78,7 @@ def kv_estimate(
         show_presets(as_json)
         return
     from llmopt.estimate import estimate, resolve_model_spec
-    from llmopt.estimate.units import parse_bytes, parse_list, parse_tokens
+    from llmopt.units import parse_bytes, parse_list, parse_tokens
     overrides = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
                  "hidden_size": hidden_size, "num_attention_heads": num_attention_heads,
                  "intermediate_size": intermediate_size, "vocab_size": vocab_size,
@@ -91,7 +92,7 @@ def kv_estimate(
         max_num_batched_tokens=parse_tokens(max_num_batched_tokens, "--max-num-batched-tokens"),
         max_num_seqs=max_num_seqs, tensor_parallel_size=tensor_parallel_size, gpu=gpu, gpu_memory_gib=gpu_memory,
         gpu_memory_utilization=gpu_memory_utilization,
-        kv_cache_memory=parse_bytes(kv_cache_memory) if kv_cache_memory else None,
+        kv_cache_memory=parse_bytes(kv_cache_memory, "--kv-cache-memory") if kv_cache_memory is not None else None,
         reserve_bytes=None if reserve_gib is None else int(reserve_gib * GIB), weight_format=weight_format,
         group_size=group_size, batch_sizes=parse_list(batch_sizes, "--batch-sizes") if batch_sizes else None,
         seq_lens=parse_list(seq_lens, "--seq-lens") if seq_lens else None, naive=naive, hybrid=not no_hybrid,
