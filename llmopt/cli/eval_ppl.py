@@ -43,8 +43,10 @@ def eval_ppl(
     dtype: str = common.DtypeOpt,
     device: str = common.DeviceOpt,
     dataset: str = typer.Option(defaults.PPL_DATASET, "--dataset", "-d", help="Text file, .jsonl (with "
-                                "--text-field) or Hugging Face dataset path:config:split (local cache)."),
-    text_field: str = typer.Option("text", "--text-field", help="Field of .jsonl rows / dataset rows to read."),
+                                "--text-field) or Hugging Face dataset path[:config[:split]] (local cache; split "
+                                f"default {defaults.PPL_SPLIT})."),
+    text_field: str = typer.Option(defaults.TEXT_FIELD, "--text-field", help="Field of .jsonl rows / dataset column "
+                                   "to read."),
     method: str = typer.Option(defaults.PPL_METHOD, "--method", help=METHOD_HELP),
     ctx: int = typer.Option(None, "--ctx", help=f"Window of chunks (default {defaults.PPL_CTX}) and llamacpp "
                             f"(default {defaults.PPL_LLAMACPP_CTX})."),

@@ -50,8 +50,11 @@ def quantize(
                                    "must divide the hidden and intermediate sizes: SmolLM2's 576 needs 64)."),
     sym: bool = typer.Option(None, "--sym/--asym", help="Symmetric, or with zero points (default: sym, asym for awq)."),
     out_dir: str = typer.Option(None, "--output", "-o", help="Folder to write (required, or `output` in --recipe)."),
-    calib_data: str = typer.Option(None, "--calib-data", help="Text file, .jsonl, or HF dataset name[:config][:split] "
+    calib_data: str = typer.Option(None, "--calib-data", help="Text file, .jsonl (with --text-field) or Hugging Face "
+                                   f"dataset path[:config[:split]] (local cache; split default {defaults.CALIB_SPLIT}) "
                                    f"(default {defaults.CALIB_DATA})."),
+    text_field: str = typer.Option(None, "--text-field", help="Field of .jsonl rows / dataset column of --calib-data "
+                                   f"(default {defaults.TEXT_FIELD})."),
     num_samples: int = typer.Option(None, "--num-samples", help=f"Calibration windows (default {defaults.QUANT_NUM_SAMPLES})."),
     seq_len: int = typer.Option(None, "--seq-len", help=f"Tokens per window (default {defaults.QUANT_SEQ_LEN})."),
     seed: int = typer.Option(None, "--seed", help="Seed of the window sampling."),
@@ -82,7 +85,8 @@ def quantize(
 
     job = merge_sources(recipe, dict(
         model=model, output=out_dir, method=method, bits=bits, group_size=group_size, sym=sym,
-        calib_data=calib_data, num_samples=num_samples, seq_len=seq_len, seed=seed, format=fmt, damp=damp,
+        calib_data=calib_data, text_field=text_field, num_samples=num_samples, seq_len=seq_len, seed=seed,
+        format=fmt, damp=damp,
         act_order=act_order, smoothquant_alpha=smoothquant_alpha, awq_duo_scaling=awq_duo_scaling,
         fp8_scale=fp8_scale, activations=activations))
     with output.progress(f"quantize {job.spec.method}", None, enabled=not quiet) as advance:
