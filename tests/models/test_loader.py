@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
+from conftest import TINY as TINY_BASE
+from conftest import make_tiny
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from llmopt import defaults
@@ -16,15 +17,18 @@ from llmopt.models import loader
 from llmopt.models.attention import DenseCausalAttention
 from llmopt.models.loader import load_model, resolve_checkpoint, resolve_dtype
 
+from gguf_util import write_tiny_gguf
+
 TOL = 1e-4
-TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-            initializer_range=0.25, rms_norm_eps=1e-5, bos_token_id=95, eos_token_id=96)
+OVER = dict(vocab_size=97, intermediate_size=112, max_position_embeddings=256, initializer_range=0.25,
+            bos_token_id=95, eos_token_id=96)      # on top of conftest.TINY
+TINY = {**TINY_BASE, **OVER}
 
 
-def _tiny_hf(**over):
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(LlamaConfig(**{**TINY, **over}), attn_implementation="eager").eval()
+def _tiny_hf(path):
+    """conftest's tiny Llama saved at `path`, and transformers' model read back from it (the reference)."""
+    make_tiny(path, **OVER)
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").float().eval()
 
 
 def _logits(lm, ids):
@@ -51,7 +55,8 @@ def _one_line_error(exc_info, *fragments):
 # --- Hugging Face folders ---------------------------------------------------------------------
 
 def test_sharded_safetensors(tmp_path):
-    hf = _tiny_hf()
+    hf = _tiny_hf(tmp_path / "one-file")
+    tmp_path = tmp_path / "sharded"
     hf.save_pretrained(tmp_path, max_shard_size="40KB")
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     shards = set(index["weight_map"].values())
@@ -63,7 +68,7 @@ def test_sharded_safetensors(tmp_path):
 
 
 def test_dtype_option_and_auto(tmp_path):
-    _tiny_hf().save_pretrained(tmp_path)
+    _tiny_hf(tmp_path)
     lm = load_model(str(tmp_path), dtype="bfloat16", device="cpu", tokenizer=False)
     assert lm.model.lm_head.weight.dtype == torch.bfloat16
     assert resolve_dtype("auto", torch.device("cpu"), "bfloat16") == torch.float32
@@ -74,7 +79,7 @@ def test_dtype_option_and_auto(tmp_path):
 
 
 def test_missing_shard(tmp_path):
-    _tiny_hf().save_pretrained(tmp_path, max_shard_size="40KB")
+    _tiny_hf(tmp_path / "one-file").save_pretrained(tmp_path, max_shard_size="40KB")
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     gone = sorted(set(index["weight_map"].values()))[1]
     (tmp_path / gone).unlink()
@@ -112,71 +117,22 @@ def test_folder_without_weights(tmp_path):
 
 # --- GGUF -------------------------------------------------------------------------------------
 
-def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """What llama.cpp's convert_hf_to_gguf.py does to q/k rows (interleaved RoPE layout)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _gguf_name(hf_name: str) -> str:
-    inverse = {v: k for k, v in {
-        "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-        "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-        "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
-        "ffn_norm": "post_attention_layernorm"}.items()}
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
-    if hf_name in top:
-        return top[hf_name]
-    _, _, layer, *mod, param = hf_name.split(".")
-    return f"blk.{layer}.{inverse['.'.join(mod)]}.{param}"
-
-
-def _write_tiny_gguf(path, hf):
-    import gguf
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-    c = hf.config
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_rope_dimension_count(c.head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(10000.0)
-    w.add_vocab_size(c.vocab_size)
-    # a byte-level BPE vocabulary: printable ASCII but '~' (94), one merge (" t"), BOS, EOS = 97
-    b2u = bytes_to_unicode()
-    tokens = [b2u[b] for b in range(32, 126)] + [b2u[32] + "t", "<s>", "</s>"]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * 95 + [3, 3])
-    w.add_token_merges([f"{b2u[32]} t"])
-    w.add_bos_token_id(95)
-    w.add_eos_token_id(96)
-    for name, t in hf.state_dict().items():
-        a = t.float().numpy().copy()
-        if name.endswith("q_proj.weight"):
-            a = _llama_cpp_permute(a, c.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
-            a = _llama_cpp_permute(a, c.num_key_value_heads)
-        w.add_tensor(_gguf_name(name), a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 def test_gguf_roundtrip_matches_unpermuted_weights(tmp_path, monkeypatch):
     monkeypatch.setattr(defaults, "CACHE_DIR", tmp_path / "cache")
-    hf = _tiny_hf()
+    hf = _tiny_hf(tmp_path / "hf")
     path = tmp_path / "tiny.gguf"
-    _write_tiny_gguf(path, hf)
+    write_tiny_gguf(path, hf)
     lm = load_model(str(path), dtype="float32", device="cpu")
     assert lm.path.parent == tmp_path / "cache" / "gguf"
     assert lm.config.num_key_value_heads == 2 and not lm.config.tie_word_embeddings
+    # kv-estimate reads the same GGUF header through the same mapping (models/config.py: gguf_hf_config)
+    from llmopt.estimate import resolve_model_spec
+    spec = resolve_model_spec(str(path))
+    c = lm.config
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.vocab_size, spec.layer_windows,
+            spec.checkpoint_dtype, spec.tie_word_embeddings) == (
+        c.num_hidden_layers, c.num_key_value_heads, c.head_dim, c.vocab_size, c.layer_windows, c.torch_dtype,
+        c.tie_word_embeddings)
     _assert_same(lm, hf)
     assert lm.tokenizer.convert_ids_to_tokens([95, 96]) == ["<s>", "</s>"]
     assert lm.tokenizer.decode(lm.tokenizer("Hi there", add_special_tokens=False).input_ids) == "Hi there"

@@ -1,7 +1,7 @@
 """Our Llama-family runtime against transformers' own modeling code, logits in float32.
 
-Tiny random models are built from transformers config classes, saved with save_pretrained and
-loaded back through llmopt's loader, so the test covers config parsing and weight loading too.
+Tiny random models come from conftest's make_tiny (transformers' own model classes, saved with
+save_pretrained) and are loaded back through llmopt's loader and by transformers as the reference, so the test covers config parsing and weight loading too.
 Weights use a large initializer_range so attention is sharp: a wrong RoPE, mask or norm then
 moves the logits far beyond the tolerance (each test also checks it can tell a broken variant).
 """
@@ -9,22 +9,21 @@ moves the logits far beyond the tolerance (each test also checks it can tell a b
 from __future__ import annotations
 
 import torch
-from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config)
+from conftest import make_tiny
+from transformers import AutoModelForCausalLM
 
 from llmopt.models.attention import DenseCausalAttention
 from llmopt.models.loader import load_model
 
 TOL = 1e-4
-BASE = dict(vocab_size=97, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-            initializer_range=0.25, rms_norm_eps=1e-6)
+BASE = dict(vocab_size=97, intermediate_size=112, max_position_embeddings=256, initializer_range=0.25,
+            rms_norm_eps=1e-6)     # on top of conftest.TINY (GQA 4/2, head_dim 16, two layers)
 
 
-def _pair(tmp_path, config):
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
-    hf.save_pretrained(tmp_path)
-    ours = load_model(str(tmp_path), dtype="float32", device="cpu", tokenizer=False)
+def _pair(path, model_type, **over):
+    make_tiny(path, model_type, **{**BASE, **over})
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").float().eval()
+    ours = load_model(str(path), dtype="float32", device="cpu", tokenizer=False)
     return hf, ours
 
 
@@ -38,9 +37,9 @@ def _rel(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-def _check(tmp_path, config, seq=24, batch=2):
-    hf, lm = _pair(tmp_path, config)
-    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+def _check(path, model_type="llama", seq=24, batch=2, **over):
+    hf, lm = _pair(path, model_type, **over)
+    ids = torch.randint(0, hf.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(ids).logits
     ours = _ours_logits(lm, ids)
@@ -50,7 +49,7 @@ def _check(tmp_path, config, seq=24, batch=2):
 
 
 def test_llama_gqa(tmp_path):
-    hf, lm, ids, ref = _check(tmp_path, LlamaConfig(**BASE))
+    hf, lm, ids, ref = _check(tmp_path)
     assert lm.config.num_key_value_heads == 2
     # sensitivity: RoPE is relative, so stretched positions (2i) must move the logits past the tolerance
     pos = (2 * torch.arange(ids.shape[1])).expand_as(ids)
@@ -60,20 +59,18 @@ def test_llama_gqa(tmp_path):
 
 
 def test_llama_mqa_tied_embeddings(tmp_path):
-    cfg = LlamaConfig(**{**BASE, "num_key_value_heads": 1}, tie_word_embeddings=True)
-    hf, lm, *_ = _check(tmp_path, cfg)
+    hf, lm, *_ = _check(tmp_path, num_key_value_heads=1, tie_word_embeddings=True)
     assert lm.config.tie_word_embeddings and lm.model.lm_head.weight is lm.model.model.embed_tokens.weight
 
 
 def test_llama_mha(tmp_path):
-    _check(tmp_path, LlamaConfig(**{**BASE, "num_key_value_heads": 4}))
+    _check(tmp_path, num_key_value_heads=4)
 
 
 def test_llama3_rope_scaling_and_attention_bias(tmp_path):
     rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
-    cfg = LlamaConfig(**BASE, rope_parameters=rope, attention_bias=True, mlp_bias=True)
-    hf, lm, ids, ref = _check(tmp_path, cfg, seq=40)
+    hf, lm, ids, ref = _check(tmp_path, seq=40, rope_parameters=rope, attention_bias=True, mlp_bias=True)
     assert lm.config.rope_scaling["rope_type"] == "llama3" and lm.config.o_bias and lm.config.mlp_bias
     # sensitivity: the same weights with unscaled RoPE give logits past the tolerance
     from llmopt.models.llama import rope_inv_freq
@@ -82,8 +79,7 @@ def test_llama3_rope_scaling_and_attention_bias(tmp_path):
 
 
 def test_mistral_sliding_window_past_the_window(tmp_path):
-    cfg = MistralConfig(**BASE, sliding_window=8)
-    hf, lm, ids, ref = _check(tmp_path, cfg, seq=30)
+    hf, lm, ids, ref = _check(tmp_path, "mistral", seq=30, sliding_window=8)
     assert lm.config.layer_windows == [8, 8]
     # sensitivity: without the window (full causal attention) logits past position 8 differ
     for layer in lm.model.model.layers:
@@ -94,15 +90,13 @@ def test_mistral_sliding_window_past_the_window(tmp_path):
 
 
 def test_qwen2_qkv_bias(tmp_path):
-    cfg = Qwen2Config(**BASE)
-    hf, lm, *_ = _check(tmp_path, cfg)
+    hf, lm, *_ = _check(tmp_path, "qwen2")
     assert lm.config.qkv_bias and not lm.config.o_bias
     assert lm.model.model.layers[0].self_attn.q_proj.bias is not None
 
 
 def test_qwen3_qk_norm(tmp_path):
-    cfg = Qwen3Config(**BASE)
-    hf, lm, *_ = _check(tmp_path, cfg)
+    hf, lm, *_ = _check(tmp_path, "qwen3")
     assert lm.config.qk_norm
     assert lm.model.model.layers[0].self_attn.q_norm is not None
 
@@ -116,18 +110,18 @@ def _suffix_logits(lm, ids, s):
 def test_suffix_only_last_layer_matches_transformers(tmp_path):
     """suffix_from: the last layer runs its queries/MLP for the suffix only (eval-ppl's sliding windows);
     the rows must be transformers' rows, inside and past a sliding window, with q/k/v bias too."""
-    for cfg in (MistralConfig(**BASE, sliding_window=8), Qwen2Config(**BASE)):
-        hf, lm, ids, ref = _check(tmp_path, cfg, seq=30)
+    for model_type, over in (("mistral", {"sliding_window": 8}), ("qwen2", {})):
+        hf, lm, ids, ref = _check(tmp_path / model_type, model_type, seq=30, **over)
         for s in (1, 9, 29):
             ours = _suffix_logits(lm, ids, s)
             assert ours.shape == ref[:, s:].shape
-            assert _rel(ours, ref[:, s:]) <= TOL, (type(cfg).__name__, s)
+            assert _rel(ours, ref[:, s:]) <= TOL, (model_type, s)
 
 
 def test_fused_qkv_follows_its_projections(tmp_path):
     """Loading fuses q/k/v into one GEMM over views; replacing a projection's weight (as a quantizer
     or a reload does) must fall back to the three projections, never use the stale fused copy."""
-    hf, lm, ids, ref = _check(tmp_path, LlamaConfig(**BASE))
+    hf, lm, ids, ref = _check(tmp_path)
     at = lm.model.model.layers[0].self_attn
     assert at._qkv is not None and at._qkv[0].data_ptr() == at.q_proj.weight.data_ptr()
     seen = []
@@ -147,7 +141,7 @@ def test_fused_qkv_follows_its_projections(tmp_path):
 
 def test_positions_are_independent_per_row(tmp_path):
     """A batch of two different rows equals the rows run one at a time (no cross-row leakage)."""
-    hf, lm, ids, ref = _check(tmp_path, LlamaConfig(**BASE), seq=16, batch=3)
+    hf, lm, ids, ref = _check(tmp_path, seq=16, batch=3)
     for i in range(ids.shape[0]):
         one = _ours_logits(lm, ids[i:i + 1])
         assert _rel(one[0], ref[i]) <= TOL
