@@ -280,10 +280,10 @@ def test_default_model_gguf_spec():
 # --- model sources -------------------------------------------------------------------------------
 
 def test_folder_hf_cache_and_overrides(tmp_path, monkeypatch):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**_TINY, tie_word_embeddings=True))
-    model.save_pretrained(tmp_path / "tiny")
+    from conftest import make_tiny
+    from transformers import AutoModelForCausalLM
+    make_tiny(tmp_path / "tiny", **_TINY, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny")
     spec = resolve_model_spec(str(tmp_path / "tiny"))
     assert spec.source == "config" and spec.tensors
     ref = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -311,7 +311,16 @@ def test_folder_hf_cache_and_overrides(tmp_path, monkeypatch):
 
     o = resolve_model_spec("llama-3.1-8b", {"num_layers": 16, "num_kv_heads": 4, "sliding_window": 1024})
     assert o.num_layers == 16 and bytes_per_token(o, "bf16") == 2 * 16 * 4 * 128 * 2
-    assert set(x.window for x in layer_kv_specs(o, "bf16")) == {1024}
+    assert set(x.window for x in layer_kv_specs(o, "bf16")) == {1024}      # no sliding layers: every layer
+    g2 = resolve_model_spec("gemma-2-9b", {"sliding_window": 512})          # sliding layers only
+    assert g2.layer_windows[:4] == [512, None, 512, None]
+    assert set(resolve_model_spec("mistral-7b-v0.1", {"sliding_window": 0}).layer_windows) == {None}
+    # a llama config.json with a stray window: transformers' Llama (and the engine) attend fully
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    (stray / "config.json").write_text(json.dumps({**json.loads((tmp_path / "tiny" / "config.json").read_text()),
+                                                   "sliding_window": 8}))
+    assert resolve_model_spec(str(stray)).layer_windows == [None] * 4
     mqa = resolve_model_spec("llama-3.1-8b", {"num_kv_heads": 1})
     assert mqa.attention == "MQA" and bytes_per_token(mqa, "bf16") == 2 * 32 * 1 * 128 * 2
     with pytest.raises(UserInputError):
