@@ -18,6 +18,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.table import Table
 
+from llmopt import fsutil
 from llmopt.errors import LLMOptError
 
 out = Console(soft_wrap=True)
@@ -44,12 +45,9 @@ def dumps(obj: Any) -> str:
 
 
 def write_atomic(path: str | Path, text: str) -> None:
-    """Write to a temp file beside the target, then rename: never a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    """Write through `.NAME.tmp<PID>` and a rename (llmopt.fsutil.write_atomic): never a
+    half-written file, and no parent folders created (a mistyped folder is an error)."""
+    fsutil.write_atomic(path, text)
 
 
 def emit(result: Any, *, as_json: bool, table: Callable[[Any], Table | Iterable[Table]] | None = None,
@@ -136,8 +134,10 @@ def guarded(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def run_guarded(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Call fn(*args, **kwargs); LLMOptError (exit 2/1/3 by kind), missing or unreadable files (2) and
-    Ctrl-C (130) become one red line on stderr; with --debug / LLMOPT_DEBUG=1 errors propagate."""
+    """Call fn(*args, **kwargs); LLMOptError (exit 2/1/3 by kind), missing or unreadable files (2),
+    Ctrl-C (130) and SIGTERM (143, raised like Ctrl-C so the same cleanup runs) become one red line
+    on stderr; with --debug / LLMOPT_DEBUG=1 errors propagate."""
+    fsutil.handle_sigterm()
     try:
         return fn(*args, **kwargs)
     except LLMOptError as e:
@@ -148,5 +148,7 @@ def run_guarded(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if DEBUG["on"]:
             raise
         fail(f"{e.strerror or e}: {e.filename}" if getattr(e, "filename", None) else str(e), 2)
+    except fsutil.Terminated:
+        fail("terminated", 143)
     except KeyboardInterrupt:
         fail("interrupted", 130)

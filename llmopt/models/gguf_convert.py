@@ -1,22 +1,25 @@
 """GGUF (llama architecture) -> Hugging Face checkpoint folder: dequantized safetensors, config.json,
-tokenizer files. The folder is cached, so converting happens once per file."""
+tokenizer files. The folder is cached, so converting happens once per file content, and a damaged
+cached folder is detected and rebuilt (see `cached_conversion`)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
+import logging
+import re
 import shutil
-import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from llmopt.errors import ModelLoadError
+from llmopt.errors import ModelLoadError, UserInputError
+from llmopt.fsutil import (MARKER, apply_umask, clean_stale, file_sha256, replace_folder, temp_path, write_atomic,
+                           write_marker)
 from llmopt.models.config import gguf_hf_config
 
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3   # 3: cache keyed by the GGUF's content, manifest (sizes, sha256) in llmopt.json
 
 _TENSOR_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -67,14 +70,111 @@ def gguf_config(reader) -> dict:
     return gguf_hf_config(meta, [(t.name, tuple(int(s) for s in reversed(t.shape))) for t in reader.tensors])
 
 
-def cache_key(path: Path) -> str:
+# -- the conversion cache ----------------------------------------------------------------------------
+# One folder per GGUF content (copies of a file share it), named by the file's sha256 and
+# CONVERTER_VERSION. The sha256 is memoized per (path, size, mtime) in HASH_INDEX, recorded once a
+# sound folder exists, so a start does not reread the file. The folder's MANIFEST lists every file
+# with its size and sha256, recorded at conversion: each use checks presence and sizes (and the
+# small files' hashes), and a damaged entry is converted again with one warning line instead of
+# failing every later command.
+
+MANIFEST = MARKER          # llmopt.json: fsutil's "llmopt wrote this" marker, with the file list
+HASH_INDEX = "hashes.json"
+_HASH_EACH_USE = 16 << 20  # files up to this size are re-hashed on each use (config, tokenizer)
+_LEGACY_TMP = re.compile(r"^\..+\.[a-z0-9_]{8}$")   # converter 2's tempfile.mkdtemp leftovers
+_OURS = re.compile(r"^\..+\.(tmp|old)\d+$")             # fsutil's PID-named temporaries
+_LEGACY_AGE_S = 3600
+
+log = logging.getLogger("llmopt.models")
+
+
+def _index(cache_dir: Path) -> dict:
+    try:
+        index = json.loads((cache_dir / HASH_INDEX).read_text())
+        return index if isinstance(index, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _lookup_hash(path: Path, cache_dir: Path) -> tuple[str, bool]:
+    """(sha256 of the file's bytes, whether HASH_INDEX already knew it for this size and mtime)."""
     st = path.stat()
-    h = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CONVERTER_VERSION}".encode())
-    return f"{path.stem}-{h.hexdigest()[:12]}"
+    entry = _index(cache_dir).get(str(path.resolve()))
+    if isinstance(entry, dict) and entry.get("size") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns \
+            and isinstance(entry.get("sha256"), str):
+        return entry["sha256"], True
+    return file_sha256(path), False
 
 
-def convert_gguf(path: Path, out_dir: Path, progress=None) -> Path:
-    """Write `out_dir` (atomically: a temp folder renamed into place) and return it."""
+def _remember_hash(path: Path, sha: str, cache_dir: Path) -> None:
+    """Record a file's hash in HASH_INDEX (one entry per absolute path, vanished files dropped,
+    written atomically); a read-only cache just hashes again next time."""
+    st = path.stat()
+    index = {k: v for k, v in _index(cache_dir).items() if Path(k).exists()}
+    index[str(path.resolve())] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}
+    try:
+        write_atomic(cache_dir / HASH_INDEX, json.dumps(index, indent=1, sort_keys=True) + "\n")
+    except (OSError, UserInputError):
+        pass
+
+
+def _key(sha: str) -> str:
+    return f"gguf-{sha[:24]}-v{CONVERTER_VERSION}"
+
+
+def cache_key(path: Path, cache_dir: Path) -> str:
+    """The cache folder's name: the GGUF's content (not its path or mtime) and the converter version."""
+    return _key(_lookup_hash(Path(path), cache_dir)[0])
+
+
+def cache_problem(folder: Path) -> str | None:
+    """Why a cached conversion cannot be used (a missing manifest or file, a wrong size or hash), or None."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        files = manifest["files"]
+        if manifest.get("converter_version") != CONVERTER_VERSION or not isinstance(files, dict) or not files:
+            return f"{MANIFEST} is from another converter version"
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{MANIFEST} is missing or unreadable"
+    for name, rec in sorted(files.items()):
+        f = folder / name
+        try:
+            size = f.stat().st_size
+            if size != rec["size"]:
+                return f"{name} has {size:,} bytes, {rec['size']:,} expected"
+            if size <= _HASH_EACH_USE and file_sha256(f) != rec["sha256"]:
+                return f"{name} was modified"
+        except (TypeError, KeyError):
+            return f"{MANIFEST} is unreadable"
+        except OSError:
+            return f"{name} is missing or unreadable"
+    return None
+
+
+def _manifest(folder: Path) -> dict:
+    return {f.name: {"size": f.stat().st_size, "sha256": file_sha256(f)}
+            for f in sorted(folder.iterdir()) if f.is_file() and f.name != MANIFEST}
+
+
+def _clean_cache_dir(cache_dir: Path) -> None:
+    """Leftovers of dead conversions (`.NAME.tmp<PID>`), and converter 2's random-named temporaries
+    once they are an hour old (a conversion takes minutes; a live one is never that old)."""
+    clean_stale(cache_dir)
+    now = time.time()
+    for p in cache_dir.iterdir():
+        try:
+            if _LEGACY_TMP.match(p.name) and not _OURS.match(p.name) and p.is_dir() \
+                    and now - p.stat().st_mtime > _LEGACY_AGE_S:
+                shutil.rmtree(p, ignore_errors=True)
+        except OSError:
+            continue
+
+
+def convert_gguf(path: Path, out_dir: Path, progress=None, sha256: str | None = None) -> Path:
+    """Write `out_dir` and return it: built in `.NAME.tmp<PID>` beside it (removed on any error,
+    Ctrl-C or SIGTERM; a killed run's is removed by the next start), with the manifest and the
+    user's umask, then put in place in one atomic swap (a damaged folder being replaced). When a
+    concurrent run has put a sound folder there meanwhile, that one is kept."""
     import gguf
     from safetensors.torch import save_file
 
@@ -84,7 +184,11 @@ def convert_gguf(path: Path, out_dir: Path, progress=None) -> Path:
         raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
     cfg = gguf_config(reader)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    _clean_cache_dir(out_dir.parent)
+    tmp = temp_path(out_dir)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
     try:
         tensors = {}
         for t in reader.tensors:
@@ -100,17 +204,39 @@ def convert_gguf(path: Path, out_dir: Path, progress=None) -> Path:
             if progress:
                 progress(1)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        del tensors
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         gen = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
         _convert_tokenizer(path, tmp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        write_marker(tmp, {"command": "convert-gguf", "converter_version": CONVERTER_VERSION, "gguf": str(path.resolve()),
+                           "gguf_sha256": sha256 or file_sha256(path), "files": _manifest(tmp)})
+        apply_umask(tmp)
+        if out_dir.exists() and cache_problem(out_dir) is None:
+            shutil.rmtree(tmp)          # a concurrent conversion finished first: keep its folder
+        else:
+            replace_folder(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def cached_conversion(path: Path, cache_dir: Path, progress=None) -> Path:
+    """The converted folder of a GGUF under `cache_dir`, converting it when absent or damaged (a
+    damaged one is reported with one warning line and rebuilt)."""
+    sha, known = _lookup_hash(path, cache_dir)
+    out = cache_dir / _key(sha)
+    if out.exists() or out.is_symlink():
+        problem = cache_problem(out)
+        if problem is None:
+            if not known:
+                _remember_hash(path, sha, cache_dir)
+            return out
+        log.warning(f"warning: the cached conversion of {path.name} in {out} is damaged ({problem}): converting it again")
+    convert_gguf(path, out, progress, sha256=sha)
+    _remember_hash(path, sha, cache_dir)
+    return out
 
 
 def _convert_tokenizer(path: Path, dest: Path) -> None:

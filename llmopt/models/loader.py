@@ -71,11 +71,10 @@ def hf_cache_folder(repo_id: str) -> Path:
 
 
 def gguf_folder(path: Path, progress=None) -> Path:
-    from llmopt.models.gguf_convert import cache_key, convert_gguf
-    out = defaults.CACHE_DIR / "gguf" / cache_key(path)
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
-        return out
-    return convert_gguf(path, out, progress)
+    """The converted checkpoint of a GGUF file, cached under CACHE_DIR/gguf by the file's content
+    (checked on each use, rebuilt with a warning when damaged: gguf_convert.cached_conversion)."""
+    from llmopt.models.gguf_convert import cached_conversion
+    return cached_conversion(Path(path), defaults.CACHE_DIR / "gguf", progress)
 
 
 def safetensors_files(folder: Path) -> list[Path]:
