@@ -63,3 +63,33 @@ def test_token_lists():
     assert parse_list("2k, 8k,", "--seq-lens") == [2048, 8192]
     with pytest.raises(UserInputError):
         parse_list(",", "--seq-lens")
+
+
+def _find(obj, key):
+    if isinstance(obj, dict):
+        if key in obj:
+            return obj[key]
+        obj = list(obj.values())
+    if isinstance(obj, list):
+        for v in obj:
+            found = _find(v, key)
+            if found is not None:
+                return found
+    return None
+
+
+def test_commands_read_kv_cache_memory_with_the_one_parser():
+    """kv-estimate and generate give --kv-cache-memory the same meaning (vLLM's)."""
+    import json
+    from typer.testing import CliRunner
+    from llmopt.cli.app import app
+    run = CliRunner().invoke
+    base = ["kv-estimate", "--model", "Qwen/Qwen2.5-7B", "--max-model-len", "4096", "--json"]
+    for text, expected in [("2g", 2 * 10 ** 9), ("2G", 2 << 30), ("2GB", 2 * 10 ** 9), ("2GiB", 2 << 30)]:
+        r = run(app, base + ["--kv-cache-memory", text])
+        assert r.exit_code == 0, r.output
+        assert _find(json.loads(r.stdout), "available_bytes") == expected, text
+    for args in (base + ["--kv-cache-memory", "1.5G"], ["generate", "--kv-cache-memory", "1.5G", "--quiet", "hi"]):
+        r = run(app, args)
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert r.exit_code == 2 and len(lines) == 1 and "bad --kv-cache-memory '1.5G'" in lines[0], r.stderr
