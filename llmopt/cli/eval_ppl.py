@@ -64,8 +64,11 @@ def eval_ppl(
 ) -> None:
     """Perplexity (and KL divergence against a base model) on a text, by a peer's exact protocol."""
     from llmopt.eval import load_text_dataset, plan_ppl, run_ppl
+    from llmopt.fsutil import check_output_file
     from llmopt.models.loader import load_model
 
+    if out_file:   # refused before any scoring: a folder, a missing folder, the dataset or a model file itself
+        check_output_file(out_file, [dataset, model, base_model])
     data = load_text_dataset(dataset, text_field)
     lm = load_model(model, dtype, device)
     base = load_model(base_model, dtype, device) if base_model else None
