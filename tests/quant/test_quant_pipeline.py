@@ -29,10 +29,9 @@ TESTS = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    folder = write_checkpoint(tmp_path_factory.mktemp("tiny") / "model", hidden=64, inter=128, layers=2, heads=4,
-                              kv_heads=2, dtype=torch.float16)
-    calib = folder.parent / "calib.txt"
+def tiny(tiny_factory, tmp_path_factory):
+    folder = tiny_factory(tokenizer=True, dtype=torch.float16)
+    calib = tmp_path_factory.mktemp("calib") / "calib.txt"
     calib.write_text("The quick brown fox jumps over the lazy dog. " * 40 + "Pack my box with five dozen liquor jugs. " * 40)
     return folder, calib
 
@@ -180,3 +179,30 @@ def test_cli_recipe_with_flag_override_and_one_line_errors(tiny, tmp_path):
                                  "--output", str(tmp_path / "bad"), "--quiet"])
     assert r.exit_code == 2 and "--group-size 48 does not divide" in r.output
     assert not (tmp_path / "bad").exists()
+
+
+def test_calibration_text_field_from_spec_and_flag(tiny, tmp_path):
+    """QuantSpec.text_field picks the .jsonl field the windows come from (the same windows as the
+    joined text in a plain file); quantize --text-field sets it; a row without it is refused by line."""
+    from typer.testing import CliRunner
+    from llmopt.cli.app import app
+    from llmopt.quant.pipeline import _calibration
+    folder, calib = tiny
+    rows = calib.read_text().split(". ")
+    jsonl = tmp_path / "c.jsonl"
+    jsonl.write_text("".join(json.dumps({"q": r, "text": "unused"}) + "\n" for r in rows))
+    joined = tmp_path / "joined.txt"
+    joined.write_text("\n\n".join(rows))
+    spec = QuantSpec(method="gptq", calib_data=str(jsonl), text_field="q", num_samples=3, seq_len=16)
+    torch.testing.assert_close(_calibration(folder, spec), _calibration(folder, QuantSpec(
+        method="gptq", calib_data=str(joined), num_samples=3, seq_len=16)), rtol=0, atol=0)
+    def cli(data, out):
+        return CliRunner().invoke(app, ["quantize", "--model", str(folder), "--method", "rtn", "--group-size", "32",
+                                        "--seq-len", "16", "--quiet", "--calib-data", str(data), "--text-field", "q",
+                                        "--output", str(tmp_path / out)])
+    r = cli(jsonl, "ok")
+    assert r.exit_code == 0, r.output
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"q": "fine"}) + "\n" + json.dumps({"q": 7}) + "\n")
+    r = cli(bad, "bad")
+    assert r.exit_code == 2 and f"{bad}:2: field 'q' is a int, not a string" in r.output, r.output
