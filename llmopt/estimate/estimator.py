@@ -13,7 +13,7 @@ from llmopt.estimate.kv import FLOAT_BYTES, canonical_kv_dtype, kv_heads_per_ran
 from llmopt.estimate.model_spec import ModelSpec
 from llmopt.estimate.plan import GridCell, KVLayout, build_layout, grid
 from llmopt.estimate.presets import find_gpu
-from llmopt.estimate.units import GIB
+from llmopt.units import GIB
 from llmopt.estimate.weights import WeightMemory, weight_memory
 from llmopt.estimate.whatif import WhatIf, what_ifs
 from llmopt.models.config import resolve_device_name, resolve_dtype_name
