@@ -4,7 +4,6 @@ one line, leaving the source, the user's folders and files byte-identical and no
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -14,23 +13,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from fs_snapshot import tree
 from llmopt import fsutil
 from llmopt.cli.app import app
 from llmopt.errors import UserInputError
 from llmopt.quant import pipeline
 from llmopt.quant.spec import QuantSpec
-
-
-def tree(root: Path) -> dict[str, str]:
-    """Every entry under `root`: files by sha256 of their bytes, folders as 'dir' (hidden ones too)."""
-    out = {}
-    for dirpath, dirs, files in os.walk(root):
-        for d in dirs:
-            out[os.path.relpath(os.path.join(dirpath, d), root)] = "dir"
-        for f in files:
-            p = os.path.join(dirpath, f)
-            out[os.path.relpath(p, root)] = hashlib.sha256(Path(p).read_bytes()).hexdigest()
-    return out
 
 
 @pytest.fixture
