@@ -20,12 +20,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/paged_batch.py
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from llmopt.kernels import reference as ref  # noqa: E402
-from llmopt.kernels.random_batch import make_batch  # noqa: E402
+from paged_batch import make_batch  # noqa: E402
 
 
 def timed(fn, iters: int) -> float:

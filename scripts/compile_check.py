@@ -2,7 +2,7 @@
 
 The interpreter (TRITON_INTERPRET=1) checks what the kernels compute; this checks that they lower
 through Triton's real compiler to a cubin (types of loop-carried values, dot shapes, bitcasts),
-which the interpreter does not. Run: `python -m llmopt.kernels.compile_check [arch] [--quick]` (default 90);
+which the interpreter does not. Run: `python scripts/compile_check.py [arch] [--quick]` (default 90);
 it prints one line per kernel variant and exits non-zero if any fails. Must run WITHOUT
 TRITON_INTERPRET (an interpreted kernel cannot be compiled).
 """
@@ -10,17 +10,20 @@ TRITON_INTERPRET (an interpreted kernel cannot be compiled).
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from llmopt.kernels import triton_attention_kernels as K
-from llmopt.kernels import triton_kv, triton_norm
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from llmopt.kernels import triton_attention_kernels as K  # noqa: E402
+from llmopt.kernels import triton_kv, triton_norm  # noqa: E402
 
 FLOAT_SCALARS = {"k_scale", "v_scale", "qk_scale", "eps"}
 QUICK = {"decode bf16 kv_mode=3 split=True", "varlen fp32 kv_mode=0", "varlen bf16 kv_mode=1", "merge", "write_kv u8",
-         "rms_norm bf16 residual=True", "rotary bf16"}
+         "rms_norm bf16", "rotary bf16"}
 
 
 def _signature(kernel, ptr_types: dict, constexprs: dict) -> dict:
@@ -58,9 +61,7 @@ def variants():
         out.append((f"write_kv {cache}", triton_kv._scatter_kernel,
                     {"*": "fp32", "k_ptr": src, "v_ptr": src, "kc_ptr": cache, "vc_ptr": cache, "slot_ptr": "i64"},
                     dict(HKV=3, D=64, H_PAD=4, D_PAD=64, HAS_SCALES=scales)))
-    for residual in (False, True):
-        out.append((f"rms_norm bf16 residual={residual}", triton_norm._rms_norm_kernel, {"*": "bf16"},
-                    dict(BLOCK=1024, HAS_RESIDUAL=residual)))
+    out.append(("rms_norm bf16", triton_norm._rms_norm_kernel, {"*": "bf16"}, dict(BLOCK=1024)))
     out.append(("rotary bf16", triton_norm._rotary_kernel, {"*": "bf16"},
                 dict(HQ=9, HKV=3, HALF=32, HQ_PAD=16, HKV_PAD=4, HALF_PAD=32)))
     return out

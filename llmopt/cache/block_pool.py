@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from llmopt.errors import LLMOptError
@@ -23,12 +23,10 @@ BlockHash = bytes
 NONE_HASH: BlockHash = b""
 
 
-def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], salt: str | None = None) -> BlockHash:
-    """Chained hash of one full block: (parent hash, token ids[, salt])."""
+def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """Chained hash of one full block: (parent hash, token ids)."""
     h = hashlib.sha256(parent or NONE_HASH)
     h.update(array("q", token_ids).tobytes())
-    if salt:
-        h.update(salt.encode())
     return h.digest()
 
 
@@ -78,10 +76,6 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self._cached)
 
     def usage(self) -> float:
         return 1.0 - len(self._free) / self.num_blocks

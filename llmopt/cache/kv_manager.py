@@ -1,26 +1,29 @@
 """What the scheduler sees of the KV cache: per-request block lists, prefix-cache lookups, slot
 allocation for a step's new tokens, and freeing.
 
-A request only needs `request_id`, `all_token_ids` (prompt + outputs so far),
-`num_computed_tokens` (tokens whose K/V are in its blocks) and `cache_salt`: requests with a salt
-(the n samples of one prompt) share blocks among themselves even when prefix caching is off, since
-their hashes start from the salt and match no one else's. Full blocks are registered in the prefix
+A request only needs `request_id`, `all_token_ids` (prompt + outputs so far) and
+`num_computed_tokens` (tokens whose K/V are in its blocks). Full blocks are registered in the prefix
 cache as soon as slots for them are allocated: within a step every layer writes the K/V of all
 tokens before any attention reads them, so a request scheduled later in the same step may already
 share them.
+
+Copy-on-write: `fork` gives a new request all of a computed prompt's blocks, its partial last block
+included (the n samples of one prompt, whether prefix caching is on or off). Before a request
+writes into a partial block that others still reference, `allocate_slots` gives it a private copy
+and queues (src, dst) in `copies`; the runner copies those blocks in every layer before the step's
+forward (`take_copies`). The last holder writes in place.
 """
 
 from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-from llmopt.cache.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens, hash_request_blocks
+from llmopt.cache.block_pool import BlockHash, BlockPool, KVBlock, hash_request_blocks
 
 
 class CacheRequest(Protocol):
     request_id: str
     num_computed_tokens: int
-    cache_salt: str | None
 
     @property
     def all_token_ids(self) -> Sequence[int]: ...
@@ -38,6 +41,7 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_registered: dict[str, int] = {}  # leading blocks of a request offered to the cache
+        self.copies: list[tuple[int, int]] = []     # (src, dst) block copies the next forward must do first
 
     @property
     def num_free_blocks(self) -> int:
@@ -47,23 +51,19 @@ class KVCacheManager:
     def stats(self):
         return self.pool.stats
 
-    def _caches(self, req: CacheRequest) -> bool:
-        return self.enable_prefix_caching or bool(getattr(req, "cache_salt", None))
-
     def block_hashes(self, req: CacheRequest) -> list[BlockHash]:
         """Chained hashes of the request's full blocks, extended as its tokens grow."""
         hashes = self._hashes.setdefault(req.request_id, [])
         tokens = req.all_token_ids
         if len(tokens) // self.block_size > len(hashes):
-            parent = hashes[-1] if hashes else (hash_block_tokens(None, [], req.cache_salt) if req.cache_salt else None)
-            hashes.extend(hash_request_blocks(tokens, self.block_size, len(hashes), parent))
+            hashes.extend(hash_request_blocks(tokens, self.block_size, len(hashes), hashes[-1] if hashes else None))
         return hashes
 
     def get_computed_blocks(self, req: CacheRequest) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of a request not yet started: (blocks, number of tokens they hold).
         At least one token is always left to compute, so the step produces logits. The caller
         records the lookup with `record_lookup` once the request is really scheduled."""
-        if not self._caches(req):
+        if not self.enable_prefix_caching:
             return [], 0
         n_tokens = len(req.all_token_ids)
         max_blocks = (n_tokens - 1) // self.block_size
@@ -89,14 +89,20 @@ class KVCacheManager:
         total = num_computed + num_new_tokens + num_lookahead_tokens
         need = max(0, cdiv(total, self.block_size) - len(blocks) - len(new_computed_blocks))
         revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)  # hits that leave the free queue
-        if need + revived > self.pool.num_free_blocks:
+        cow = self._shared_partial_block(req, blocks)
+        if need + revived + (cow is not None) > self.pool.num_free_blocks:
             return False
+        if cow is not None:
+            (copy,) = self.pool.get_new_blocks(1)
+            self.copies.append((blocks[cow].block_id, copy.block_id))
+            self.pool.free_blocks([blocks[cow]])
+            blocks[cow] = copy
         if new_computed_blocks:
             self.pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
         if need:
             blocks.extend(self.pool.get_new_blocks(need))
-        if self._caches(req):
+        if self.enable_prefix_caching:
             n_full = min(num_computed + num_new_tokens, len(req.all_token_ids)) // self.block_size
             start = self._num_registered.get(req.request_id, 0)
             if n_full > start:
@@ -105,6 +111,25 @@ class KVCacheManager:
                     self.pool.cache_block(blocks[i], hashes[i])
                 self._num_registered[req.request_id] = n_full
         return True
+
+    def _shared_partial_block(self, req: CacheRequest, blocks: list[KVBlock]) -> int | None:
+        """Index of the block the request writes next if it already holds computed tokens and
+        other requests still reference it (a forked prompt's last block), else None."""
+        i, used = divmod(req.num_computed_tokens, self.block_size)
+        return i if used and i < len(blocks) and blocks[i].ref_cnt > 1 else None
+
+    def fork(self, parent: CacheRequest, child: CacheRequest, num_tokens: int) -> None:
+        """Give `child` (no blocks yet) the parent's blocks holding its first `num_tokens` tokens,
+        the partial last one included; one more reference each."""
+        shared = self.req_blocks[parent.request_id][:cdiv(num_tokens, self.block_size)]
+        self.pool.touch(shared)
+        self.req_blocks[child.request_id] = list(shared)
+        self._num_registered[child.request_id] = min(self._num_registered.get(parent.request_id, 0), len(shared))
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The (src, dst) block copies queued since the last call."""
+        out, self.copies = self.copies, []
+        return out
 
     def free(self, req: CacheRequest) -> None:
         """Release a finished, aborted or preempted request's blocks (tail first, so a shared prefix
@@ -117,6 +142,9 @@ class KVCacheManager:
                 self.pool.uncache(block)
         self.pool.free_blocks(reversed(blocks))
         self._num_registered.pop(req.request_id, None)
+        if self.copies:  # a copy-on-write target released before its step ran needs no copy
+            gone = {b.block_id for b in blocks}
+            self.copies = [c for c in self.copies if c[1] not in gone]
 
     def forget(self, req: CacheRequest) -> None:
         """Drop per-request bookkeeping for a request that is gone for good."""
@@ -124,6 +152,3 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
-
-    def num_blocks_of(self, request_id: str) -> int:
-        return len(self.req_blocks.get(request_id, ()))

@@ -5,8 +5,11 @@
     while engine.has_unfinished_requests():
         for out in engine.step(): ...
 
-A prompt with n > 1 fans out into n child requests (ids `<id>#<i>`); with prefix caching the
-children share the prompt's full blocks, and the caller sees one RequestOutput with n completions.
+A prompt with n > 1 fans out into n child requests (ids `<id>#<i>`): the first computes the prompt,
+the others fork from it sharing every prompt block (copy-on-write for the partial last one), and the
+caller sees one RequestOutput with n completions. The step is: propose drafts (optional hook),
+schedule, run the forward, sample, `Scheduler.update_from_output` (which owns everything after
+sampling), build outputs.
 """
 
 from __future__ import annotations
@@ -17,16 +20,13 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
-
-from llmopt import kernels
 from llmopt.cache.kv_manager import KVCacheManager, cdiv
 from llmopt.engine.args import EngineArgs
 from llmopt.engine.detokenizer import IncrementalDetokenizer
-from llmopt.engine.outputs import CompletionOutput, RequestOutput
-from llmopt.engine.request import Request, RequestStatus, TokenLogprobs
+from llmopt.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from llmopt.engine.request import Request
 from llmopt.engine.runner import KVCacheInfo, ModelRunner
-from llmopt.engine.sampler import Sampler, SamplingRow
+from llmopt.engine.sampler import Sampler
 from llmopt.engine.sampling_params import SamplingParams
 from llmopt.engine.scheduler import Scheduler
 from llmopt.errors import LLMOptError, UserInputError
@@ -40,9 +40,13 @@ class EngineStats:
     num_running: int
     num_waiting: int
     kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
+    prefix_cache_queries: int     # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int        # ... and found there
     num_preemptions: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 class _Parent:
@@ -74,7 +78,6 @@ class LLMEngine:
                  **kwargs) -> None:
         args = args or EngineArgs(**kwargs)
         self.args = args
-        kernels.set_backend(args.attention_backend)
         if loaded is None:
             loaded = load_model(args.model, args.dtype, args.device, progress)
         self.loaded = loaded
@@ -82,7 +85,8 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(loaded)
         self.max_model_len = args.max_model_len or loaded.config.max_position_embeddings
         self.runner = ModelRunner(loaded, args.block_size, args.kv_cache_dtype, args.kv_cache_memory,
-                                  args.gpu_memory_utilization, args.max_num_batched_tokens)
+                                  args.gpu_memory_utilization, args.max_num_batched_tokens,
+                                  args.attention_backend)
         info = self.runner.kv_cache_info()
         need = cdiv(self.max_model_len, args.block_size)
         if need > info.num_blocks:
@@ -93,7 +97,6 @@ class LLMEngine:
                                    args.scheduling_policy)
         self.sampler = Sampler(args.seed)
         self._parents: dict[str, _Parent] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
         self._counter = 0
         # Speculative decoding hook: drafter(requests) -> {request_id: draft token ids}; the engine
         # verifies all drafts of a request in the same forward (exact-match against the target's
@@ -134,17 +137,12 @@ class LLMEngine:
             p = params if params.n == 1 else dataclasses.replace(
                 params, n=1, seed=None if params.seed is None else params.seed + i)
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            detok = IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens) \
+                if self.args.detokenize and self.tokenizer is not None else None
             children.append(Request(rid, ids, p, self.eos_token_ids, self.max_model_len, text, priority,
-                                    arrival_time, parent_id=request_id, index=i))
-            if params.n > 1 and not self.args.enable_prefix_caching:  # share the prompt among siblings only
-                children[-1].cache_salt = f"n:{request_id}"
+                                    arrival_time, parent_id=request_id, index=i, detokenizer=detok))
+        self.scheduler.add_request(children[0], children[1:])
         self._parents[request_id] = _Parent(request_id, text, ids, children)
-        for req in children:
-            if self.args.detokenize and self.tokenizer is not None:
-                rp = req.params
-                self._detok[req.request_id] = IncrementalDetokenizer(
-                    self.tokenizer, ids, rp.skip_special_tokens, rp.stop, rp.include_stop_str_in_output)
-            self.scheduler.add_request(req)
         return request_id
 
     def abort_request(self, request_ids: str | list[str]) -> None:
@@ -154,7 +152,6 @@ class LLMEngine:
                 continue
             for req in parent.children:
                 self.scheduler.abort_request(req.request_id)
-                self._detok.pop(req.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -166,6 +163,11 @@ class LLMEngine:
         s = self.kv.stats
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.pool.usage(),
                            s.queries, s.hits, self.scheduler.num_preemptions)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, as vLLM's reset_prefix_cache (after new weights, or to measure
+        cold starts). Only while no request holds blocks; returns whether it did."""
+        return self.kv.pool.reset_prefix_cache()
 
     # -- the step ------------------------------------------------------------------------------------
     def _propose_drafts(self) -> None:
@@ -188,71 +190,20 @@ class LLMEngine:
                 raise LLMOptError("the scheduler cannot place the next waiting request in the KV cache")
             return []
         logits = self.runner.execute(sched)
-        self.scheduler.update_after_step(sched)
-        # One group of rows per request that samples: its last position, or the positions of the
-        # last token and of k draft tokens being verified (then drafts[j] is checked against row j).
-        groups: list[tuple[Request, int, int, list[int]]] = []
-        rows: list[int] = []
-        sampling: list[SamplingRow] = []
-        off = 0
-        for s in sched.scheduled:
-            m = s.num_logits
-            if m:
-                req = self.scheduler.requests[s.request_id]
-                groups.append((req, len(rows), m, s.token_ids[len(s.token_ids) - m + 1:]))
-                rows.extend(range(off, off + m))
-                sampling.extend([SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, req.generator,
-                                             req.blocked_token_ids)] * m)
-            off += m
-        if not groups:
-            return []
-        picked = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows)]
-        result = self.sampler(picked, sampling)
-        touched: dict[str, _Parent] = {}
-        for req, first, m, drafts in groups:
-            for j in range(m):
-                tok = result.token_ids[first + j]
-                finished = self._append(req, tok, result, first + j)
-                if finished or j == m - 1 or tok != drafts[j]:
-                    break  # a rejected draft: the target's own token replaces it
-            if not req.is_finished:
-                req.num_computed_tokens = req.num_tokens - 1  # K/V valid for all but the newest token
-                req.spec_token_ids = []
-            parent = self._parents.get(req.parent_id)
-            if parent is not None:
-                touched[parent.request_id] = parent
+        sampled = self.sampler.sample_scheduled(logits, sched.scheduled, self.scheduler.requests)
+        progressed = self.scheduler.update_from_output(sched, sampled)
+        touched = {req.parent_id: self._parents[req.parent_id] for req in progressed if req.parent_id in self._parents}
         return [self._output(p) for p in touched.values()]
 
-    def _append(self, req: Request, tok: int, result, row: int) -> bool:
-        """Add one sampled token to a request; finish it on a stop condition. Returns finished."""
-        req.append_output_token(tok)
-        if req.logprobs is not None:
-            top = dict(zip(result.top_ids[row], result.top_logprobs[row])) if result.top_ids else {}
-            req.logprobs.append(TokenLogprobs(tok, result.logprobs[row], top))
-            req.cumulative_logprob += result.logprobs[row]
-        status = req.check_stop_token(tok)
-        detok = self._detok.get(req.request_id)
-        if detok is not None:
-            stop = detok.add([tok])
-            if stop is not None and status is None and req.num_output_tokens >= req.params.min_tokens:
-                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-        if status is not None:
-            self.scheduler.finish_request(req, status)
-            return True
-        return False
-
     def _output(self, parent: _Parent) -> RequestOutput:
-        outs = []
-        for req in parent.children:
-            detok = self._detok.get(req.request_id)
-            outs.append(CompletionOutput(
-                req.index, detok.text if detok else "", list(req.output_token_ids),
-                req.cumulative_logprob if req.logprobs is not None else None,
-                list(req.logprobs) if req.logprobs is not None else None, req.finish_reason, req.stop_reason))
+        outs = [CompletionOutput(req.index, req.text, list(req.output_token_ids),
+                                 req.cumulative_logprob if req.logprobs is not None else None,
+                                 list(req.logprobs) if req.logprobs is not None else None, req.finish_reason,
+                                 req.stop_reason) for req in parent.children]
         finished = all(r.is_finished for r in parent.children)
         if finished:
             del self._parents[parent.request_id]
-            for req in parent.children:
-                self._detok.pop(req.request_id, None)
         cached = max(parent.children[0].num_cached_tokens, 0)
-        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs, finished, cached)
+        metrics = RequestMetrics.merge([r.metrics for r in parent.children])
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs, finished, cached,
+                             metrics)

@@ -1,10 +1,52 @@
-"""What the engine hands back: one RequestOutput per prompt, with one CompletionOutput per sample."""
+"""What the engine hands back: one RequestOutput per prompt, with one CompletionOutput per sample,
+its per-token logprobs and its timing (RequestMetrics)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmopt.engine.request import TokenLogprobs
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of the chosen token and the top alternatives at one output position."""
+    token_id: int
+    logprob: float
+    top: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps of one request (time.monotonic() seconds), as vLLM's RequestMetrics.
+    first_scheduled: admitted to the running batch; first_token: its first output token sampled;
+    finished: stopped, hit its length limit or was aborted. None: not yet."""
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_in_queue(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    @staticmethod
+    def merge(parts: list["RequestMetrics"]) -> "RequestMetrics":
+        """One prompt's metrics from its n samples': first arrival, schedule and token; last finish
+        (None until every sample is finished)."""
+        def first(xs):
+            xs = [x for x in xs if x is not None]
+            return min(xs) if xs else None
+        finished = [m.finished_time for m in parts]
+        return RequestMetrics(min(m.arrival_time for m in parts), first(m.first_scheduled_time for m in parts),
+                              first(m.first_token_time for m in parts),
+                              None if None in finished else max(finished))
 
 
 @dataclass
@@ -30,4 +72,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0             # prompt tokens served by the prefix cache
-    metrics: dict = field(default_factory=dict)
+    metrics: RequestMetrics | None = None

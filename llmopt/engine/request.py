@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
 
 import torch
 
+from llmopt.engine.outputs import RequestMetrics, TokenLogprobs
 from llmopt.engine.sampling_params import SamplingParams
 
 
@@ -25,19 +25,11 @@ class RequestStatus(enum.Enum):
                         RequestStatus.FINISHED_ABORTED)
 
 
-@dataclass
-class TokenLogprobs:
-    """Logprob of the chosen token and the top alternatives at one output position."""
-    token_id: int
-    logprob: float
-    top: dict[int, float] = field(default_factory=dict)
-
-
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: frozenset[int] = frozenset(), max_model_len: int | None = None,
                  prompt: str | None = None, priority: int = 0, arrival_time: float | None = None,
-                 parent_id: str | None = None, index: int = 0) -> None:
+                 parent_id: str | None = None, index: int = 0, detokenizer=None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -45,7 +37,7 @@ class Request:
         self.eos_token_ids = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
         self.stop_token_ids = frozenset(params.stop_token_ids)
         self.priority = priority
-        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.metrics = RequestMetrics(time.monotonic() if arrival_time is None else arrival_time)
         self.parent_id = parent_id or request_id
         self.index = index
         self.status = RequestStatus.WAITING
@@ -55,7 +47,6 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1              # prefix-cache hit at first schedule (-1: not yet)
         self.num_preemptions = 0
-        self.cache_salt: str | None = None       # set on the n samples of one prompt: they share blocks
         limit = params.max_tokens if params.max_tokens is not None else (max_model_len or 1 << 30) - len(prompt_token_ids)
         if max_model_len is not None:
             limit = min(limit, max_model_len - len(prompt_token_ids))
@@ -63,14 +54,17 @@ class Request:
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.stop_reason: int | str | None = None
-        self.output_text = ""
+        self.detokenizer = detokenizer           # an IncrementalDetokenizer, or None (token ids only)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator()
             self.generator.manual_seed(params.seed)
-        self.first_token_time: float | None = None
 
     # -- tokens ------------------------------------------------------------------------------------
+    @property
+    def arrival_time(self) -> float:
+        return self.metrics.arrival_time
+
     @property
     def all_token_ids(self) -> list[int]:
         return self._all_token_ids
@@ -91,11 +85,20 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
-    def append_output_token(self, token_id: int) -> None:
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text if self.detokenizer is not None else ""
+
+    def append_output_token(self, token_id: int, logprob: float | None = None,
+                            top: dict[int, float] | None = None) -> str:
+        """Add one accepted output token (and its logprobs when the request asked for them);
+        returns the text it added ("" without a detokenizer)."""
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
-        if self.first_token_time is None:
-            self.first_token_time = time.monotonic()
+        if self.logprobs is not None and logprob is not None:
+            self.logprobs.append(TokenLogprobs(token_id, logprob, dict(top or {})))
+            self.cumulative_logprob += logprob
+        return self.detokenizer.add([token_id]) if self.detokenizer is not None else ""
 
     @property
     def is_finished(self) -> bool:
@@ -104,20 +107,6 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return self.status.value if self.status.finished else None
-
-    def check_stop_token(self, token_id: int) -> "RequestStatus | None":
-        """After appending token_id: the finished status it causes (EOS, a stop token id,
-        max_tokens), or None. Sets stop_reason; the scheduler sets the status."""
-        n = len(self.output_token_ids)
-        if n >= self.params.min_tokens:
-            if token_id in self.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token_id in self.stop_token_ids:
-                self.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
-        if n >= self.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     @property
     def blocked_token_ids(self) -> frozenset[int]:

@@ -38,10 +38,12 @@ class KVCacheInfo:
 
 
 class PagedAttention:
-    """The model's attention context for one step: `(layer_idx, q, k, v, window) -> o` on [N, H, D]."""
+    """The model's attention context for one step: `(layer_idx, q, k, v, window) -> o` on [N, H, D].
+    `backend` is the runner's kernel backend; the model's fused RMSNorm/RoPE read it too."""
 
     def __init__(self, runner: "ModelRunner") -> None:
         self.r = runner
+        self.backend = runner.backend
         self.slot_mapping = self.block_tables = self.seq_lens = self.query_start_loc = None
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -50,20 +52,23 @@ class PagedAttention:
         kc, vc = r.key_caches[layer_idx], r.value_caches[layer_idx]
         ksc = r.k_scale_caches[layer_idx] if r.k_scale_caches else None
         vsc = r.v_scale_caches[layer_idx] if r.v_scale_caches else None
-        kernels.write_kv(kc, vc, k, v, self.slot_mapping, r.kv_dtype, r.k_scale, r.v_scale, ksc, vsc)
+        kernels.write_kv(kc, vc, k, v, self.slot_mapping, r.kv_dtype, r.k_scale, r.v_scale, ksc, vsc,
+                         backend=self.backend)
         return kernels.paged_attention(q, kc, vc, self.block_tables, self.seq_lens, self.query_start_loc,
-                                       r.scale, window, r.kv_dtype, r.k_scale, r.v_scale, ksc, vsc)
+                                       r.scale, window, r.kv_dtype, r.k_scale, r.v_scale, ksc, vsc,
+                                       backend=self.backend)
 
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, block_size: int, kv_cache_dtype: str = "auto",
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
-                 max_num_batched_tokens: int = 2048) -> None:
+                 max_num_batched_tokens: int = 2048, attention_backend: str = "auto") -> None:
         self.model = loaded.model
         self.cfg = loaded.config
         self.dtype = loaded.dtype
         self.device = loaded.device
         self.block_size = block_size
+        self.backend = kernels.resolve_backend(attention_backend, self.device)  # "torch" or "triton"
         if kv_cache_dtype not in kernels.KV_DTYPES:
             raise UserInputError(f"unknown KV-cache dtype {kv_cache_dtype!r}; choose one of {', '.join(kernels.KV_DTYPES)}")
         self.kv_dtype = kv_cache_dtype
@@ -98,7 +103,9 @@ class ModelRunner:
         with torch.inference_mode():
             ids = torch.zeros(1, min(max_tokens, 8192), dtype=torch.long, device=self.device)
             pos = torch.arange(ids.shape[1], device=self.device)[None]
-            h = self.model(ids, pos, DenseCausalAttention())
+            dense = DenseCausalAttention()
+            dense.backend = self.backend
+            h = self.model(ids, pos, dense)
             self.model.compute_logits(h[:, -256:])
         activation_peak = torch.cuda.max_memory_allocated(self.device) - base
         torch.cuda.empty_cache()
@@ -141,7 +148,9 @@ class ModelRunner:
     # -- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run the scheduled tokens; return float32 logits [sum of num_logits, vocab] in schedule order."""
+        """Copy the blocks the scheduler asked for (copy-on-write), run the scheduled tokens; return
+        float32 logits [sum of num_logits, vocab] in schedule order."""
+        self.copy_blocks(out.blocks_to_copy)
         sched = out.scheduled
         if not sched:
             return torch.empty(0, self.cfg.vocab_size)

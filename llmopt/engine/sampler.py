@@ -27,6 +27,22 @@ class SamplingRow:
 
 
 @dataclass
+class SampledTokens:
+    """One request's tokens from one step: row j was sampled after its tokens and its first j
+    draft tokens (one row without drafts). Logprobs where the request asked for them."""
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+    def logprob(self, j: int) -> float | None:
+        return self.logprobs[j] if self.logprobs is not None else None
+
+    def top(self, j: int) -> dict[int, float] | None:
+        return dict(zip(self.top_ids[j], self.top_logprobs[j])) if self.top_ids is not None else None
+
+
+@dataclass
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[float] | None = None           # of the sampled tokens
@@ -114,6 +130,34 @@ class Sampler:
         else:
             tokens = self._sample(logits, rows, greedy)
         return self._with_logprobs(raw, tokens, rows)
+
+    def sample_scheduled(self, logits: torch.Tensor, scheduled, requests) -> dict[str, SampledTokens]:
+        """Sample every row the runner computed logits for (`ScheduledRequest.num_logits` rows per
+        request, in schedule order) with each request's own parameters; the siblings in `fork_ids`
+        sample from their leader's first row (the prompt's last position). Keyed by request id."""
+        rows: list[SamplingRow] = []
+        index: list[int] = []
+        owners: list[tuple[str, int, int]] = []   # request id, first row in `rows`, number of rows
+        off = 0
+        for s in scheduled:
+            if not s.num_logits:
+                continue
+            for rid, first, m in [(s.request_id, off, s.num_logits)] + [(f, off, 1) for f in s.fork_ids]:
+                req = requests[rid]
+                owners.append((rid, len(rows), m))
+                rows.extend([SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, req.generator,
+                                         req.blocked_token_ids)] * m)
+                index.extend(range(first, first + m))
+            off += s.num_logits
+        if not rows:
+            return {}
+        picked = logits if index == list(range(logits.shape[0])) else logits[torch.tensor(index, device=logits.device)]
+        res = self(picked, rows)
+
+        def part(xs, a, m):
+            return None if xs is None else xs[a:a + m]
+        return {rid: SampledTokens(res.token_ids[a:a + m], part(res.logprobs, a, m), part(res.top_ids, a, m),
+                                   part(res.top_logprobs, a, m)) for rid, a, m in owners}
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:
         dev = logits.device

@@ -1,25 +1,33 @@
 """Continuous batching with chunked prefill, as in vLLM v1: there are no prefill or decode phases,
 only requests whose computed-token count catches up with their token count.
 
-Each step spends a token budget (`max_num_batched_tokens`): first on running requests (decodes,
+`schedule()` spends a token budget (`max_num_batched_tokens`): first on running requests (decodes,
 the next chunk of a long prompt, draft tokens to verify), then on waiting requests in policy order
 (FCFS, or priority: lower value first, then arrival), while fewer than `max_num_seqs` run. When the
 KV cache runs out of blocks, the lowest-priority running request is preempted: its blocks are freed
 and it goes back to the front of the queue, to be recomputed later (from prefix-cache hits if its
 blocks survive).
+
+`update_from_output()` is the one owner of what happens after sampling: it advances computed-token
+counts, accepts sampled tokens (drafts up to the first mismatch, then the target's own token),
+rewinds rejected drafts, runs `check_stop` after every token and finishes requests.
+
+The n samples of one prompt: only the first is queued; its siblings wait until the prompt is
+computed, then fork from it (sharing every prompt block, copy-on-write for the partial last one)
+and take their first token from the same logits row.
 """
 
 from __future__ import annotations
 
-import bisect
-from collections import deque
+import time
 from dataclasses import dataclass, field
 
 from llmopt.cache.kv_manager import KVCacheManager
 from llmopt.engine.request import Request, RequestStatus
+from llmopt.engine.sampler import SampledTokens
+from llmopt.engine.stop import check_stop
+from llmopt.engine.waiting_queue import POLICIES, WaitingQueue  # noqa: F401  (POLICIES re-exported)
 from llmopt.errors import UserInputError
-
-POLICIES = ("fcfs", "priority")
 
 
 @dataclass
@@ -31,6 +39,8 @@ class ScheduledRequest:
     start_pos: int           # position of token_ids[0] (= tokens already in the cache)
     block_ids: list[int]     # the request's whole block table
     num_logits: int          # trailing positions whose logits are wanted (0: a prompt chunk)
+    spec_token_ids: list[int] = field(default_factory=list)  # the drafts at the end of token_ids
+    fork_ids: list[str] = field(default_factory=list)        # siblings sampled from this prompt's last row
 
 
 @dataclass
@@ -38,47 +48,11 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_batched_tokens: int = 0
     preempted: list[str] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before the forward
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
-
-
-class WaitingQueue:
-    """FCFS: a deque (preempted requests go back to the front). Priority: kept sorted."""
-
-    def __init__(self, policy: str) -> None:
-        if policy not in POLICIES:
-            raise UserInputError(f"unknown scheduling policy {policy!r}: use {' or '.join(POLICIES)}")
-        self.priority = policy == "priority"
-        self._q: deque[Request] | list[Request] = [] if self.priority else deque()
-
-    def add(self, req: Request) -> None:
-        if self.priority:
-            bisect.insort(self._q, req)
-        else:
-            self._q.append(req)
-
-    def add_front(self, req: Request) -> None:
-        if self.priority:
-            bisect.insort(self._q, req)
-        else:
-            self._q.appendleft(req)
-
-    def peek(self) -> Request:
-        return self._q[0]
-
-    def pop(self) -> Request:
-        return self._q.pop(0) if self.priority else self._q.popleft()
-
-    def remove(self, req: Request) -> None:
-        self._q.remove(req)
-
-    def __len__(self) -> int:
-        return len(self._q)
-
-    def __iter__(self):
-        return iter(list(self._q))
 
 
 class Scheduler:
@@ -92,20 +66,26 @@ class Scheduler:
         self.waiting = WaitingQueue(policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.forks: dict[str, list[Request]] = {}   # first sample's id -> siblings waiting for its prompt
         self.num_preemptions = 0
 
     # -- requests ------------------------------------------------------------------------------
-    def add_request(self, req: Request) -> None:
-        if req.request_id in self.requests:
-            raise UserInputError(f"request id {req.request_id!r} is already in use")
-        self.requests[req.request_id] = req
+    def add_request(self, req: Request, siblings: list[Request] = ()) -> None:
+        """Queue a request; `siblings` (same prompt) fork from it once its prompt is computed."""
+        for r in (req, *siblings):
+            if r.request_id in self.requests:
+                raise UserInputError(f"request id {r.request_id!r} is already in use")
+        for r in (req, *siblings):
+            self.requests[r.request_id] = r
+        if siblings:
+            self.forks[req.request_id] = list(siblings)
         self.waiting.add(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
 
     def num_unfinished(self) -> int:
-        return len(self.running) + len(self.waiting)
+        return len(self.requests)
 
     def finish_request(self, req: Request, status: RequestStatus) -> None:
         """Finish (stop, length) or abort a request: release its blocks and forget it."""
@@ -113,9 +93,18 @@ class Scheduler:
             return
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
-        else:
+        elif req in self.waiting:
             self.waiting.remove(req)
+        else:  # a sibling still waiting for its fork
+            for sibs in self.forks.values():
+                if req in sibs:
+                    sibs.remove(req)
+        siblings = self.forks.pop(req.request_id, [])
+        if siblings:  # the next sample takes over the prompt
+            self.forks[siblings[0].request_id] = siblings[1:]
+            self.waiting.add_front(siblings[0])
         req.status = status
+        req.metrics.finished_time = time.monotonic()
         self.kv.free(req)
         self.kv.forget(req)
         del self.requests[req.request_id]
@@ -170,6 +159,9 @@ class Scheduler:
 
         while not preempted and budget > 0 and len(self.waiting) and len(self.running) < self.max_num_seqs:
             req = self.waiting.peek()
+            group = 1 + len(self.forks.get(req.request_id, ()))
+            if self.running and len(self.running) + group > self.max_num_seqs:
+                break
             hits, n_hit = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - n_hit, budget)
             if not self.kv.allocate_slots(req, n, hits):
@@ -179,25 +171,70 @@ class Scheduler:
             req.num_computed_tokens = n_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = n_hit
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             chosen[req.request_id] = (req, n)
             budget -= n
 
-        out = SchedulerOutput(preempted=preempted)
+        out = SchedulerOutput(preempted=preempted, blocks_to_copy=self.kv.take_copies())
         for req, n in chosen.values():
             start = req.num_computed_tokens
             tokens = req.all_token_ids[start:start + n] if start + n <= req.num_tokens else \
                 (req.all_token_ids + req.spec_token_ids)[start:start + n]
             num_logits = max(0, start + n - req.num_tokens + 1)
-            out.scheduled.append(ScheduledRequest(req.request_id, tokens, start,
-                                                  self.kv.get_block_ids(req.request_id), num_logits))
+            forks = self.forks.get(req.request_id, []) if num_logits else []
+            out.scheduled.append(ScheduledRequest(req.request_id, tokens, start, self.kv.get_block_ids(req.request_id),
+                                                  num_logits, tokens[len(tokens) - num_logits + 1:],
+                                                  [r.request_id for r in forks]))
             out.num_batched_tokens += n
         return out
 
-    def update_after_step(self, out: SchedulerOutput) -> None:
-        """The runner has computed the scheduled tokens: advance each request's computed count."""
+    # -- after the forward ---------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, SampledTokens]) -> list[Request]:
+        """Apply one step's results: computed-token counts, forks, accepted tokens, rewinds of
+        rejected drafts, stop checks. Returns the requests that received tokens (finished ones included)."""
+        now = time.monotonic()
+        progressed: list[Request] = []
         for s in out.scheduled:
             req = self.requests.get(s.request_id)
-            if req is not None:
-                req.num_computed_tokens = s.start_pos + len(s.token_ids)
+            if req is None:
+                continue
+            req.num_computed_tokens = s.start_pos + len(s.token_ids)
+            if s.request_id not in sampled:  # a prompt chunk: nothing to sample yet
+                continue
+            siblings = [r for r in self.forks.pop(req.request_id, []) if r.request_id in sampled]
+            for sib in siblings:
+                self._fork(req, sib, req.num_computed_tokens - len(s.spec_token_ids))
+            for r, drafts in [(req, s.spec_token_ids)] + [(sib, []) for sib in siblings]:
+                self._accept(r, drafts, sampled[r.request_id], now)
+                progressed.append(r)
+        return progressed
+
+    def _fork(self, leader: Request, sib: Request, num_tokens: int) -> None:
+        """A sibling takes the leader's computed prompt: its blocks (shared) and computed count."""
+        self.kv.fork(leader, sib, num_tokens)
+        sib.num_computed_tokens = num_tokens
+        sib.num_cached_tokens = leader.num_cached_tokens
+        sib.metrics.first_scheduled_time = leader.metrics.first_scheduled_time
+        sib.status = RequestStatus.RUNNING
+        self.running.append(sib)
+
+    def _accept(self, req: Request, drafts: list[int], got: SampledTokens, now: float) -> None:
+        """Row j of `got` is the target's token after the first j drafts: keep drafts while they
+        match it, then the target's own token (a correction, or a bonus after all k drafts)."""
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        accepted = 0
+        for j, tok in enumerate(got.token_ids):
+            new_text = req.append_output_token(tok, got.logprob(j), got.top(j))
+            status = check_stop(req, new_text)
+            if status is not None:
+                self.finish_request(req, status)
+                return
+            if j >= len(drafts) or tok != drafts[j]:
+                break
+            accepted += 1
+        req.num_computed_tokens -= len(drafts) - accepted  # the rejected drafts' K/V are stale
+        req.spec_token_ids = []

@@ -188,16 +188,10 @@ def _decode_batch(q, out, kv, block_tables, seqs, starts, lens, bs, scale, windo
     out.index_copy_(0, rows, o.reshape(ns, -1, q.shape[-1]).to(out.dtype))  # (index_put_ is slow on the CPU)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """RMSNorm as the model computes it (float32 statistics, result cast back, times weight).
-
-    With `residual`, first x = x + residual and return (normed, x): the fused add + norm of a
-    decoder layer."""
-    if residual is not None:
-        x = x + residual
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as the model computes it (float32 statistics, result cast back, times weight)."""
     xf = x.float()
-    y = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return (y, x) if residual is not None else y
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

@@ -1,4 +1,4 @@
-"""Fused Triton RMSNorm (optionally with the residual add) and rotary embedding.
+"""Fused Triton RMSNorm and rotary embedding.
 
 Both replace a chain of small PyTorch ops (cast, square, mean, rsqrt, multiplies; or slice, negate,
 cat, two multiplies and an add) by one pass over the data, which is what pays at decode batch sizes
@@ -14,16 +14,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, rout_ptr, stride_x, stride_r, stride_y, n_cols, eps,
-                     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, n_cols, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        tl.store(rout_ptr + row * n_cols + offs, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n_cols + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -31,26 +26,17 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, rout_ptr, stride_x, stride_r, s
     tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Same contract as reference.rms_norm."""
     shape, n = x.shape, x.shape[-1]
     x2 = x.reshape(-1, n)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     y = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    r2 = rout = x2
-    if residual is not None:
-        r2 = residual.reshape(-1, n)
-        if r2.stride(-1) != 1:
-            r2 = r2.contiguous()
-        rout = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         block = triton.next_power_of_2(n)
-        _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight.contiguous(), y, rout, x2.stride(0), r2.stride(0),
-                                         y.stride(0), n, float(eps), BLOCK=block, HAS_RESIDUAL=residual is not None,
-                                         num_warps=min(max(block // 256, 1), 8))
-    if residual is not None:
-        return y.view(shape), rout.view(shape)
+        _rms_norm_kernel[(x2.shape[0],)](x2, weight.contiguous(), y, x2.stride(0), y.stride(0), n, float(eps),
+                                         BLOCK=block, num_warps=min(max(block // 256, 1), 8))
     return y.view(shape)
 
 

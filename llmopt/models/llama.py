@@ -27,9 +27,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _fused(x):
-            return kernels.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+        if _fused(x, backend):
+            return kernels.rms_norm(x, self.weight, self.eps, backend=backend)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -63,10 +63,16 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.d
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def _fused(x: torch.Tensor) -> bool:
-    """Use llmopt.kernels' fused RMSNorm/rotary: on CUDA (Triton unless --attention-backend torch)
+def _backend(attn) -> str:
+    """The kernel backend an attention context carries (`attn.backend`, the engine's
+    --attention-backend); "auto" for contexts without one."""
+    return getattr(attn, "backend", "auto")
+
+
+def _fused(x: torch.Tensor, backend: str) -> bool:
+    """Use llmopt.kernels' fused RMSNorm/rotary: on CUDA (Triton unless the backend is torch)
     or when the triton backend is chosen explicitly; never where autograd needs the graph."""
-    return (x.is_cuda or kernels.get_backend() == "triton") and not (torch.is_grad_enabled() and x.requires_grad)
+    return (x.is_cuda or backend == "triton") and not (torch.is_grad_enabled() and x.requires_grad)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -138,12 +144,14 @@ class Attention(nn.Module):
         q = q.reshape(*q_lead, self.num_heads, self.head_dim)
         k = k.reshape(*lead, self.num_kv_heads, self.head_dim)
         v = v.reshape(*lead, self.num_kv_heads, self.head_dim)
+        backend = _backend(attn)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if _fused(q) and not q_from:
+            q, k = self.q_norm(q, backend), self.k_norm(k, backend)
+        if _fused(q, backend) and not q_from:
             d = self.head_dim
             cs = [torch.broadcast_to(t, (*lead, d)).reshape(-1, d) for t in (cos, sin)]
-            q, k = kernels.rotary(q.reshape(-1, self.num_heads, d), k.reshape(-1, self.num_kv_heads, d), *cs)
+            q, k = kernels.rotary(q.reshape(-1, self.num_heads, d), k.reshape(-1, self.num_kv_heads, d), *cs,
+                                  backend=backend)
             q, k = q.view(*lead, self.num_heads, d), k.view(*lead, self.num_kv_heads, d)
         else:
             q, k = apply_rope(q, cos_q, sin_q), apply_rope(k, cos, sin)
@@ -185,9 +193,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, attn: AttentionFn, q_from: int = 0) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), cos, sin, attn, q_from)
+        backend = _backend(attn)
+        h = self.self_attn(self.input_layernorm(x, backend), cos, sin, attn, q_from)
         x = (x[..., q_from:, :] if q_from else x) + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x, backend))
 
 
 class LlamaModel(nn.Module):
@@ -226,7 +235,7 @@ class LlamaForCausalLM(nn.Module):
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, attn, suffix_from if i == last else 0)
-        return self.model.norm(x)
+        return self.model.norm(x, _backend(attn))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -3,17 +3,16 @@ at a time, with EOS stops; detokenized text, stop strings and the chat template;
 `llmopt generate` end to end on a tiny random model that borrows SmolLM2's tokenizer."""
 
 import json
-import shutil
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
-from engine_util import hf_greedy, save_tiny_llama
+from engine_helpers import hf_greedy
 from llmopt.cli.app import app
 from llmopt.engine.llm import LLM
 from llmopt.engine.sampling_params import SamplingParams
-from llmopt.models.loader import load_model, resolve_checkpoint
+from llmopt.models.loader import load_model
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):",
            "Once upon a time, in a land far away, there lived a young girl who loved to read books about "
@@ -56,13 +55,8 @@ def test_stop_string_and_chat(smol):
 
 
 @pytest.fixture(scope="module")
-def tiny_with_tokenizer(tmp_path_factory):
-    path = save_tiny_llama(tmp_path_factory.mktemp("tiny_tok") / "m", vocab_size=49152)
-    src = resolve_checkpoint(None)
-    for f in src.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
-            shutil.copy(f, path / f.name)
-    return path
+def tiny_with_tokenizer(tiny_factory):
+    return tiny_factory(tokenizer=True)
 
 
 def test_generate_cli_json_lines_and_stdin(tiny_with_tokenizer):
@@ -81,4 +75,4 @@ def test_generate_cli_json_lines_and_stdin(tiny_with_tokenizer):
     assert r.exit_code == 0, r.output
     assert r.stdout == "".join(row["text"] + "\n" for row in rows)
     r = runner.invoke(app, base + ["--kv-cache-memory", "lots", "x"])
-    assert r.exit_code == 2 and "not a size" in r.output
+    assert r.exit_code == 2 and "--kv-cache-memory 'lots'" in r.output and len(r.output.strip().splitlines()) == 1

@@ -1,7 +1,8 @@
 """The batched engine on a tiny random Llama against transformers' greedy generate, one prompt at a
 time: token for token, with prefix caching on and off, a KV budget small enough to preempt,
-chunked-prefill budgets 8, 64 and unlimited, and block sizes 1 and 16. Plus aborts, seeds, n > 1,
-stop conditions, and the KV-cache accounting."""
+chunked-prefill budgets 8, 64 and unlimited, and block sizes 1 and 16. Plus aborts, seeds, n > 1
+(copy-on-write fork of the prompt), stop conditions, metrics, the prefix-cache hit rate and reset,
+two engines with different kernel backends in one process, and the KV-cache accounting."""
 
 import asyncio
 import logging
@@ -9,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from engine_util import hf_greedy, hf_model, mixed_prompts, save_tiny_llama
+from engine_helpers import check_no_leak, hf_greedy, hf_model, mixed_prompts, run_engine, run_outputs
 from llmopt.engine.args import EngineArgs
 from llmopt.engine.async_engine import AsyncLLMEngine
 from llmopt.engine.engine import LLMEngine
@@ -23,29 +24,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = save_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama")
+def tiny(tiny_llama):
+    path = tiny_llama
     loaded = load_model(str(path), "float32", "cpu", tokenizer=False)
     prompts = mixed_prompts(16, 96, lo=1, hi=60, shared_prefix=20)
     prompts[3] = prompts[3][:5]  # a short one: prefix caching must leave at least one token to compute
     return path, loaded, prompts, hf_greedy(hf_model(path), prompts, N_NEW)
-
-
-def run_engine(engine: LLMEngine, prompts, params=GREEDY) -> list[list[int]]:
-    ids = [engine.add_request(f"p{i}", p, params) for i, p in enumerate(prompts)]
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[i].outputs[0].token_ids for i in ids]
-
-
-def check_no_leak(engine: LLMEngine) -> None:
-    pool = engine.kv.pool
-    pool.check_invariants()
-    assert pool.num_free_blocks == pool.num_blocks and not engine.kv.req_blocks
-    assert all(b.ref_cnt == 0 for b in pool.blocks)
 
 
 # 2 layers * 2 (K, V) * 2 kv heads * 16 head dim * 4 bytes = 256 bytes per token
@@ -66,7 +50,7 @@ def test_greedy_matches_transformers(tiny, kw):
     path, loaded, prompts, ref = tiny
     kw.setdefault("kv_cache_memory", 1 << 22)
     engine = LLMEngine(EngineArgs(model=str(path), detokenize=False, **kw), loaded=loaded)
-    assert run_engine(engine, prompts) == ref
+    assert run_engine(engine, prompts, GREEDY) == ref
     check_no_leak(engine)
     stats = engine.stats()
     if engine.args.enable_prefix_caching:
@@ -95,45 +79,142 @@ def test_abort_frees_every_block(tiny):
     check_no_leak(engine)
 
 
-def test_seeded_sampling_is_reproducible_and_n_shares_the_prompt(tiny):
+def test_seeded_sampling_is_reproducible(tiny):
     path, loaded, prompts, _ = tiny
     engine = LLMEngine(EngineArgs(model=str(path), detokenize=False, kv_cache_memory=1 << 22), loaded=loaded)
     params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=12, ignore_eos=True, seed=7)
     alone = run_engine(engine, [prompts[0]], params)
     crowd = run_engine(engine, prompts[:6], params)
     assert crowd[0] == alone[0]
-    hits_before = engine.stats().prefix_cache_hits
-    engine.add_request("multi", prompts[1], SamplingParams(n=3, temperature=1.0, max_tokens=10, ignore_eos=True, seed=3))
-    final = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            final = out
-    assert final.finished and [c.index for c in final.outputs] == [0, 1, 2]
-    assert all(len(c.token_ids) == 10 for c in final.outputs)
-    assert len({tuple(c.token_ids) for c in final.outputs}) > 1
-    assert engine.stats().prefix_cache_hits - hits_before >= 2 * (len(prompts[1]) // 16) * 16
     check_no_leak(engine)
 
 
-def test_n_samples_share_prompt_blocks_without_prefix_caching(tiny):
+@pytest.mark.parametrize("caching", [True, False])
+def test_n_samples_fork_the_prompt_copy_on_write(tiny, caching):
+    """n > 1: the prompt is computed once; the samples share all its blocks, the partial last one
+    included, and each copies that block before writing into it (the last one writes in place).
+    Their tokens equal those of n separate requests with seeds seed + i."""
     path, loaded, prompts, ref = tiny
-    engine = LLMEngine(EngineArgs(model=str(path), detokenize=False, kv_cache_memory=1 << 22, block_size=4,
-                                  enable_prefix_caching=False), loaded=loaded)
+    bs, n = 4, 3
     prompt = prompts[1]
-    engine.add_request("multi", prompt, SamplingParams(n=3, temperature=0.0, max_tokens=N_NEW, ignore_eos=True))
-    engine.add_request("other", prompt, GREEDY)  # same tokens, not a sibling: no sharing with caching off
-    engine.step()
-    tables = [engine.kv.get_block_ids(f"multi#{i}") for i in range(3)]
-    full = (len(prompt) - 1) // 4
-    assert full >= 2 and tables[0][:full] == tables[1][:full] == tables[2][:full]
-    assert not set(engine.kv.get_block_ids("other")) & set(tables[0])
+    assert len(prompt) % bs and len(prompt) > 2 * bs
+    engine = LLMEngine(EngineArgs(model=str(path), detokenize=False, kv_cache_memory=1 << 22, block_size=bs,
+                                  enable_prefix_caching=caching), loaded=loaded)
+    copies = []
+    real_copy = engine.runner.copy_blocks
+    engine.runner.copy_blocks = lambda pairs: copies.extend(pairs) or real_copy(pairs)
+    sampled = SamplingParams(n=n, temperature=1.0, max_tokens=N_NEW, ignore_eos=True, seed=11)
+    engine.add_request("multi", prompt, sampled)
+    engine.step()                                   # the prompt, once; the n samples fork from it
+    prompt_blocks = -(-len(prompt) // bs)
+    tables = [engine.kv.get_block_ids(f"multi#{i}") for i in range(n)]
+    assert tables[0] == tables[1] == tables[2] and len(tables[0]) == prompt_blocks
+    assert engine.kv.pool.usage() * engine.kv.pool.num_blocks == prompt_blocks
+    assert copies == []
+    engine.step()                                   # each sample writes its first output token
+    used = round(engine.kv.pool.usage() * engine.kv.pool.num_blocks)
+    assert used == prompt_blocks + n - 1            # not n * prompt_blocks
+    tables = [engine.kv.get_block_ids(f"multi#{i}") for i in range(n)]
+    assert all(t[:-1] == tables[0][:-1] for t in tables) and len({t[-1] for t in tables}) == n
+    assert len(copies) == n - 1 and all(src == tables[-1][-1] for src, _ in copies)
     done = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             done[out.request_id] = out
-    assert [c.token_ids for c in done["multi"].outputs] == [ref[1]] * 3 and done["other"].outputs[0].token_ids == ref[1]
-    assert engine.stats().prefix_cache_hits == 0
+    forked = [c.token_ids for c in done["multi"].outputs]
     check_no_leak(engine)
+    import dataclasses
+    separate = [run_engine(engine, [prompt], dataclasses.replace(sampled, n=1, seed=11 + i))[0] for i in range(n)]
+    assert forked == separate and len({tuple(t) for t in forked}) > 1
+    greedy = run_outputs(engine, [prompt], dataclasses.replace(GREEDY, n=n))[0]
+    assert [c.token_ids for c in greedy.outputs] == [ref[1]] * n
+    check_no_leak(engine)
+
+
+def test_forked_samples_free_their_blocks_on_abort_and_preemption(tiny):
+    path, loaded, prompts, ref = tiny
+    # 2 layers * 2 (K, V) * 2 heads * 16 dims * 4 bytes * 4 tokens = 2 KiB per block: 40 blocks, fewer
+    # than the 2 * (4 shared + 3 * 8) that the two prompts' samples reach
+    engine = LLMEngine(EngineArgs(model=str(path), detokenize=False, kv_cache_memory=40 * 2048, block_size=4,
+                                  max_model_len=64), loaded=loaded)
+    assert engine.kv.pool.num_blocks == 40
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=30, ignore_eos=True)
+    engine.add_request("a", prompts[1][:18], params)
+    engine.add_request("b", prompts[2][:18], params)
+    engine.add_request("c", prompts[4][:9], SamplingParams(n=2, temperature=0.0, max_tokens=4, ignore_eos=True))
+    engine.step()
+    engine.abort_request("c")                       # its samples forked in the first step
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out
+    assert engine.stats().num_preemptions > 0 and sorted(done) == ["a", "b"]
+    hf = hf_greedy(hf_model(path), [prompts[1][:18], prompts[2][:18]], 30)
+    assert [c.token_ids for c in done["a"].outputs] == [hf[0]] * 3
+    assert [c.token_ids for c in done["b"].outputs] == [hf[1]] * 3
+    check_no_leak(engine)
+    engine.add_request("d", prompts[3], params)     # aborted before its prompt ran: siblings never forked
+    engine.abort_request("d")
+    assert not engine.has_unfinished_requests() and not engine.scheduler.requests
+    check_no_leak(engine)
+
+
+def test_metrics_prefix_cache_hit_rate_and_reset(tiny):
+    path, loaded, prompts, ref = tiny
+    engine = LLMEngine(EngineArgs(model=str(path), detokenize=False, kv_cache_memory=1 << 22), loaded=loaded)
+    before = __import__("time").monotonic()
+    outs = run_outputs(engine, prompts[:3], GREEDY)
+    for o in outs:
+        m = o.metrics
+        assert before <= m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+        assert m.time_in_queue >= 0 and 0 < m.time_to_first_token <= m.e2e_latency
+    stats = engine.stats()
+    assert stats.prefix_cache_hits > 0  # the shared 20-token prefix
+    assert stats.prefix_cache_hit_rate == stats.prefix_cache_hits / stats.prefix_cache_queries
+    engine.add_request("busy", prompts[0], GREEDY)
+    engine.step()
+    assert engine.reset_prefix_cache() is False      # blocks in use: refused
+    engine.abort_request("busy")
+    hits = engine.stats().prefix_cache_hits
+    assert run_engine(engine, [prompts[0]], GREEDY) == [ref[0]]
+    assert engine.stats().prefix_cache_hits > hits   # served from the cache
+    assert engine.reset_prefix_cache() is True
+    hits = engine.stats().prefix_cache_hits
+    assert run_engine(engine, [prompts[0]], GREEDY) == [ref[0]]
+    assert engine.stats().prefix_cache_hits == hits  # nothing left to hit
+    check_no_leak(engine)
+
+
+def test_two_engines_with_different_backends_in_one_process(tiny, monkeypatch):
+    """The kernel backend belongs to each engine's runner: a torch and a triton engine (Triton's
+    interpreter on the CPU) step interleaved and agree; each really ran its own kernels."""
+    from llmopt.kernels import reference, triton_attention, triton_kv
+    path, loaded, prompts, ref = tiny
+    calls = {"triton": 0, "torch": 0}
+    for mod, name, key in ((triton_attention, "paged_attention", "triton"), (triton_kv, "write_kv", "triton"),
+                           (reference, "paged_attention", "torch"), (reference, "write_kv", "torch")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _r=real, _k=key, **kw: calls.__setitem__(_k, calls[_k] + 1) or _r(*a, **kw))
+    engines = {b: LLMEngine(EngineArgs(model=str(path), detokenize=False, kv_cache_memory=1 << 20, block_size=8,
+                                       attention_backend=b), loaded=loaded) for b in ("torch", "triton")}
+    assert engines["torch"].runner.backend == "torch" and engines["triton"].runner.backend == "triton"
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    for b, e in engines.items():
+        for i in range(2):
+            e.add_request(f"p{i}", prompts[i][:12], params)
+    done = {b: {} for b in engines}
+    while any(e.has_unfinished_requests() for e in engines.values()):
+        for b, e in engines.items():
+            before = dict(calls)
+            for out in e.step():
+                if out.finished:
+                    done[b][out.request_id] = out.outputs[0].token_ids
+            other = "torch" if b == "triton" else "triton"
+            assert calls[b] > before[b] and calls[other] == before[other]  # this step used its own kernels only
+    want = [r[:3] for r in hf_greedy(hf_model(path), [p[:12] for p in prompts[:2]], 3)]
+    assert [done["torch"][f"p{i}"] for i in range(2)] == [done["triton"][f"p{i}"] for i in range(2)] == want
+    for e in engines.values():
+        check_no_leak(e)
 
 
 def test_stop_token_ids_min_tokens_and_max_tokens(tiny):
@@ -141,12 +222,13 @@ def test_stop_token_ids_min_tokens_and_max_tokens(tiny):
     engine = LLMEngine(EngineArgs(model=str(path), detokenize=False, kv_cache_memory=1 << 22), loaded=loaded)
     target = ref[0][3]
     first = ref[0].index(target)
-    out = run_engine(engine, [prompts[0]], SamplingParams(temperature=0, max_tokens=N_NEW, stop_token_ids=[target]))
+    out = run_engine(engine, [prompts[0]], SamplingParams(temperature=0, max_tokens=N_NEW, stop_token_ids=[target],
+                                                          ignore_eos=True))
     assert out[0] == ref[0][:first + 1]
     out = run_engine(engine, [prompts[0]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert out[0] == ref[0][:3]
     out = run_engine(engine, [prompts[0]], SamplingParams(temperature=0, max_tokens=N_NEW, min_tokens=N_NEW,
-                                                          stop_token_ids=[target]))
+                                                          stop_token_ids=[target], ignore_eos=True))
     assert len(out[0]) == N_NEW and target not in out[0]  # blocked while min_tokens are not out
     with pytest.raises(UserInputError):
         engine.add_request("long", list(range(600)), GREEDY)
@@ -169,7 +251,7 @@ def test_kv_cache_info_matches_allocated_tensors(tiny, kv_dtype, elem, caplog):
     assert len(tensors) == (8 if kv_dtype == "int8" else 4)
     assert info.bytes_allocated == sum(t.nbytes for t in tensors) == info.num_blocks * 2 * per_block
     assert f"{info.num_blocks} blocks" in caplog.text and "Maximum concurrency for 128 tokens" in caplog.text
-    out = run_engine(engine, prompts[:4])
+    out = run_engine(engine, prompts[:4], GREEDY)
     assert all(len(o) == N_NEW for o in out)
     check_no_leak(engine)
 

@@ -1,5 +1,6 @@
-"""Helpers for the engine tests: a tiny random Llama saved to disk, and transformers' greedy
-generate (one prompt at a time) as the reference."""
+"""Helpers for the engine tests: transformers' greedy generate (one prompt at a time) as the
+reference, random prompts, running an engine to the end, and the no-leaked-blocks check. Tiny
+checkpoints come from conftest's make_tiny."""
 
 from __future__ import annotations
 
@@ -7,19 +8,6 @@ import random
 from pathlib import Path
 
 import torch
-
-TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=0.2,
-            tie_word_embeddings=False)
-
-
-def save_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(**{**TINY, **overrides})
-    model = LlamaForCausalLM(cfg).float().eval()
-    model.save_pretrained(path)
-    return path
 
 
 def hf_model(path: Path):
@@ -45,3 +33,27 @@ def mixed_prompts(n: int, vocab: int, lo: int = 1, hi: int = 70, seed: int = 0, 
     rng = random.Random(seed)
     prefix = [rng.randrange(vocab) for _ in range(shared_prefix)]
     return [prefix + [rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def run_engine(engine, prompts, params) -> list[list[int]]:
+    """Add every prompt, step to the end; the token ids of each prompt's first completion."""
+    return [o.outputs[0].token_ids for o in run_outputs(engine, prompts, params)]
+
+
+def run_outputs(engine, prompts, params) -> list:
+    """Add every prompt, step to the end; each prompt's final RequestOutput, in order."""
+    ids = [engine.add_request(f"p{i}", p, params) for i, p in enumerate(prompts)]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[i] for i in ids]
+
+
+def check_no_leak(engine) -> None:
+    """Every block is back in the free queue with no reference, and no request holds blocks."""
+    pool = engine.kv.pool
+    pool.check_invariants()
+    assert pool.num_free_blocks == pool.num_blocks and not engine.kv.req_blocks
+    assert all(b.ref_cnt == 0 for b in pool.blocks) and not engine.kv.copies

@@ -1,5 +1,6 @@
 """Every Triton kernel against the PyTorch reference, on the CPU under TRITON_INTERPRET=1, plus an
-ahead-of-time compile of the kernels for sm_90 (what the interpreter cannot check).
+ahead-of-time compile of the kernels for sm_90 (scripts/compile_check.py: what the interpreter
+cannot check), and the dispatch by an explicit backend argument.
 
 TRITON_INTERPRET must be set before a kernel is decorated, so it is set here, before any triton
 import, and the kernel modules are reloaded if something imported them earlier without it.
@@ -24,13 +25,13 @@ from llmopt import kernels  # noqa: E402
 from llmopt.errors import UserInputError  # noqa: E402
 from llmopt.kernels import reference as ref  # noqa: E402
 from llmopt.kernels import triton_attention, triton_attention_kernels, triton_kv, triton_norm  # noqa: E402
-from llmopt.kernels.random_batch import empty_cache, make_batch, run_paged  # noqa: E402
+from paged_batch import empty_cache, make_batch, run_paged  # noqa: E402
 
 if not isinstance(triton_attention_kernels._decode_kernel, InterpretedFunction):
     for mod in (triton_attention_kernels, triton_attention, triton_kv, triton_norm):
         importlib.reload(mod)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # (context_len, query_len): decode rows mixed with prefill and extend; ends on and off 16-boundaries
 MIXED = [(1, 1), (16, 1), (37, 3), (16, 16), (23, 23), (40, 7), (32, 16)]
 DECODE = [(1, 1), (16, 1), (17, 1), (40, 1), (32, 1)]
@@ -88,13 +89,9 @@ def test_write_kv_matches_reference_bytes(kv_dtype, dtype):
             assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
 
 
-@pytest.mark.parametrize("residual", [False, True])
-def test_rms_norm(residual):
-    x, w, r = torch.randn(4, 3, 40), torch.randn(40), torch.randn(4, 3, 40)
-    got = triton_norm.rms_norm(x, w, 1e-5, r if residual else None)
-    want = ref.rms_norm(x, w, 1e-5, r if residual else None)
-    for g, e in zip(*((got, want) if residual else ((got,), (want,)))):
-        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+def test_rms_norm():
+    x, w = torch.randn(4, 3, 40), torch.randn(40)
+    torch.testing.assert_close(triton_norm.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5), atol=1e-5, rtol=1e-5)
     xb, wb = x.bfloat16(), w.bfloat16()
     torch.testing.assert_close(triton_norm.rms_norm(xb, wb, 1e-5).float(), ref.rms_norm(xb, wb, 1e-5).float(),
                                atol=0.1, rtol=2 ** -6)
@@ -112,44 +109,53 @@ def test_rotary_on_strided_views():
 
 def test_dispatch_to_triton(monkeypatch):
     b = make_batch([(9, 3), (4, 1)], 4, 2, 16, 4, seed=2, garbage="big")
-    kernels.set_backend("triton")
-    try:
-        got = run_paged(kernels.paged_attention, b, 0.4, None)
-        torch.testing.assert_close(got, run_paged(ref.paged_attention, b, 0.4, None), atol=2e-6, rtol=2e-6)
-        monkeypatch.delenv("TRITON_INTERPRET")
-        with pytest.raises(UserInputError, match="CUDA"):
-            run_paged(kernels.paged_attention, b, 0.4, None)
-    finally:
-        kernels.set_backend("auto")
+    calls = []
+    real = triton_attention.paged_attention
+    monkeypatch.setattr(triton_attention, "paged_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    triton_paged = lambda *a: kernels.paged_attention(*a, backend="triton")  # noqa: E731
+    got = run_paged(triton_paged, b, 0.4, None)
+    assert calls == [1]
+    torch.testing.assert_close(got, run_paged(ref.paged_attention, b, 0.4, None), atol=2e-6, rtol=2e-6)
+    run_paged(lambda *a: kernels.paged_attention(*a, backend="torch"), b, 0.4, None)
+    assert calls == [1]  # the torch backend never reaches the Triton module
+    assert kernels.resolve_backend("triton", "cpu") == "triton"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(UserInputError, match="CUDA"):
+        run_paged(triton_paged, b, 0.4, None)
+    with pytest.raises(UserInputError, match="CUDA"):
+        kernels.resolve_backend("triton", "cpu")
 
 
-def test_model_forward_through_fused_kernels(tmp_path):
-    """The model's RMSNorm and RoPE take the Triton path when the backend is triton: same hidden states."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])  # qwen3: the q/k RMSNorms too
+def test_model_forward_through_fused_kernels(tiny_factory, monkeypatch, model_type):
+    """The model's RMSNorm and RoPE take the Triton path when the attention context carries the
+    triton backend (and only then): same hidden states."""
     from llmopt.models.attention import DenseCausalAttention
     from llmopt.models.loader import load_model
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
-                      num_key_value_heads=2, max_position_embeddings=64)
-    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
-    model = load_model(str(tmp_path), "float32", "cpu", tokenizer=False).model
+    path = tiny_factory(model_type=model_type, vocab_size=128, hidden_size=48, intermediate_size=64,
+                        num_attention_heads=6, head_dim=8, max_position_embeddings=64)
+    model = load_model(str(path), "float32", "cpu", tokenizer=False).model
+    calls = {"rms_norm": 0, "rotary": 0}
+    for name in calls:
+        real = getattr(triton_norm, name)
+        monkeypatch.setattr(triton_norm, name, lambda *a, _n=name, _r=real: calls.__setitem__(_n, calls[_n] + 1) or _r(*a))
     ids = torch.randint(0, 128, (2, 7))
     pos = torch.arange(7)
     with torch.no_grad():
         want = model(ids, pos, DenseCausalAttention())
-        kernels.set_backend("triton")
-        try:
-            got = model(ids, pos, DenseCausalAttention())
-        finally:
-            kernels.set_backend("auto")
+        assert calls == {"rms_norm": 0, "rotary": 0}
+        ctx = DenseCausalAttention()
+        ctx.backend = "triton"
+        got = model(ids, pos, ctx)
+    norms = 2 * 2 + 1 + (2 * 2 if model_type == "qwen3" else 0)  # per layer 2 (+ q/k norms), final norm
+    assert calls == {"rms_norm": norms, "rotary": 2}
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    r = subprocess.run([sys.executable, "-m", "llmopt.kernels.compile_check", "90", "--quick"], cwd=ROOT, env=env,
+    r = subprocess.run([sys.executable, "scripts/compile_check.py", "90", "--quick"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "7/7 kernel variants compiled" in r.stdout
