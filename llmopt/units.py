@@ -33,17 +33,25 @@ SIZE_HELP = "8GiB or 8G = 8x2^30 bytes, 8GB or 8g = 8x10^9 (vLLM's letters), or 
 _TOKEN_SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20}
 
 
+def _split(text: str | int, what: str, units: str, example: str) -> tuple[str, str] | int:
+    """An int as it is; else `(number, unit)` from text such as `1.5 GiB` (units: a regex)."""
+    if isinstance(text, bool):
+        raise UserInputError(f"bad {what} {text!r}: give {example}")
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(" + units + r")\s*", str(text))
+    if not m:
+        raise UserInputError(f"bad {what} {text!r}: give {example}")
+    return m.group(1), m.group(2)
+
+
 def parse_bytes(text: str | int, what: str = "size") -> int:
     """A positive number of bytes from `text` (see the module docstring for the units)."""
-    if isinstance(text, bool):
-        raise UserInputError(f"bad {what} {text!r}: give a size such as 8GiB, 512MiB or 8G")
-    if isinstance(text, int):
-        value = text
+    parts = _split(text, what, "[A-Za-z]*", "a size such as 8GiB, 512MiB or 8G, or plain bytes")
+    if isinstance(parts, int):
+        value = parts
     else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
-        if not m:
-            raise UserInputError(f"bad {what} {text!r}: give a size such as 8GiB, 512MiB or 8G, or plain bytes")
-        number, unit = m.groups()
+        number, unit = parts
         if unit in _BINARY_LETTERS and "." in number:
             raise UserInputError(f"bad {what} {text!r}: K, M, G and T take whole numbers (as in vLLM); "
                                  f"write {number}{unit}iB, or {number}{unit.lower()} for powers of 10")
@@ -64,16 +72,14 @@ def parse_bytes(text: str | int, what: str = "size") -> int:
 
 def parse_tokens(text: str | int, what: str = "length") -> int:
     """`32768`, `32k` (= 32 * 1024), `1m`, `1.5k` -> a positive token count."""
-    if isinstance(text, int):
-        value = text
+    parts = _split(text, what, "[kKmM]?", "a number of tokens such as 4096, 2k or 32k")
+    if isinstance(parts, int):
+        value = parts
     else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*", str(text))
-        if not m:
-            raise UserInputError(f"bad {what} {text!r}: use a number of tokens such as 4096, 2k or 32k")
-        value = Fraction(m.group(1)) * _TOKEN_SUFFIX[m.group(2).lower()]
-        if value.denominator != 1:
+        fraction = Fraction(parts[0]) * _TOKEN_SUFFIX[parts[1].lower()]
+        if fraction.denominator != 1:
             raise UserInputError(f"bad {what} {text!r}: not a whole number of tokens")
-        value = int(value)
+        value = int(fraction)
     if value < 1:
         raise UserInputError(f"bad {what} {text!r}: must be at least 1")
     return value
