@@ -15,7 +15,7 @@ from llmopt.cli import eval_ppl, generate, kv_estimate, output, quantize
 
 app = typer.Typer(name="llmopt", help="LLM inference optimization toolkit: quantize, estimate, serve, "
                   "benchmark and evaluate Llama-family models.", no_args_is_help=True,
-                  pretty_exceptions_enable=False, add_completion=False)
+                  pretty_exceptions_enable=False, add_completion=False, cls=output.Group)
 
 
 def _version(value: bool) -> None:

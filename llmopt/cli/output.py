@@ -13,10 +13,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
+import typer
 from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.table import Table
+from typer.core import TyperGroup
+
+# click's exceptions as the installed Typer raises them (recent Typer vendors click as typer._click)
+_click = sys.modules[typer.BadParameter.__module__]
+_ABORTS = tuple({typer.Abort, getattr(_click, "Abort", typer.Abort)})
 
 from llmopt import fsutil
 from llmopt.errors import LLMOptError
@@ -117,11 +123,28 @@ def examples_epilog(examples: Iterable[str]) -> str:
     return "Examples:\n" + "\n".join(examples)
 
 
-def fail(message: str, code: int = 2) -> None:
+def fail(message: str, code: int = 2, *, as_json: bool = False, kind: str = "UserInputError") -> None:
+    """One red line on stderr and exit `code`; with as_json (--json) also {"error": {message, type,
+    exit_code}} on stdout, so a pipeline parses failures like results."""
     message = " ".join(line.strip() for line in str(message).splitlines() if line.strip())  # one line
+    if as_json:
+        try:
+            sys.stdout.write(dumps({"error": {"message": message, "type": kind, "exit_code": code}}) + "\n")
+            sys.stdout.flush()
+        except (BrokenPipeError, ValueError, AttributeError):   # stdout gone: the red line still tells
+            pass
     err.print("[bold red]error:[/] ", end="", highlight=False)
     err.print(message, markup=False, highlight=False, soft_wrap=True)
     raise SystemExit(code)
+
+
+def _quiet_stdout() -> None:
+    """After a broken pipe: point stdout at /dev/null so the interpreter's final flush stays silent."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):   # no real file descriptor (tests, closed stdout)
+        pass
 
 
 def guarded(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -136,19 +159,63 @@ def guarded(command: Callable[..., Any]) -> Callable[..., Any]:
 def run_guarded(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Call fn(*args, **kwargs); LLMOptError (exit 2/1/3 by kind), missing or unreadable files (2),
     Ctrl-C (130) and SIGTERM (143, raised like Ctrl-C so the same cleanup runs) become one red line
-    on stderr; with --debug / LLMOPT_DEBUG=1 errors propagate."""
+    on stderr (and the JSON error object on stdout with --json); a broken stdout pipe exits 141
+    quietly; anything else is a bug (exit 1). --debug / LLMOPT_DEBUG=1 adds the traceback."""
     fsutil.handle_sigterm()
+    as_json = bool(kwargs.get("json_out") or kwargs.get("as_json"))   # the commands' --json parameter
     try:
         return fn(*args, **kwargs)
     except LLMOptError as e:
-        if DEBUG["on"]:
-            raise
-        fail(str(e), e.exit_code)
-    except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
-        if DEBUG["on"]:
-            raise
-        fail(f"{e.strerror or e}: {e.filename}" if getattr(e, "filename", None) else str(e), 2)
+        _failed(str(e), e.exit_code, as_json, type(e).__name__)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as e:
+        message = f"{e.strerror or e}: {e.filename}" if getattr(e, "filename", None) else str(e)
+        _failed(message, 2, as_json, "UserInputError")
+    except BrokenPipeError:
+        _quiet_stdout()          # stdout's reader left (`| head`): stop quietly, as a killed writer would
+        raise SystemExit(EXIT_BROKEN_PIPE) from None
     except fsutil.Terminated:
-        fail("terminated", 143)
+        fail("terminated", 143, as_json=as_json, kind="Terminated")
     except KeyboardInterrupt:
-        fail("interrupted", 130)
+        fail("interrupted", 130, as_json=as_json, kind="Interrupted")
+    except Exception as e:   # noqa: BLE001 - a bug: one line (--debug shows where), exit 1
+        _failed(f"unexpected {type(e).__name__}: {e} (llmopt --debug shows the traceback)", 1, as_json,
+                "InternalError")
+
+
+EXIT_BROKEN_PIPE = 141   # 128 + SIGPIPE: what a shell reports for a writer whose reader left
+
+
+def _failed(message: str, code: int, as_json: bool, kind: str) -> None:
+    """fail(), after the traceback when --debug / LLMOPT_DEBUG=1 asks for it (the exit code stays)."""
+    if DEBUG["on"]:
+        import traceback
+        traceback.print_exc()
+    fail(message, code, as_json=as_json, kind=kind)
+
+
+def _wants_json(args: list[str]) -> bool:
+    """Whether --json is on the command line (before a `--`), for errors click raises while parsing."""
+    return "--json" in (args[:args.index("--")] if "--" in args else args)
+
+
+class Group(TyperGroup):
+    """The app's click group: usage errors (a bad flag value, an unknown option) become the same one
+    red line (plus the JSON error object with --json) and exit 2 as errors raised by commands."""
+
+    def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        argv = list(sys.argv[1:] if args is None else args)
+        try:
+            rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+        except _click.UsageError as e:
+            if type(e).__name__ == "NoArgsIsHelpError":    # plain `llmopt`: Typer has printed the help
+                raise SystemExit(e.exit_code) from None
+            hint = f" (see {e.ctx.command_path} --help)" if e.ctx is not None else ""
+            fail(e.format_message().rstrip(".") + hint, 2, as_json=_wants_json(argv), kind="UsageError")
+        except _click.ClickException as e:
+            fail(e.format_message(), e.exit_code, as_json=_wants_json(argv), kind=type(e).__name__)
+        except _ABORTS:
+            fail("interrupted", 130, as_json=_wants_json(argv), kind="Interrupted")
+        raise SystemExit(rv if isinstance(rv, int) else 0)

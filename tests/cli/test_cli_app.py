@@ -104,22 +104,24 @@ def test_guard_keeps_the_signature_and_multi_line_messages_become_one_line():
     assert res.exit_code == 2 and res.stderr.strip() == "error: first line second [bold]line[/]"
 
 
-def test_debug_lets_the_exception_through_and_is_not_sticky():
+def test_debug_shows_the_traceback_keeps_the_exit_code_and_is_not_sticky():
     exc = UserInputError("bad --count")
     res = CliRunner().invoke(_toy_app(exc), ["--debug", "boom"])
-    assert res.exception is exc and res.exit_code == 1 and "error:" not in res.stderr
+    assert res.exit_code == 2 and "Traceback (most recent call last)" in res.stderr
+    assert "UserInputError: bad --count" in res.stderr and res.stderr.rstrip().endswith("error: bad --count")
     res = CliRunner().invoke(app, ["generate", "hi", "--file", "prompts.txt"])   # the real app resets it
     assert res.exit_code == 2 and not output.DEBUG["on"]
 
 
 def test_real_command_bad_input_one_line_then_traceback_with_debug(tmp_path):
-    """Through the installed entry point: exit 2 and one red line; --debug: the traceback (exit 1)."""
+    """Through the installed entry point: exit 2 and one red line; --debug: the traceback, still exit 2."""
     cmd = [sys.executable, "-m", "llmopt"]
     args = ["generate", "a prompt", "--file", str(tmp_path / "prompts.txt")]
     r = subprocess.run(cmd + args, capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip() == "error: give prompts as arguments or with --file, not both" and r.stdout == ""
     r = subprocess.run(cmd + ["--debug"] + args, capture_output=True, text=True, cwd=REPO, timeout=120)
-    assert r.returncode == 1
+    assert r.returncode == 2
     assert "Traceback (most recent call last)" in r.stderr
-    assert r.stderr.rstrip().endswith("UserInputError: give prompts as arguments or with --file, not both")
+    assert "UserInputError: give prompts as arguments or with --file, not both" in r.stderr
+    assert r.stderr.rstrip().endswith("error: give prompts as arguments or with --file, not both")
