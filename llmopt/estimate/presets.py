@@ -3,12 +3,14 @@
 A model preset is the architecture part of the model's published Hugging Face `config.json`
 (same keys), so a preset and a downloaded checkpoint go through the same parser. Presets are
 addressable by their Hugging Face id (`meta-llama/Llama-3.1-70B`) or a short name
-(`llama-3.1-70b`), case-insensitively.
+(`llama-3.1-70b`), case-insensitively. The model presets live in `model_presets.json`.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from llmopt.errors import UserInputError
@@ -29,70 +31,14 @@ class ModelPreset:
         return self.source or HF.format(self.hf_id)
 
 
-def _llama(layers, hidden, heads, kv, inter, vocab, max_pos, **kw) -> dict[str, Any]:
-    d = {"model_type": "llama", "num_hidden_layers": layers, "hidden_size": hidden,
-         "num_attention_heads": heads, "num_key_value_heads": kv, "intermediate_size": inter,
-         "vocab_size": vocab, "max_position_embeddings": max_pos, "tie_word_embeddings": False,
-         "torch_dtype": "bfloat16"}
-    d.update(kw)
-    return d
+def _load_model_presets() -> list[ModelPreset]:
+    """The presets are data: `model_presets.json` beside this file, one object per model with its
+    Hugging Face id, short name, note and the architecture keys of its config.json."""
+    rows = json.loads((Path(__file__).with_name("model_presets.json")).read_text(encoding="utf-8"))
+    return [ModelPreset(r["hf_id"], r["short"], r["config"], r.get("source", ""), r.get("note", "")) for r in rows]
 
 
-_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192}
-
-MODEL_PRESETS: list[ModelPreset] = [
-    ModelPreset("meta-llama/Llama-2-7b-hf", "llama-2-7b",
-                _llama(32, 4096, 32, 32, 11008, 32000, 4096, torch_dtype="float16"),
-                note="multi-head attention (32 KV heads)"),
-    ModelPreset("meta-llama/Llama-3.1-8B", "llama-3.1-8b",
-                _llama(32, 4096, 32, 8, 14336, 128256, 131072, rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE),
-                note="GQA 32:8"),
-    ModelPreset("meta-llama/Llama-3.1-70B", "llama-3.1-70b",
-                _llama(80, 8192, 64, 8, 28672, 128256, 131072, rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE),
-                note="GQA 64:8"),
-    ModelPreset("mistralai/Mistral-7B-v0.1", "mistral-7b-v0.1",
-                _llama(32, 4096, 32, 8, 14336, 32000, 32768, model_type="mistral", sliding_window=4096),
-                note="GQA 32:8, every layer a 4,096-token sliding window"),
-    ModelPreset("mistralai/Mixtral-8x7B-v0.1", "mixtral-8x7b",
-                _llama(32, 4096, 32, 8, 14336, 32000, 32768, model_type="mixtral", sliding_window=None,
-                       num_local_experts=8, num_experts_per_tok=2, rope_theta=1000000.0),
-                note="MoE, 8 experts, top-2"),
-    ModelPreset("Qwen/Qwen2.5-7B", "qwen2.5-7b",
-                _llama(28, 3584, 28, 4, 18944, 152064, 131072, model_type="qwen2", rope_theta=1000000.0,
-                       sliding_window=131072, use_sliding_window=False, max_window_layers=28),
-                note="GQA 28:4, q/k/v bias"),
-    ModelPreset("Qwen/Qwen3-8B", "qwen3-8b",
-                _llama(36, 4096, 32, 8, 12288, 151936, 40960, model_type="qwen3", head_dim=128,
-                       rope_theta=1000000.0, sliding_window=None, use_sliding_window=False),
-                note="GQA 32:8, q/k RMSNorm"),
-    ModelPreset("deepseek-ai/DeepSeek-V3", "deepseek-v3",
-                _llama(61, 7168, 128, 128, 18432, 129280, 163840, model_type="deepseek_v3",
-                       kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128,
-                       v_head_dim=128, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8,
-                       moe_intermediate_size=2048, first_k_dense_replace=3, moe_layer_freq=1,
-                       quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                            "weight_block_size": [128, 128]}),
-                note="MLA (one 512+64 latent per token per layer), MoE 256 experts top-8; FP8 block-scaled "
-                     "checkpoint; the multi-token-prediction layer is not counted"),
-    ModelPreset("google/gemma-2-9b-it", "gemma-2-9b",
-                _llama(42, 3584, 16, 8, 14336, 256000, 8192, model_type="gemma2", head_dim=256,
-                       sliding_window=4096, tie_word_embeddings=True, query_pre_attn_scalar=256,
-                       hidden_activation="gelu_pytorch_tanh"),
-                note="alternating 4,096-token sliding-window and global layers (21 + 21)"),
-    ModelPreset("google/gemma-3-27b-it", "gemma-3-27b",
-                _llama(62, 5376, 32, 16, 21504, 262208, 131072, model_type="gemma3_text", head_dim=128,
-                       sliding_window=1024, sliding_window_pattern=6, tie_word_embeddings=True,
-                       query_pre_attn_scalar=168, hidden_activation="gelu_pytorch_tanh"),
-                note="5 sliding-window (1,024) layers per global layer; text decoder only (the "
-                     "vision tower is not counted)"),
-    ModelPreset("HuggingFaceTB/SmolLM2-135M", "smollm2-135m",
-                _llama(30, 576, 9, 3, 1536, 49152, 8192, rope_theta=100000.0, tie_word_embeddings=True),
-                note="GQA 9:3, tied embeddings (the default model's architecture)"),
-    ModelPreset("HuggingFaceTB/SmolLM2-1.7B", "smollm2-1.7b",
-                _llama(24, 2048, 32, 32, 8192, 49152, 8192, rope_theta=130000.0, tie_word_embeddings=True),
-                note="multi-head attention, tied embeddings"),
-]
+MODEL_PRESETS: list[ModelPreset] = _load_model_presets()
 
 
 def find_model_preset(name: str) -> ModelPreset | None:
