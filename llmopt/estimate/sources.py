@@ -4,7 +4,6 @@ model (models/config.py's builtin_gguf), a Hugging Face id in the local cache (o
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,7 @@ from llmopt.errors import ModelLoadError
 from llmopt.estimate import presets
 from llmopt.estimate.model_spec import ModelSpec, apply_overrides, spec_from_config
 from llmopt.estimate.tensors import read_gguf, safetensors_tensors
-from llmopt.models.config import builtin_gguf, gguf_hf_config
+from llmopt.models.config import builtin_gguf, gguf_hf_config, read_config_json
 
 
 def _hf_cache_config(repo_id: str) -> Path | None:
@@ -26,11 +25,7 @@ def _hf_cache_config(repo_id: str) -> Path | None:
 
 
 def _from_folder(folder: Path, name: str, source: str) -> ModelSpec:
-    cfg = folder / "config.json"
-    try:
-        d = json.loads(cfg.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{cfg} is not valid JSON: {e}") from e
+    d = read_config_json(folder)     # the loader's reading: JSON object, UTF-8, one-line errors
     try:
         spec = spec_from_config(d, name, source, str(folder))
     except ModelLoadError as first:

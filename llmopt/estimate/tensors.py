@@ -118,15 +118,9 @@ def read_gguf(path: Path) -> tuple[dict, list[TensorInfo]]:
 
 
 def _header(path: Path) -> dict:
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ModelLoadError(f"{path} is not a safetensors file")
-        (n,) = struct.unpack("<Q", raw)
-        try:
-            return json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ModelLoadError(f"{path} has an unreadable safetensors header: {e}") from e
+    """The header, checked against the file's size as the loader checks it (llmopt.validate)."""
+    from llmopt.validate import safetensors_header
+    return safetensors_header(path)
 
 
 def safetensors_tensors(folder: Path) -> list[TensorInfo] | None:

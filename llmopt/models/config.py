@@ -90,6 +90,9 @@ class ModelConfig:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ModelLoadError(f"unsupported model_type {self.model_type!r}: llmopt runs "
                                  f"{', '.join(SUPPORTED_MODEL_TYPES)} checkpoints")
+        if self.intermediate_size <= 0:
+            raise ModelLoadError(f"config has no valid intermediate_size (got {self.intermediate_size}): "
+                                 "the MLP width is required")
         if self.hidden_act != "silu":
             raise ModelLoadError(f"unsupported hidden_act {self.hidden_act!r}: only silu is implemented")
         if self.rope_scaling is not None and self.rope_scaling["rope_type"] not in SUPPORTED_ROPE_TYPES:
@@ -117,9 +120,12 @@ def read_config_json(path: Path) -> dict[str, Any]:
     if not p.is_file():
         raise ModelLoadError(f"no config.json in {p.parent}: point --model at a Hugging Face checkpoint folder")
     try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError as e:
+        d = json.loads(p.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelLoadError(f"{p} is not valid JSON: {e}") from e
+    if not isinstance(d, dict):
+        raise ModelLoadError(f"{p} is not a JSON object of model settings (got a {type(d).__name__})")
+    return d
 
 
 def text_config(d: dict[str, Any]) -> dict[str, Any]:

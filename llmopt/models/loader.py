@@ -78,27 +78,39 @@ def gguf_folder(path: Path, progress=None) -> Path:
 
 
 def safetensors_files(folder: Path) -> list[Path]:
+    """The folder's weight files, each header checked against its size (validate.safetensors_header:
+    a truncated or garbage file is a one-line ModelLoadError naming it, before anything is read)."""
+    from llmopt.validate import safetensors_header
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({folder / f for f in weight_map.values()})
+        try:
+            weight_map = json.loads(index.read_bytes())["weight_map"]
+            files = sorted({folder / str(f) for f in weight_map.values()})
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ModelLoadError(f"{index} is damaged: expected JSON with a weight_map of tensor name -> "
+                                 "file") from None
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise ModelLoadError(f"{folder}: shards listed in model.safetensors.index.json are missing: {', '.join(missing)}")
-        return files
-    files = sorted(folder.glob("*.safetensors"))
+    else:
+        files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{folder} has no *.safetensors weights")
+    for f in files:
+        safetensors_header(f)
     return files
 
 
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs read lazily from memory-mapped safetensors files."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     for f in safetensors_files(folder):
-        with safe_open(str(f), framework="pt") as fh:
-            for name in fh.keys():
-                yield name, fh.get_tensor(name)
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for name in fh.keys():
+                    yield name, fh.get_tensor(name)
+        except SafetensorError as e:     # what the header check cannot see (an unknown dtype...)
+            raise ModelLoadError(f"{f} cannot be read as safetensors: {e}") from None
 
 
 def build_model(cfg: ModelConfig, folder: Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
@@ -117,10 +129,15 @@ def build_model(cfg: ModelConfig, folder: Path, dtype: torch.dtype, device: torc
 
 def load_tokenizer(folder: Path):
     from transformers import AutoTokenizer
+    names = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    if not any((Path(folder) / n).is_file() for n in names):
+        raise ModelLoadError(f"{folder} has no tokenizer: expected {', '.join(names[:-1])} or {names[-1]} "
+                             "beside config.json (copy them from the original checkpoint)")
     try:
         return AutoTokenizer.from_pretrained(str(folder))
     except Exception as e:
-        raise ModelLoadError(f"{folder}: cannot load the tokenizer ({e.__class__.__name__}: {e})") from e
+        first = str(e).strip().split("\n")[0].split(". ")[0][:200]   # transformers' messages run to paragraphs
+        raise ModelLoadError(f"{folder}: cannot load the tokenizer ({e.__class__.__name__}: {first})") from e
 
 
 def load_model(model: str | None = None, dtype: str | None = "auto", device: str | None = "auto",
