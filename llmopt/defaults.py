@@ -38,6 +38,8 @@ SCHEDULING_POLICY = "fcfs"
 # generate
 GENERATE_MAX_TOKENS = 256
 GENERATE_TEMPERATURE = 0.0   # greedy: reproducible answers from the command line
+MAX_LOGPROBS = 20            # top logprobs per token at most (vLLM's max_logprobs default)
+GENERATE_MAX_COMPLETIONS = 1024  # --num-completions at most (each completion is a request)
 
 # kv-estimate
 KIVI_GROUP_SIZE = 32          # KIVI (arXiv:2402.02750) group size: keys per channel over 32 tokens, values per 32 channels
@@ -50,6 +52,8 @@ CALIB_SPLIT = "train"  # split of a Hugging Face --calib-data that names none
 QUANT_NUM_SAMPLES = 128
 QUANT_SEQ_LEN = 512
 QUANT_GROUP_SIZE = 128
+QUANT_GROUP_SIZES = (128, 64, 32)   # --group-size auto: the largest of these dividing every layer
+QUANT_MAX_NUM_SAMPLES = 4096        # --num-samples at most (calibration activations are held in memory)
 QUANT_SEED = 0
 GPTQ_DAMP = 0.01
 GPTQ_BLOCK = 128

@@ -22,6 +22,7 @@ from typing import Any
 from llmopt.errors import ModelLoadError, UserInputError
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1      # torch.iinfo(torch.long), as vLLM's seed field
+GENERATOR_SEED_MAX = (1 << 64) - 1                  # torch.Generator takes up to this (n > 1: seed + i)
 SAFETENSORS_MAX_HEADER = 100 << 20                  # the safetensors library refuses larger headers
 
 

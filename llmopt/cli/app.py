@@ -15,7 +15,8 @@ from llmopt.cli import eval_ppl, generate, kv_estimate, output, quantize
 
 app = typer.Typer(name="llmopt", help="LLM inference optimization toolkit: quantize, estimate, serve, "
                   "benchmark and evaluate Llama-family models.", no_args_is_help=True,
-                  pretty_exceptions_enable=False, add_completion=False, cls=output.Group)
+                  pretty_exceptions_enable=False, add_completion=False, cls=output.Group,
+                  rich_markup_mode=None)   # click's plain help: option names and lists wrap, never cut
 
 
 def _version(value: bool) -> None:
@@ -27,7 +28,7 @@ def _version(value: bool) -> None:
 @app.callback()
 def _root(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks instead of one-line errors."),
+    debug: bool = typer.Option(False, "--debug", help="Also show the traceback of an error (the exit code stays 2, 1 or 3)."),
 ) -> None:
     output.DEBUG["on"] = debug or bool(os.environ.get("LLMOPT_DEBUG"))
 
@@ -41,7 +42,8 @@ COMMANDS = [
 ]
 
 for _name, _module, _function in COMMANDS:
-    app.command(_name, epilog=output.examples_epilog(_module.EXAMPLES))(output.guarded(_function))
+    app.command(_name, epilog=output.examples_epilog(_module.EXAMPLES),
+                short_help=(_function.__doc__ or "").strip())(output.guarded(_function))   # whole, not cut
 
 
 def main() -> None:

@@ -11,5 +11,8 @@ ModelOpt = typer.Option(None, "--model", "-m", help="Checkpoint folder, .gguf fi
 DtypeOpt = typer.Option(defaults.DTYPE, "--dtype", help="auto|float32|bfloat16|float16 (auto: float32 on the CPU, "
                         "the checkpoint's dtype on a GPU).")
 DeviceOpt = typer.Option(defaults.DEVICE, "--device", help="auto|cpu|cuda.")
-JsonOpt = typer.Option(False, "--json", help="Print one JSON object on stdout.")
+JsonOpt = typer.Option(False, "--json", help="Print one JSON object on stdout (an error too: "
+                       '{"error": {"message", "type", "exit_code"}}).')
+JsonLinesOpt = typer.Option(False, "--json", help="Print JSON Lines on stdout: one object per completion (an "
+                            'error: one {"error": {"message", "type", "exit_code"}} object).')
 QuietOpt = typer.Option(False, "--quiet", "-q", help="No progress bar.")

@@ -6,6 +6,9 @@ import typer
 
 from llmopt import defaults
 from llmopt.cli import common, output
+from llmopt.cli.ranges import in_range
+
+MAX_BATCH = 1024   # --batch-size at most
 
 METHOD_HELP = ("sliding: Hugging Face fixed-length loop (--max-length, --stride); chunks: GPTQ/AWQ "
                "non-overlapping --ctx windows; rolling: lm-evaluation-harness wikitext (per-document "
@@ -48,14 +51,17 @@ def eval_ppl(
     text_field: str = typer.Option(defaults.TEXT_FIELD, "--text-field", help="Field of .jsonl rows / dataset column "
                                    "to read."),
     method: str = typer.Option(defaults.PPL_METHOD, "--method", help=METHOD_HELP),
-    ctx: int = typer.Option(None, "--ctx", help=f"Window of chunks (default {defaults.PPL_CTX}) and llamacpp "
-                            f"(default {defaults.PPL_LLAMACPP_CTX})."),
-    max_length: int = typer.Option(None, "--max-length", help=f"Window of sliding (default {defaults.PPL_CTX}) "
-                                   "and rolling (default: the model's max_position_embeddings)."),
-    stride: int = typer.Option(defaults.PPL_STRIDE, "--stride", help="Step between sliding windows."),
-    limit: int = typer.Option(None, "--limit", help="Use only the first N tokens (rolling: whole documents "
-                              "up to N tokens)."),
-    batch_size: int = typer.Option(defaults.PPL_BATCH_SIZE, "--batch-size", "-b", help="Windows per forward."),
+    ctx: int = typer.Option(None, "--ctx", callback=in_range(2), help=f"Window of chunks (default {defaults.PPL_CTX}) "
+                            f"and llamacpp (default {defaults.PPL_LLAMACPP_CTX}, >= 4): 2 to the model's context."),
+    max_length: int = typer.Option(None, "--max-length", callback=in_range(2), help="Window of sliding (default "
+                                   f"{defaults.PPL_CTX}) and rolling (default: the model's max_position_embeddings): "
+                                   "2 to the model's context."),
+    stride: int = typer.Option(defaults.PPL_STRIDE, "--stride", callback=in_range(1),
+                               help="Step between sliding windows, 1 to --max-length."),
+    limit: int = typer.Option(None, "--limit", callback=in_range(2), help="Use only the first N tokens, >= 2 "
+                              "(rolling: whole documents up to N tokens)."),
+    batch_size: int = typer.Option(defaults.PPL_BATCH_SIZE, "--batch-size", "-b", callback=in_range(1, MAX_BATCH),
+                                   help=f"Windows per forward, 1 to {MAX_BATCH}."),
     base_model: str = typer.Option(None, "--base-model", help="Also report KL divergence and top-1 agreement "
                                    "against this model (same tokenizer), in the same pass."),
     json_out: bool = common.JsonOpt,

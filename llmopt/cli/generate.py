@@ -13,23 +13,48 @@ from llmopt import defaults
 from llmopt.cli import common, output
 from llmopt.errors import UserInputError
 from llmopt.units import SIZE_HELP, parse_bytes
+from llmopt.cli.ranges import in_range
+from llmopt.validate import SEED_MAX, SEED_MIN, decode_utf8
 
 
 def read_prompts(prompts: list[str], file: str | None) -> list[str]:
     if prompts and file:
         raise UserInputError("give prompts as arguments or with --file, not both")
     if file:
-        lines = Path(file).read_text(encoding="utf-8").splitlines()
+        lines = decode_utf8(Path(file).read_bytes(), f"--file {file}").splitlines()
     elif prompts:
         return prompts
-    elif not sys.stdin.isatty():
-        lines = sys.stdin.read().splitlines()
-    else:
+    elif sys.stdin is not None and not sys.stdin.closed and not sys.stdin.isatty():
+        raw = getattr(sys.stdin, "buffer", None)
+        lines = (decode_utf8(raw.read(), "stdin") if raw is not None else sys.stdin.read()).splitlines()
+    else:   # a terminal, or no stdin at all (closed: `<&-`)
         raise UserInputError("no prompt: pass prompts as arguments, --file FILE, or lines on stdin")
     out = [line for line in lines if line.strip()]
     if not out:
-        raise UserInputError("no prompt: the input has only empty lines")
+        raise UserInputError("no prompt: the input is empty" if not lines else
+                             "no prompt: the input has only empty lines")
     return out
+
+
+SEPARATOR = "-" * 40   # between completions in plain output (--json: one object per line instead)
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to the sys.stderr of the moment (an in-process runner swaps it between commands)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
+def log_to_stderr(level: int) -> None:
+    """llmopt's log lines from `level` on stderr (INFO: the engine's KV cache size, concurrency)."""
+    logger = logging.getLogger("llmopt")
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(level)
 
 
 # Shown under Examples in --help (app.py registers the command); one short line each.
@@ -41,41 +66,66 @@ EXAMPLES = [
 
 def generate(
     prompts: list[str] = typer.Argument(None, help="Prompts (default: one per line from --file or stdin)."),
-    file: str = typer.Option(None, "--file", "-f", help="Read prompts from this file, one per line."),
+    file: str = typer.Option(None, "--file", "-f", help="Read prompts from this UTF-8 file, one per line."),
     chat: bool = typer.Option(False, "--chat", help="Wrap each prompt as a user message in the chat template."),
     system: str = typer.Option(None, "--system", help="System message for --chat."),
     model: str = common.ModelOpt,
     dtype: str = common.DtypeOpt,
     device: str = common.DeviceOpt,
-    max_tokens: int = typer.Option(defaults.GENERATE_MAX_TOKENS, "--max-tokens", "-n"),
-    min_tokens: int = typer.Option(0, "--min-tokens"),
-    temperature: float = typer.Option(defaults.GENERATE_TEMPERATURE, "--temperature", "-t", help="0 = greedy."),
-    top_p: float = typer.Option(1.0, "--top-p"),
-    top_k: int = typer.Option(0, "--top-k", help="0 = off."),
-    min_p: float = typer.Option(0.0, "--min-p"),
-    seed: int = typer.Option(None, "--seed", help="Per-request sampling seed."),
-    presence_penalty: float = typer.Option(0.0, "--presence-penalty"),
-    frequency_penalty: float = typer.Option(0.0, "--frequency-penalty"),
-    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty"),
-    stop: list[str] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
-    stop_token_ids: list[int] = typer.Option(None, "--stop-token-id", help="Stop token id (repeatable)."),
-    ignore_eos: bool = typer.Option(False, "--ignore-eos"),
-    num: int = typer.Option(1, "--num-completions", help="Completions per prompt (n)."),
-    logprobs: int = typer.Option(None, "--logprobs", help="Also return the top-N logprobs per token (--json)."),
-    block_size: int = typer.Option(defaults.BLOCK_SIZE, "--block-size"),
-    kv_cache_memory: str = typer.Option(None, "--kv-cache-memory", help=f"KV-cache bytes: {SIZE_HELP}; "
-                                        "default: --gpu-memory-utilization on a GPU, 1GiB on the CPU."),
-    gpu_memory_utilization: float = typer.Option(defaults.GPU_MEMORY_UTILIZATION, "--gpu-memory-utilization"),
+    max_tokens: int = typer.Option(defaults.GENERATE_MAX_TOKENS, "--max-tokens", "-n", callback=in_range(1),
+                                   help="Tokens to generate per completion, >= 1 (stops earlier at "
+                                   "--max-model-len)."),
+    min_tokens: int = typer.Option(0, "--min-tokens", callback=in_range(0),
+                                   help="Tokens before EOS or a stop may end a completion, 0 to --max-tokens."),
+    temperature: float = typer.Option(defaults.GENERATE_TEMPERATURE, "--temperature", "-t", callback=in_range(0),
+                                      help="Sampling temperature, >= 0 (0 = greedy)."),
+    top_p: float = typer.Option(1.0, "--top-p", callback=in_range(0, 1, lo_open=True),
+                                help="Nucleus sampling: smallest set of tokens with this probability, (0, 1]."),
+    top_k: int = typer.Option(0, "--top-k", callback=in_range(-1),
+                              help="Sample among the k most likely tokens, >= 1; 0 or -1 = off."),
+    min_p: float = typer.Option(0.0, "--min-p", callback=in_range(0, 1),
+                                help="Drop tokens below this share of the top token's probability, 0 to 1."),
+    seed: int = typer.Option(None, "--seed", callback=in_range(SEED_MIN, SEED_MAX),
+                             help="Per-request sampling seed, a 64-bit integer (-2^63 to 2^63-1)."),
+    presence_penalty: float = typer.Option(0.0, "--presence-penalty", callback=in_range(-2, 2),
+                                           help="Subtracted once per token already in the output, -2 to 2."),
+    frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", callback=in_range(-2, 2),
+                                            help="Subtracted per occurrence in the output, -2 to 2."),
+    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", callback=in_range(0, lo_open=True),
+                                             help="Divides the logits of prompt and output tokens, > 0 (1 = off)."),
+    stop: list[str] = typer.Option(None, "--stop", help="Stop string, not empty (repeatable)."),
+    stop_token_ids: list[int] = typer.Option(None, "--stop-token-id", callback=in_range(0),
+                                             help="Stop token id, >= 0 (repeatable)."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating after the EOS token."),
+    num: int = typer.Option(1, "--num-completions", callback=in_range(1, defaults.GENERATE_MAX_COMPLETIONS),
+                            help=f"Completions per prompt (n), 1 to {defaults.GENERATE_MAX_COMPLETIONS}."),
+    logprobs: int = typer.Option(None, "--logprobs", callback=in_range(0, defaults.MAX_LOGPROBS),
+                                 help=f"Also return the top-N logprobs per token (--json), 0 to "
+                                 f"{defaults.MAX_LOGPROBS} (vLLM's max_logprobs)."),
+    block_size: int = typer.Option(defaults.BLOCK_SIZE, "--block-size", callback=in_range(1),
+                                   help="Tokens per KV-cache block, >= 1."),
+    kv_cache_memory: str = typer.Option(None, "--kv-cache-memory", help=f"KV-cache bytes: {SIZE_HELP}; at most "
+                                        "the device's free memory; default: --gpu-memory-utilization on a GPU, "
+                                        "1GiB on the CPU."),
+    gpu_memory_utilization: float = typer.Option(defaults.GPU_MEMORY_UTILIZATION, "--gpu-memory-utilization",
+                                                 callback=in_range(0, 1, lo_open=True),
+                                                 help="Share of the GPU's memory for weights, activations and the "
+                                                 "KV cache, (0, 1] (vLLM's meaning)."),
     kv_cache_dtype: str = typer.Option(defaults.KV_CACHE_DTYPE, "--kv-cache-dtype",
-                                       help="auto|fp8|fp8_e4m3|fp8_e5m2|int8."),
-    max_model_len: int = typer.Option(None, "--max-model-len", help="Default: the model's context length."),
-    max_num_seqs: int = typer.Option(defaults.MAX_NUM_SEQS, "--max-num-seqs"),
+                                       help="auto, fp8, fp8_e4m3, fp8_e5m2 or int8."),
+    max_model_len: int = typer.Option(None, "--max-model-len", callback=in_range(2),
+                                      help="Context per request, 2 to the model's context length (the default)."),
+    max_num_seqs: int = typer.Option(defaults.MAX_NUM_SEQS, "--max-num-seqs", callback=in_range(1),
+                                     help="Requests per engine step, >= 1."),
     max_num_batched_tokens: int = typer.Option(defaults.MAX_NUM_BATCHED_TOKENS, "--max-num-batched-tokens",
-                                               help="Token budget per step (chunked prefill); 0 = unlimited."),
+                                               callback=in_range(0),
+                                               help="Token budget per step (chunked prefill), >= 1; 0 = unlimited."),
     prefix_caching: bool = typer.Option(defaults.ENABLE_PREFIX_CACHING,
-                                        "--enable-prefix-caching/--no-enable-prefix-caching"),
-    attention_backend: str = typer.Option(defaults.ATTENTION_BACKEND, "--attention-backend", help="auto|torch|triton."),
-    json_out: bool = common.JsonOpt,
+                                        "--enable-prefix-caching/--no-enable-prefix-caching",
+                                        help="Reuse the KV blocks of prompt prefixes seen before."),
+    attention_backend: str = typer.Option(defaults.ATTENTION_BACKEND, "--attention-backend",
+                                          help="auto, torch or triton (auto: triton on CUDA, torch on the CPU)."),
+    json_out: bool = common.JsonLinesOpt,
     quiet: bool = common.QuietOpt,
 ) -> None:
     """Complete prompts with the paged-KV, continuous-batching engine."""
@@ -89,8 +139,7 @@ def generate(
         presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
         repetition_penalty=repetition_penalty, stop=list(stop or []), stop_token_ids=list(stop_token_ids or []),
         max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos, logprobs=logprobs)
-    if not quiet:
-        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    log_to_stderr(logging.WARNING if quiet else logging.INFO)
     llm = LLM(model, dtype=dtype, device=device, block_size=block_size,
               kv_cache_memory=kv_bytes, gpu_memory_utilization=gpu_memory_utilization,
               kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -103,6 +152,7 @@ def generate(
             results = llm.chat(convs, params, progress=advance)
         else:
             results = llm.generate(texts, params, progress=advance)
+    printed = 0
     for prompt, res in zip(texts, results):
         for c in res.outputs:
             if json_out:
@@ -115,6 +165,9 @@ def generate(
                     row["cumulative_logprob"] = c.cumulative_logprob
                 sys.stdout.write(output.dumps(row) + "\n")
             else:
+                if printed:    # completions may span lines: a separator line between them
+                    sys.stdout.write(SEPARATOR + "\n")
                 sys.stdout.write(c.text + "\n")
+            printed += 1
     sys.stdout.flush()
 

@@ -11,6 +11,7 @@ from llmopt.cli import output
 from llmopt.cli.common import JsonOpt, ModelOpt
 from llmopt.cli.kv_estimate_view import list_presets as show_presets
 from llmopt.cli.kv_estimate_view import render
+from llmopt.cli.ranges import in_range
 from llmopt.errors import DoesNotFitError, UserInputError
 from llmopt.units import SIZE_HELP
 
@@ -28,10 +29,15 @@ def kv_estimate(
     model: Optional[str] = ModelOpt,
     gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU preset: H100-80GB, H200, A100-40GB, A100-80GB, L40S, "
                                       "L4, RTX-4090 (see --list-presets)."),
-    gpu_memory: Optional[float] = typer.Option(None, "--gpu-memory", help="GPU memory in GiB (instead of --gpu)."),
+    gpu_memory: Optional[float] = typer.Option(None, "--gpu-memory", callback=in_range(0, lo_open=True),
+                                               help="GPU memory in GiB, > 0 (instead of --gpu)."),
     gpu_memory_utilization: float = typer.Option(defaults.GPU_MEMORY_UTILIZATION, "--gpu-memory-utilization",
-                                                 help="Share of GPU memory the server may use (vLLM's meaning)."),
-    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", help="GPUs per replica."),
+                                                 callback=in_range(0, 1, lo_open=True),
+                                                 help="Share of GPU memory the server may use, (0, 1] (vLLM's "
+                                                 "meaning)."),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", callback=in_range(1),
+                                             help="GPUs per replica, >= 1 (dividing the KV heads, or a multiple "
+                                             "of them)."),
     device: str = typer.Option(defaults.DEVICE, "--device", help="auto|cpu|cuda: where the plan runs (auto: a GPU "
                                "with --gpu/--gpu-memory, else what the engine picks on this machine)."),
     dtype: str = typer.Option(defaults.DTYPE, "--dtype", help="auto|float32|bfloat16|float16: the model's dtype, as "
@@ -39,19 +45,23 @@ def kv_estimate(
     kv_cache_dtype: str = typer.Option(defaults.KV_CACHE_DTYPE, "--kv-cache-dtype",
                                        help="auto (the model's dtype)|float32|bfloat16|float16|fp8|fp8_e4m3|fp8_e5m2|"
                                        "int8|int4|kivi2|fp8_ds_mla."),
-    block_size: int = typer.Option(defaults.BLOCK_SIZE, "--block-size", help="Tokens per KV block."),
+    block_size: int = typer.Option(defaults.BLOCK_SIZE, "--block-size", callback=in_range(1),
+                                   help="Tokens per KV block, >= 1."),
     max_model_len: Optional[str] = typer.Option(None, "--max-model-len", help="Context per request, e.g. 32768 or 32k "
                                                 "(default: the model's max_position_embeddings)."),
     max_num_batched_tokens: str = typer.Option(str(defaults.MAX_NUM_BATCHED_TOKENS), "--max-num-batched-tokens",
                                                help="Tokens per scheduler step (caps sliding-window blocks)."),
-    max_num_seqs: int = typer.Option(defaults.MAX_NUM_SEQS, "--max-num-seqs", help="Requests per step (sizes logits)."),
+    max_num_seqs: int = typer.Option(defaults.MAX_NUM_SEQS, "--max-num-seqs", callback=in_range(1),
+                                     help="Requests per step, >= 1 (sizes logits)."),
     kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help=f"KV cache bytes per GPU: {SIZE_HELP} "
                                                   "(instead of deriving it from the GPU budget)."),
-    reserve_gib: Optional[float] = typer.Option(None, "--reserve-gib", help="Non-KV, non-weight memory per GPU "
+    reserve_gib: Optional[float] = typer.Option(None, "--reserve-gib", callback=in_range(0),
+                                                help="Non-KV, non-weight memory per GPU in GiB, >= 0 "
                                                 "(default: estimated activations + logits + runtime)."),
     weight_format: str = typer.Option("auto", "--weight-format", help="auto|bfloat16|float16|float32|fp8|fp8-block|"
                                       "int8|int4|<GGML type such as q4_k>."),
-    group_size: Optional[int] = typer.Option(None, "--group-size", help="Group size for --weight-format int4 "
+    group_size: Optional[int] = typer.Option(None, "--group-size", callback=in_range(1, allow=(-1,)),
+                                             help="Group size for --weight-format int4, dividing the layer widths "
                                              f"(default {defaults.QUANT_GROUP_SIZE}; -1 per channel)."),
     batch_sizes: Optional[str] = typer.Option(None, "--batch-sizes", help="Grid mode: batch sizes, e.g. 1,8,32."),
     seq_lens: Optional[str] = typer.Option(None, "--seq-lens", help="Grid mode: context lengths, e.g. 2k,8k,32k."),
@@ -62,15 +72,24 @@ def kv_estimate(
     what_if: bool = typer.Option(True, "--what-if/--no-what-if", help="Also show fp8 KV, quantized weights, "
                                  "2x GPUs and the longest fitting context under the same budget."),
     list_presets: bool = typer.Option(False, "--list-presets", help="List model and GPU presets and exit."),
-    num_layers: Optional[int] = typer.Option(None, "--num-layers", help="Override: decoder layers."),
-    num_kv_heads: Optional[int] = typer.Option(None, "--num-kv-heads", help="Override: KV heads."),
-    head_dim: Optional[int] = typer.Option(None, "--head-dim", help="Override: head dimension."),
-    hidden_size: Optional[int] = typer.Option(None, "--hidden-size", help="Override: hidden size."),
-    num_attention_heads: Optional[int] = typer.Option(None, "--num-attention-heads", help="Override: query heads."),
-    intermediate_size: Optional[int] = typer.Option(None, "--intermediate-size", help="Override: MLP width."),
-    vocab_size: Optional[int] = typer.Option(None, "--vocab-size", help="Override: vocabulary size."),
-    sliding_window: Optional[int] = typer.Option(None, "--sliding-window", help="Override: window (0: none)."),
-    kv_lora_rank: Optional[int] = typer.Option(None, "--kv-lora-rank", help="Override: MLA latent rank."),
+    num_layers: Optional[int] = typer.Option(None, "--num-layers", callback=in_range(1),
+                                             help="Override: decoder layers, >= 1."),
+    num_kv_heads: Optional[int] = typer.Option(None, "--num-kv-heads", callback=in_range(1),
+                                               help="Override: KV heads, >= 1."),
+    head_dim: Optional[int] = typer.Option(None, "--head-dim", callback=in_range(1),
+                                           help="Override: head dimension, >= 1."),
+    hidden_size: Optional[int] = typer.Option(None, "--hidden-size", callback=in_range(1),
+                                              help="Override: hidden size, >= 1."),
+    num_attention_heads: Optional[int] = typer.Option(None, "--num-attention-heads", callback=in_range(1),
+                                                      help="Override: query heads, >= 1."),
+    intermediate_size: Optional[int] = typer.Option(None, "--intermediate-size", callback=in_range(1),
+                                                    help="Override: MLP width, >= 1."),
+    vocab_size: Optional[int] = typer.Option(None, "--vocab-size", callback=in_range(1),
+                                             help="Override: vocabulary size, >= 1."),
+    sliding_window: Optional[int] = typer.Option(None, "--sliding-window", callback=in_range(0),
+                                                 help="Override: window, >= 1 (0: none)."),
+    kv_lora_rank: Optional[int] = typer.Option(None, "--kv-lora-rank", callback=in_range(1),
+                                               help="Override: MLA latent rank, >= 1."),
     as_json: bool = JsonOpt,
 ) -> None:
     """Plan KV-cache and weight memory: bytes per token, blocks, concurrency, longest context, fit."""

@@ -118,9 +118,9 @@ def progress(description: str, total: int | None, *, enabled: bool = True) -> It
 
 
 def examples_epilog(examples: Iterable[str]) -> str:
-    """The Examples section of a command's --help: a heading and one line per example. Typer's rich
-    help keeps single line breaks, and examples are kept short enough not to wrap at 80 columns."""
-    return "Examples:\n" + "\n".join(examples)
+    """The Examples section of a command's --help: a heading and one line per example (click's \\b
+    keeps the lines as written); examples are kept short enough not to wrap at 80 columns."""
+    return "\b\nExamples:\n" + "\n".join(examples)
 
 
 def fail(message: str, code: int = 2, *, as_json: bool = False, kind: str = "UserInputError") -> None:
@@ -207,6 +207,9 @@ class Group(TyperGroup):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         argv = list(sys.argv[1:] if args is None else args)
+        for name in ("stdout", "stderr"):    # closed (`>&-`): results are dropped, as print() drops them
+            if getattr(sys, name) is None:
+                setattr(sys, name, open(os.devnull, "w"))
         try:
             rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
         except _click.UsageError as e:

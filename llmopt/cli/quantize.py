@@ -7,6 +7,8 @@ import typer
 
 from llmopt import defaults
 from llmopt.cli import common, output
+from llmopt.cli.ranges import in_range
+from llmopt.validate import SEED_MAX, SEED_MIN
 
 
 def _mb(n: int) -> str:
@@ -14,8 +16,10 @@ def _mb(n: int) -> str:
 
 
 def _tables(r):
+    group = [] if r.group_size is None else [  # fp8/int8: per-channel scales, no group size
+        ("group size", f"{r.group_size}" + (f" ({r.group_size_reason})" if r.group_size_reason else ""))]
     rows = [("output", r.output), ("source", r.source), ("method", r.method), ("format", r.format),
-            ("bits", r.bits), ("group size", r.group_size), ("symmetric", r.sym),
+            ("bits", r.bits), *group, ("symmetric", r.sym),
             ("calibration", f"{r.calib_samples} x {r.calib_seq_len} tokens"),
             ("size before", _mb(r.size_before)), ("size after", _mb(r.size_after)),
             ("compression", f"{r.size_before / max(r.size_after, 1):.2f}x"),
@@ -45,9 +49,12 @@ EXAMPLES = [
 def quantize(
     model: str = common.ModelOpt,
     method: str = typer.Option(None, "--method", help="awq | gptq | rtn | fp8 | int8 (default awq)."),
-    bits: int = typer.Option(None, "--bits", help="4 or 8 (default 4; fp8/int8 are 8)."),
-    group_size: int = typer.Option(None, "--group-size", help=f"128 | 64 | 32 | -1 (default {defaults.QUANT_GROUP_SIZE}; "
-                                   "must divide the hidden and intermediate sizes: SmolLM2's 576 needs 64)."),
+    bits: int = typer.Option(None, "--bits", help="4 or 8 (default 4; fp8/int8 are 8; 2 and 3 for experiments)."),
+    group_size: int = typer.Option(None, "--group-size", callback=in_range(1, allow=(-1,)),
+                                   help="Weights per scale: a positive divisor of every layer's width (128, 64, 32...) "
+                                   "or -1 (one group per row); default: the largest of "
+                                   f"{', '.join(map(str, defaults.QUANT_GROUP_SIZES))} that divides them all "
+                                   "(SmolLM2's 576: 64)."),
     sym: bool = typer.Option(None, "--sym/--asym", help="Symmetric, or with zero points (default: sym, asym for awq)."),
     out_dir: str = typer.Option(None, "--output", "-o", help="Folder to write (required, or `output` in --recipe)."),
     calib_data: str = typer.Option(None, "--calib-data", help="Text file, .jsonl (with --text-field) or Hugging Face "
@@ -55,17 +62,23 @@ def quantize(
                                    f"(default {defaults.CALIB_DATA})."),
     text_field: str = typer.Option(None, "--text-field", help="Field of .jsonl rows / dataset column of --calib-data "
                                    f"(default {defaults.TEXT_FIELD})."),
-    num_samples: int = typer.Option(None, "--num-samples", help=f"Calibration windows (default {defaults.QUANT_NUM_SAMPLES})."),
-    seq_len: int = typer.Option(None, "--seq-len", help=f"Tokens per window (default {defaults.QUANT_SEQ_LEN})."),
-    seed: int = typer.Option(None, "--seed", help="Seed of the window sampling."),
+    num_samples: int = typer.Option(None, "--num-samples", callback=in_range(1, defaults.QUANT_MAX_NUM_SAMPLES),
+                                    help=f"Calibration windows, 1 to {defaults.QUANT_MAX_NUM_SAMPLES} "
+                                    f"(default {defaults.QUANT_NUM_SAMPLES})."),
+    seq_len: int = typer.Option(None, "--seq-len", callback=in_range(2), help="Tokens per window, 2 to the model's "
+                                f"context (default {defaults.QUANT_SEQ_LEN})."),
+    seed: int = typer.Option(None, "--seed", callback=in_range(SEED_MIN, SEED_MAX),
+                             help=f"Seed of the window sampling, a 64-bit integer (default {defaults.QUANT_SEED})."),
     fmt: str = typer.Option(None, "--format", help="awq | gptq | compressed-tensors | dequantized (default: awq for awq, "
                             "gptq for gptq, compressed-tensors otherwise)."),
-    damp: float = typer.Option(None, "--damp", help=f"GPTQ dampening, fraction of the mean Hessian diagonal "
+    damp: float = typer.Option(None, "--damp", callback=in_range(0, 1, lo_open=True, hi_open=True),
+                               help="GPTQ dampening, fraction of the mean Hessian diagonal, (0, 1) "
                                f"(default {defaults.GPTQ_DAMP})."),
     act_order: str = typer.Option(None, "--act-order", help="GPTQ column order: static (default: by decreasing Hessian "
                                   "diagonal, natural groups), group (GPTQModel's desc_act: g_idx, --format gptq only) "
                                   "or none."),
-    smoothquant_alpha: float = typer.Option(None, "--smoothquant-alpha", help="INT8 W8A8 SmoothQuant migration strength "
+    smoothquant_alpha: float = typer.Option(None, "--smoothquant-alpha", callback=in_range(0, 1),
+                                            help="INT8 W8A8 SmoothQuant migration strength, 0 to 1 "
                                             f"(default {defaults.SMOOTHQUANT_ALPHA})."),
     awq_duo_scaling: bool = typer.Option(None, "--awq-duo-scaling/--no-awq-duo-scaling",
                                          help="AWQ scales x^a / w^(1-a) (AutoAWQ's default) instead of x^a."),
@@ -74,7 +87,8 @@ def quantize(
     recipe: str = typer.Option(None, "--recipe", help="YAML file whose keys mirror these flags; flags override it."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace --output if it exists."),
     run_eval: bool = typer.Option(False, "--eval", help="Perplexity before and after (eval-ppl chunks, KLD vs the source)."),
-    eval_limit: int = typer.Option(defaults.QUANT_EVAL_LIMIT, "--eval-limit", help="Tokens of WikiText-2 test for --eval."),
+    eval_limit: int = typer.Option(defaults.QUANT_EVAL_LIMIT, "--eval-limit", callback=in_range(defaults.PPL_CTX),
+                                   help=f"Tokens of WikiText-2 test for --eval, >= {defaults.PPL_CTX} (one window)."),
     json_out: bool = common.JsonOpt,
     quiet: bool = common.QuietOpt,
 ) -> None:

@@ -39,3 +39,6 @@ class EngineArgs:
             raise UserInputError("--max-num-batched-tokens must be at least 1 (0 = unlimited)")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise UserInputError("--max-model-len must be at least 2")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise UserInputError(f"--gpu-memory-utilization {self.gpu_memory_utilization}: use a share of the "
+                                 "GPU's memory in (0, 1], as vLLM")

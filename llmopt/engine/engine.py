@@ -84,6 +84,10 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = eos_token_ids(loaded)
         self.max_model_len = args.max_model_len or loaded.config.max_position_embeddings
+        if self.max_model_len > loaded.config.max_position_embeddings:   # refused, as vLLM refuses it
+            raise UserInputError(f"--max-model-len {self.max_model_len:,} is longer than the model's context of "
+                                 f"{loaded.config.max_position_embeddings:,} tokens (max_position_embeddings): "
+                                 "give at most that")
         self.runner = ModelRunner(loaded, args.block_size, args.kv_cache_dtype, args.kv_cache_memory,
                                   args.gpu_memory_utilization, args.max_num_batched_tokens,
                                   args.attention_backend)

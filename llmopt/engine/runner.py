@@ -90,6 +90,8 @@ class ModelRunner:
         if kv_cache_memory is not None:
             if kv_cache_memory <= 0:
                 raise UserInputError("--kv-cache-memory must be a positive number of bytes")
+            from llmopt.validate import check_kv_cache_memory   # more than the device has: refused, as vLLM
+            check_kv_cache_memory(int(kv_cache_memory), self.device.type, self.device.index)
             return int(kv_cache_memory)
         if self.device.type != "cuda":
             from llmopt import defaults

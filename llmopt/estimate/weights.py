@@ -142,6 +142,12 @@ def weight_memory(spec: ModelSpec, fmt: str = "auto", group_size: int | None = N
     if not known:
         raise UserInputError(f"unknown --weight-format {fmt!r}: use auto, bfloat16, float16, float32, fp8, fp8-block, "
                              f"int8, int4 (with --group-size) or a GGML type such as q4_k, q8_0")
+    if fmt == "int4" and group_size is not None and group != -1:   # as llmopt quantize refuses it
+        odd = next((w for w in (spec.hidden_size, spec.intermediate_size) if w and w % group), None)
+        if odd is not None:
+            raise UserInputError(f"--group-size {group} does not divide the model's layer width {odd}: use a divisor "
+                                 f"such as {next((g for g in defaults.QUANT_GROUP_SIZES if odd % g == 0), -1)} "
+                                 "or -1 (per channel)")
     base = FLOAT_FORMATS.get(spec.serving_dtype, 2)
     by = {}
     total = rank = n = 0

@@ -123,6 +123,10 @@ def plan_ppl(tokenizer, max_position_embeddings: int, data: TextDataset, method:
         raise UserInputError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
     if tokenizer is None:
         raise UserInputError("perplexity needs the model's tokenizer")
+    for flag, value in (("--ctx", ctx), ("--max-length", max_length)):
+        if value is not None and value > max_position_embeddings:   # positions the model never saw
+            raise UserInputError(f"{flag} {value:,} is longer than the model's context of "
+                                 f"{max_position_embeddings:,} tokens: give at most that")
     if method == "rolling":
         return _plan_rolling(tokenizer, data, max_length or ctx or max_position_embeddings, limit)
     tokens, cum = _stream(tokenizer, data.text, limit)

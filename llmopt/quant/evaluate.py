@@ -41,7 +41,8 @@ def plan_quant_eval(base: str, quantized: str, *, dataset: str = defaults.PPL_DA
     data = load_text_dataset(dataset)
     base_lm = load_model(base, dtype, device)
     q_lm = load_model(quantized, dtype, device)
-    plan = plan_ppl(base_lm.tokenizer, base_lm.config.max_position_embeddings, data, "chunks", ctx=ctx, limit=limit)
+    mpe = base_lm.config.max_position_embeddings
+    plan = plan_ppl(base_lm.tokenizer, mpe, data, "chunks", ctx=min(ctx, mpe), limit=limit)
     return QuantEvalPlan(base=base_lm, quantized=q_lm, ppl=plan)
 
 

@@ -50,7 +50,7 @@ class QuantizeResult:
     method: str
     format: str
     bits: int
-    group_size: int
+    group_size: int | None     # None: fp8/int8 (per-channel scales, no groups)
     sym: bool
     calib_samples: int
     calib_seq_len: int
@@ -61,13 +61,33 @@ class QuantizeResult:
     max_rel_error: float
     layers: list[LayerReport] = field(default_factory=list)
     eval: QuantEval | None = None      # llmopt.quant.evaluate, when asked for (`llmopt quantize --eval`)
+    group_size_reason: str | None = None   # how an auto group size was picked ("auto: 128 does not divide 576")
 
 
 def validate(cfg: ModelConfig, spec: QuantSpec) -> None:
+    """Check the spec against the model; fills in an auto group size (None) and its reason."""
+    widths = (("the hidden size", cfg.hidden_size), ("the intermediate size", cfg.intermediate_size),
+              ("the attention output", cfg.num_attention_heads * cfg.head_dim))
     if spec.method in ("awq", "gptq", "rtn"):
-        for name, n in (("the hidden size", cfg.hidden_size), ("the intermediate size", cfg.intermediate_size),
-                        ("the attention output", cfg.num_attention_heads * cfg.head_dim)):
+        if spec.group_size is None:
+            spec.group_size, spec.group_size_reason = auto_group_size([n for _, n in widths])
+        for name, n in widths:
             check_group_size(n, spec.group_size, name)
+    if spec.seq_len > cfg.max_position_embeddings:
+        raise UserInputError(f"--seq-len {spec.seq_len:,} is longer than the model's context of "
+                             f"{cfg.max_position_embeddings:,} tokens: give at most that")
+
+
+def auto_group_size(widths: list[int]) -> tuple[int, str]:
+    """The largest of defaults.QUANT_GROUP_SIZES dividing every width (else -1: one group per row),
+    with the reason shown in the summary, e.g. `auto: 128 does not divide 576`."""
+    skipped = []
+    for g in defaults.QUANT_GROUP_SIZES:
+        odd = next((n for n in widths if n % g), None)
+        if odd is None:
+            return g, "auto" + (f": {', '.join(skipped)}" if skipped else "")
+        skipped.append(f"{g} does not divide {odd}")
+    return -1, f"auto: {', '.join(skipped)}; one group per row"
 
 
 def output_dtype(spec: QuantSpec, reader: "CheckpointReader") -> torch.dtype:
@@ -158,7 +178,8 @@ def quantize_model(model: str | None, output: str | Path, spec: QuantSpec, overw
         group_size=spec.group_size, sym=bool(spec.sym), calib_samples=int(calib_ids.shape[0]),
         calib_seq_len=spec.seq_len, size_before=_size(safetensors_files(folder)),
         size_after=_size(sorted(output.glob("*.safetensors"))), seconds=time.perf_counter() - t0,
-        mean_rel_error=sum(errors) / max(len(errors), 1), max_rel_error=max(errors, default=0.0), layers=reports)
+        mean_rel_error=sum(errors) / max(len(errors), 1), max_rel_error=max(errors, default=0.0), layers=reports,
+        group_size_reason=spec.group_size_reason)
 
 
 def _load_layer(cfg: ModelConfig, reader: "CheckpointReader", i: int) -> DecoderLayer:

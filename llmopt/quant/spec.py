@@ -18,7 +18,7 @@ DEFAULT_FORMAT = {"awq": "awq", "gptq": "gptq", "rtn": "compressed-tensors", "fp
 class QuantSpec:
     method: str = "awq"
     bits: int | None = None            # 4 for awq/gptq/rtn, 8 for fp8/int8
-    group_size: int = defaults.QUANT_GROUP_SIZE
+    group_size: int | None = None      # None: auto, the largest of QUANT_GROUP_SIZES dividing every layer
     sym: bool | None = None            # None: symmetric for gptq/rtn, asymmetric (zero points) for awq
     format: str | None = None          # None: DEFAULT_FORMAT[method]
     calib_data: str = defaults.CALIB_DATA
@@ -37,6 +37,7 @@ class QuantSpec:
     activations: str = "dynamic"       # fp8/int8: dynamic (W8A8) | none (weight-only)
     dtype: str = "auto"                # unquantized tensors: auto = checkpoint's 16-bit dtype, else float16
     scale_dtype: str | None = None     # set by the pipeline: the dtype the format stores scales in
+    group_size_reason: str | None = None   # set by the pipeline when it picks the group size (auto)
 
     @property
     def scale_torch_dtype(self):
@@ -75,8 +76,16 @@ class QuantSpec:
         if s.format == "awq" and (s.bits != 4 or s.sym or s.group_size == -1 or s.act_order == "group"):
             raise UserInputError("--format awq (AutoAWQ GEMM) holds 4-bit asymmetric weights with groups: "
                                  "use --bits 4 --asym --group-size 128|64|32, or --format gptq|compressed-tensors")
-        if s.group_size != -1 and s.group_size <= 0:
+        if s.group_size is not None and s.group_size != -1 and s.group_size <= 0:
             raise UserInputError(f"--group-size {s.group_size}: use a positive divisor of the hidden size or -1")
+        if s.method in ("fp8", "int8"):
+            s.group_size = None          # per-channel (or per-tensor) scales: no groups
+        if not 1 <= s.num_samples <= defaults.QUANT_MAX_NUM_SAMPLES:
+            raise UserInputError(f"--num-samples {s.num_samples}: use 1 to {defaults.QUANT_MAX_NUM_SAMPLES:,} "
+                                 "calibration windows")
+        from llmopt.validate import SEED_MAX, SEED_MIN
+        if not SEED_MIN <= s.seed <= SEED_MAX:
+            raise UserInputError(f"--seed {s.seed} does not fit in 64 bits: use {SEED_MIN} to {SEED_MAX}")
         if not 0 < s.damp < 1:
             raise UserInputError(f"--damp {s.damp}: use a fraction of the mean Hessian diagonal in (0, 1)")
         if not 0 <= s.smoothquant_alpha <= 1:
@@ -152,10 +161,15 @@ def load_recipe(path: str | Path) -> dict:
     p = Path(path)
     if not p.is_file():
         raise UserInputError(f"recipe {p} not found")
+    from llmopt.validate import decode_utf8
+    text = decode_utf8(p.read_bytes(), f"recipe {p}")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
-        raise UserInputError(f"recipe {p} is not valid YAML: {e}") from e
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = getattr(e, "problem", None) or str(e)
+        raise UserInputError(f"recipe {p} is not valid YAML: {what}{where}") from None
     if not isinstance(data, dict):
         raise UserInputError(f"recipe {p} must be a mapping of flag names to values")
     known = {f.name for f in fields(QuantSpec)} | {"model", "output"}

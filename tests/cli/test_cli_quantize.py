@@ -33,7 +33,7 @@ def test_flags_override_recipe_which_overrides_defaults(tmp_path):
     job = merge_sources(r, {"model": "other/model"})
     assert (job.model, job.output, job.spec.group_size) == ("other/model", "out/a", 64)
     job = merge_sources(None, {"output": "out/c", "method": "rtn"})
-    assert (job.model, job.spec.method, job.spec.group_size) == (None, "rtn", defaults.QUANT_GROUP_SIZE)
+    assert (job.model, job.spec.method, job.spec.group_size) == (None, "rtn", None)   # auto: from the model
 
 
 @pytest.mark.parametrize("text,flags,fragment", [
