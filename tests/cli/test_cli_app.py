@@ -11,14 +11,15 @@ import typer
 from typer.testing import CliRunner
 
 from llmopt.cli import app as app_module
-from llmopt.cli import eval_ppl, generate, kv_estimate, output, quantize
+from llmopt.cli import eval_ppl, generate, kv_estimate, output, quantize, serve
 from llmopt.cli.app import app
 from llmopt.errors import DoesNotFitError, LLMOptError, UserInputError
 
 CLI_DIR = Path(app_module.__file__).parent
 REPO = CLI_DIR.parents[1]
 COMMANDS = {"eval-ppl": (eval_ppl, eval_ppl.eval_ppl), "quantize": (quantize, quantize.quantize),
-            "kv-estimate": (kv_estimate, kv_estimate.kv_estimate), "generate": (generate, generate.generate)}
+            "kv-estimate": (kv_estimate, kv_estimate.kv_estimate), "generate": (generate, generate.generate),
+            "serve": (serve, serve.serve)}
 
 
 def _imports(path: Path) -> set[str]:

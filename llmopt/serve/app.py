@@ -1,0 +1,551 @@
+"""The OpenAI-compatible HTTP server: a FastAPI app over AsyncLLMEngine.
+
+    app = build_app(AsyncLLMEngine(LLMEngine(args)), ServeConfig(model_name="smollm2-135m"))
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Every request is validated completely before anything is queued or streamed (types by pydantic,
+ranges by SamplingParams, then against the model: vocabulary, context length, logprobs cap), so a
+bad request is a 400 in OpenAI's error shape and never reaches the engine's step. A client that
+disconnects (streaming or not) aborts its requests, which frees their KV blocks. Streamed text is
+held back by `max stop string length - 1` characters until it is safe, so a stop string that spans
+tokens never makes streamed text shrink: the concatenated deltas equal the non-streamed text."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from llmopt import __version__
+from llmopt.engine.async_engine import AsyncLLMEngine
+from llmopt.engine.outputs import RequestOutput
+from llmopt.engine.sampling_params import SamplingParams
+from llmopt.errors import LLMOptError, UserInputError
+from llmopt.serve.metrics import CONTENT_TYPE, ServerMetrics
+from llmopt.serve.protocol import (MAX_LOGPROBS, SEED_MAX, SEED_MIN, ChatCompletionRequest, CompletionRequest,
+                                   DetokenizeRequest, OpenAIError, TokenizeRequest, error_body, message_text)
+
+log = logging.getLogger("llmopt.serve")
+
+LOGPROB_FLOOR = -9999.0   # vLLM's stand-in for -inf (JSON has no infinities)
+
+
+@dataclass
+class ServeConfig:
+    model_name: str
+    api_key: str | None = None
+    max_num_queued_reqs: int | None = None   # running + waiting (n counted as n) above this: 503
+    max_n: int | None = None                 # cap on n (default: the engine's max_num_seqs)
+
+
+def _error(e: OpenAIError) -> JSONResponse:
+    return JSONResponse(error_body(e.message, e.status, e.type, e.param), status_code=e.status)
+
+
+def _lp(x: float) -> float:
+    return x if x == x and x > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+def _sse(obj: dict) -> str:
+    return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
+
+
+class _Stream(StreamingResponse):
+    """A StreamingResponse that always closes its iterator (so the engine requests it holds are
+    aborted at once when the client leaves, not when the generator is garbage-collected)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+async def _merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several requests as they come, tagged with the request's index. Leaving early
+    (or being cancelled) cancels every request still running, which aborts it in the engine."""
+    if len(gens) == 1:
+        async with aclosing(gens[0]) as g:
+            async for out in g:
+                yield 0, out
+        return
+    q: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(i: int, g: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with aclosing(g):
+                async for out in g:
+                    q.put_nowait((i, out))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            q.put_nowait((i, e))
+        q.put_nowait((i, end))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await q.get()
+            if item is end:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _Choice:
+    """What one completion (prompt i, sample j) has streamed so far."""
+
+    def __init__(self, index: int, prefix: str = "") -> None:
+        self.index, self.sent, self.tokens_sent, self.prefix = index, 0, 0, prefix
+        self.finished = False
+
+
+class OpenAIServer:
+    def __init__(self, engine: AsyncLLMEngine, config: ServeConfig) -> None:
+        self.engine = engine
+        self.llm = engine.engine
+        self.config = config
+        self.tokenizer = self.llm.tokenizer
+        self.vocab_size = self.llm.loaded.config.vocab_size
+        self.max_model_len = self.llm.max_model_len
+        self.max_n = config.max_n or self.llm.args.max_num_seqs
+        self.metrics = ServerMetrics(config.model_name, self.llm.stats)
+        self.in_flight = 0   # sequences (n counted as n) the server has queued and not finished
+
+    # -- validation ------------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.model_name:
+            raise OpenAIError(f"The model `{model}` does not exist.", 404, "model", "NotFoundError")
+
+    def sampling_params(self, r, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if r.n > self.max_n:
+            raise OpenAIError(f"n must be at most {self.max_n}, got {r.n}", 400, "n")
+        if r.seed is not None and not SEED_MIN <= r.seed <= SEED_MAX:
+            raise OpenAIError("seed must fit in 64 bits", 400, "seed")
+        if logprobs is not None and logprobs > MAX_LOGPROBS:
+            raise OpenAIError(f"logprobs must be at most {MAX_LOGPROBS}, got {logprobs}", 400, "logprobs")
+        if r.top_k is not None and r.top_k > self.vocab_size:
+            raise OpenAIError(f"top_k must be at most the vocabulary size {self.vocab_size}, got {r.top_k}",
+                              400, "top_k")
+        if max_tokens is not None and max_tokens < 1:
+            raise OpenAIError(f"max_tokens must be at least 1, got {max_tokens}", 400, "max_tokens")
+        if r.stop_token_ids and any(not 0 <= t < self.vocab_size for t in r.stop_token_ids):
+            raise OpenAIError(f"stop_token_ids must be token ids in [0, {self.vocab_size})", 400, "stop_token_ids")
+        if r.priority and self.llm.args.scheduling_policy != "priority":
+            raise OpenAIError("priority is only allowed with --scheduling-policy priority", 400, "priority")
+        kw: dict[str, Any] = dict(
+            n=r.n, temperature=1.0 if r.temperature is None else r.temperature,
+            top_p=1.0 if r.top_p is None else r.top_p, top_k=r.top_k or 0,
+            min_p=r.min_p or 0.0, seed=r.seed, presence_penalty=r.presence_penalty or 0.0,
+            frequency_penalty=r.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if r.repetition_penalty is None else r.repetition_penalty,
+            stop=[r.stop] if isinstance(r.stop, str) else list(r.stop or []),
+            stop_token_ids=list(r.stop_token_ids or []), include_stop_str_in_output=r.include_stop_str_in_output,
+            max_tokens=max_tokens, min_tokens=r.min_tokens, ignore_eos=r.ignore_eos, logprobs=logprobs,
+            skip_special_tokens=r.skip_special_tokens)
+        try:
+            return SamplingParams(**kw)
+        except (UserInputError, ValueError, TypeError) as e:
+            raise OpenAIError(str(e), 400) from None
+
+    def check_prompt(self, ids: list[int], params: SamplingParams, what: str = "prompt") -> None:
+        if not ids:
+            raise OpenAIError("the prompt is empty", 400, what)
+        if any(not 0 <= t < self.vocab_size for t in ids):
+            raise OpenAIError(f"prompt token ids must be in [0, {self.vocab_size})", 400, what)
+        want = len(ids) + (params.max_tokens or 1)
+        if want > self.max_model_len or len(ids) >= self.max_model_len:
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{want} tokens ({len(ids)} in the {'messages' if what == 'messages' else 'prompt'}, "
+                f"{params.max_tokens or 1} for the completion). Please reduce the length of the "
+                f"{'messages' if what == 'messages' else 'prompt'} or completion.", 400, what)
+
+    def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise OpenAIError("this model has no tokenizer: send token ids", 400, "prompt")
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+    def chat_prompt(self, messages, add_generation_prompt: bool = True, kwargs: dict | None = None) -> str:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise OpenAIError("this model's tokenizer has no chat template", 400, "messages")
+        conv = [{"role": m.role, "content": message_text(m)} for m in messages]
+        try:
+            return self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                      **(kwargs or {}))
+        except Exception as e:  # noqa: BLE001 - a template's own error (e.g. roles out of order)
+            raise OpenAIError(f"the chat template failed on these messages: {e}", 400, "messages") from None
+
+    def admit(self, n: int) -> None:
+        cap = self.config.max_num_queued_reqs
+        if cap is not None and self.in_flight + n > cap:
+            raise OpenAIError(f"the server is at capacity ({cap} queued sequences): retry later", 503)
+
+    # -- running requests ------------------------------------------------------------------------
+    async def run(self, prompts: list[list[int]], params: SamplingParams, prefix: str,
+                  arrival: float) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Start one engine request per prompt; yield (prompt index, cumulative output)."""
+        n = params.n * len(prompts)
+        self.in_flight += n
+        gens = [self.engine.generate(ids, params, request_id=f"{prefix}-{i}") for i, ids in enumerate(prompts)]
+        last: list[float | None] = [None] * len(prompts)
+        done = [False] * len(prompts)
+        try:
+            async with aclosing(_merge(gens)) as merged:
+                async for i, out in merged:
+                    now = time.monotonic()
+                    if last[i] is not None:
+                        self.metrics.inter_token(now - last[i])
+                    last[i] = now
+                    if out.finished:
+                        done[i] = True
+                        self.metrics.finished(out, arrival)
+                    yield i, out
+        finally:
+            self.in_flight -= n
+            self.metrics.aborted(params.n * done.count(False))   # the client left, or an error
+
+    def logprobs_completion(self, lps, offset: int) -> dict:
+        dec = self.tokenizer.decode if self.tokenizer is not None else (lambda ids: str(ids[0]))
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for t in lps:
+            s = dec([t.token_id])
+            tokens.append(s)
+            token_lps.append(_lp(t.logprob))
+            tops.append({dec([k]): _lp(v) for k, v in t.top.items()} or None)
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def logprobs_chat(self, lps) -> dict:
+        dec = self.tokenizer.decode if self.tokenizer is not None else (lambda ids: str(ids[0]))
+
+        def entry(tid, lp):
+            s = dec([tid])
+            return {"token": s, "logprob": _lp(lp), "bytes": list(s.encode("utf-8"))}
+        return {"content": [{**entry(t.token_id, t.logprob),
+                             "top_logprobs": [entry(k, v) for k, v in t.top.items()]} for t in lps]}
+
+
+def _usage(finals: list[RequestOutput | None]) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in finals if o is not None)
+    completion = sum(len(c.token_ids) for o in finals if o is not None for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in finals if o is not None)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+async def _until_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(request: Request, coro):
+    """Await coro; if the client disconnects first, cancel it (aborting its requests) and return None."""
+    work = asyncio.ensure_future(coro)
+    watch = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if work in done:
+        return work.result()
+    work.cancel()
+    await asyncio.gather(work, return_exceptions=True)
+    return None
+
+
+class _ApiKey:
+    """Plain ASGI middleware (not BaseHTTPMiddleware, which gets in the way of streaming and
+    disconnects): /v1/* needs `Authorization: Bearer KEY`, as vLLM's --api-key."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            auth = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if auth != self.expected:
+                await _error(OpenAIError("Unauthorized: a valid API key is required", 401))(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(engine: AsyncLLMEngine, config: ServeConfig) -> FastAPI:
+    server = OpenAIServer(engine, config)
+    app = FastAPI(title="llmopt", version=__version__)
+    app.state.server = server
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, e: OpenAIError):
+        return _error(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        errors = e.errors()
+        if any(err.get("type") == "json_invalid" for err in errors):
+            return _error(OpenAIError("the request body is not valid JSON", 400))
+        first = errors[0] if errors else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        message = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ()) if x != 'body') or 'body'}: "
+                            f"{err.get('msg', 'invalid')}" for err in errors[:5])
+        return _error(OpenAIError(message or "invalid request", 400, ".".join(loc) or None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        return _error(OpenAIError(str(e.detail), e.status_code, type="NotFoundError" if e.status_code == 404 else None))
+
+    @app.exception_handler(UserInputError)
+    async def _user_error(request: Request, e: UserInputError):
+        return _error(OpenAIError(str(e), 400))
+
+    @app.exception_handler(LLMOptError)
+    async def _engine_error(request: Request, e: LLMOptError):
+        return _error(OpenAIError(str(e), 500))
+
+    if config.api_key:
+        app.add_middleware(_ApiKey, api_key=config.api_key)
+
+    @app.get("/health")
+    async def health():
+        task = getattr(engine, "_task", None)
+        if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
+            return _error(OpenAIError(f"the engine failed: {task.exception()}", 503))
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "llmopt", "root": str(server.llm.loaded.path),
+                                            "max_model_len": server.max_model_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        server.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise OpenAIError("give exactly one of prompt and messages", 400, "prompt")
+        if body.messages is not None:
+            text = server.chat_prompt(body.messages, body.add_generation_prompt)
+            ids = server.tokenize_text(text, add_special_tokens=False)
+        else:
+            ids = server.tokenize_text(body.prompt, body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        server.check_model(body.model)
+        if any(not 0 <= t < server.vocab_size for t in body.tokens):
+            raise OpenAIError(f"token ids must be in [0, {server.vocab_size})", 400, "tokens")
+        if server.tokenizer is None:
+            raise OpenAIError("this model has no tokenizer", 400)
+        return {"prompt": server.tokenizer.decode(body.tokens)}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        arrival = time.monotonic()
+        server.check_model(body.model)
+        if body.suffix:
+            raise OpenAIError("suffix is not supported", 400, "suffix")
+        if body.echo and body.logprobs is not None:
+            raise OpenAIError("echo with logprobs is not supported", 400, "echo")
+        p = body.prompt
+        if isinstance(p, str):
+            texts, prompts = [p], [server.tokenize_text(p)]
+        elif not p:
+            raise OpenAIError("the prompt is empty", 400, "prompt")
+        elif isinstance(p[0], int):
+            texts, prompts = [None], [list(p)]
+        elif isinstance(p[0], str):
+            texts, prompts = list(p), [server.tokenize_text(t) for t in p]
+        else:
+            texts, prompts = [None] * len(p), [list(x) for x in p]
+        params = server.sampling_params(body, body.max_tokens, body.logprobs)
+        for ids in prompts:
+            server.check_prompt(ids, params)
+        server.admit(params.n * len(prompts))
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        n = params.n
+        echo = [(t if t is not None else server.tokenizer.decode(ids)) if body.echo else ""
+                for t, ids in zip(texts, prompts)]
+        hold = max((len(s) for s in params.stop), default=1) - 1
+        stream = server.run(prompts, params, rid, arrival)
+
+        def chunk(choices: list[dict]) -> dict:
+            return {"id": rid, "object": "text_completion", "created": created, "model": config.model_name,
+                    "choices": choices}
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            async def events():
+                finals: list[RequestOutput | None] = [None] * len(prompts)
+                state = {(i, j): _Choice(i * n + j, echo[i]) for i in range(len(prompts)) for j in range(n)}
+                try:
+                    async for i, out in stream:
+                        if out.finished:
+                            finals[i] = out
+                        for c in out.outputs:
+                            st = state[(i, c.index)]
+                            if st.finished:
+                                continue
+                            done = c.finish_reason is not None
+                            upto = len(c.text) if done else max(st.sent, len(c.text) - hold)
+                            delta = c.text[st.sent:upto]
+                            new_lps = (c.logprobs or [])[st.tokens_sent:]
+                            if not delta and not done and not new_lps and not st.prefix:
+                                continue
+                            choice = {"index": st.index, "text": st.prefix + delta, "logprobs": None,
+                                      "finish_reason": c.finish_reason if done else None,
+                                      "stop_reason": c.stop_reason if done else None}
+                            if body.logprobs is not None:
+                                choice["logprobs"] = server.logprobs_completion(new_lps, st.sent)
+                            st.sent, st.tokens_sent, st.prefix, st.finished = upto, len(c.token_ids), "", done
+                            yield _sse(chunk([choice]))
+                    if include_usage:
+                        yield _sse({**chunk([]), "usage": _usage(finals)})
+                except OpenAIError as e:
+                    yield _sse(error_body(e.message, e.status, e.type, e.param))
+                except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
+                    log.exception("request %s failed", rid)
+                    yield _sse(error_body(f"{type(e).__name__}: {e}", 500))
+                finally:
+                    await stream.aclose()
+                yield "data: [DONE]\n\n"
+
+            return _Stream(events(), media_type="text/event-stream")
+
+        async def collect():
+            finals: list[RequestOutput | None] = [None] * len(prompts)
+            async with aclosing(stream):
+                async for i, out in stream:
+                    if out.finished:
+                        finals[i] = out
+            return finals
+
+        finals = await _unless_disconnected(request, collect())
+        if finals is None:
+            return Response(status_code=499)
+        choices = []
+        for i, out in enumerate(finals):
+            for c in out.outputs:
+                choice = {"index": i * n + c.index, "text": echo[i] + c.text, "logprobs": None,
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if body.logprobs is not None:
+                    choice["logprobs"] = server.logprobs_completion(c.logprobs or [], 0)
+                choices.append(choice)
+        return {**chunk(choices), "usage": _usage(finals)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        arrival = time.monotonic()
+        server.check_model(body.model)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise OpenAIError("top_logprobs needs logprobs: true", 400, "top_logprobs")
+        if body.top_logprobs is not None and body.top_logprobs < 0:
+            raise OpenAIError("top_logprobs must be >= 0", 400, "top_logprobs")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        if logprobs is not None and logprobs > MAX_LOGPROBS:
+            raise OpenAIError(f"top_logprobs must be at most {MAX_LOGPROBS}, got {logprobs}", 400, "top_logprobs")
+        text = server.chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+        ids = server.tokenize_text(text, add_special_tokens=False)
+        params = server.sampling_params(body, max_tokens, logprobs)
+        server.check_prompt(ids, params, "messages")
+        server.admit(params.n)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        hold = max((len(s) for s in params.stop), default=1) - 1
+        stream = server.run([ids], params, rid, arrival)
+
+        def chunk(choices: list[dict], obj: str = "chat.completion.chunk") -> dict:
+            return {"id": rid, "object": obj, "created": created, "model": config.model_name, "choices": choices}
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            async def events():
+                final = None
+                state = {j: _Choice(j) for j in range(params.n)}
+                try:
+                    for j in range(params.n):
+                        yield _sse(chunk([{"index": j, "delta": {"role": "assistant", "content": ""},
+                                           "logprobs": None, "finish_reason": None}]))
+                    async for _, out in stream:
+                        if out.finished:
+                            final = out
+                        for c in out.outputs:
+                            st = state[c.index]
+                            if st.finished:
+                                continue
+                            done = c.finish_reason is not None
+                            upto = len(c.text) if done else max(st.sent, len(c.text) - hold)
+                            delta = c.text[st.sent:upto]
+                            new_lps = (c.logprobs or [])[st.tokens_sent:]
+                            if not delta and not done and not new_lps:
+                                continue
+                            choice = {"index": c.index, "delta": {"content": delta} if delta else {},
+                                      "logprobs": server.logprobs_chat(new_lps) if logprobs is not None else None,
+                                      "finish_reason": c.finish_reason if done else None}
+                            if done:
+                                choice["stop_reason"] = c.stop_reason
+                            st.sent, st.tokens_sent, st.finished = upto, len(c.token_ids), done
+                            yield _sse(chunk([choice]))
+                    if include_usage:
+                        yield _sse({**chunk([]), "usage": _usage([final])})
+                except OpenAIError as e:
+                    yield _sse(error_body(e.message, e.status, e.type, e.param))
+                except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
+                    log.exception("request %s failed", rid)
+                    yield _sse(error_body(f"{type(e).__name__}: {e}", 500))
+                finally:
+                    await stream.aclose()
+                yield "data: [DONE]\n\n"
+
+            return _Stream(events(), media_type="text/event-stream")
+
+        async def collect():
+            final = None
+            async with aclosing(stream):
+                async for _, out in stream:
+                    if out.finished:
+                        final = out
+            return final
+
+        final = await _unless_disconnected(request, collect())
+        if final is None:
+            return Response(status_code=499)
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": server.logprobs_chat(c.logprobs or []) if logprobs is not None else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in final.outputs]
+        return {**chunk(choices, "chat.completion"), "usage": _usage([final])}
+
+    return app

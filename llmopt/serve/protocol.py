@@ -1,0 +1,131 @@
+"""The OpenAI-compatible wire format: request bodies (pydantic), the error body, and the helpers that
+turn a request into the engine's SamplingParams.
+
+Field names follow OpenAI's API and vLLM's extensions (top_k, min_p, repetition_penalty,
+ignore_eos, min_tokens, stop_token_ids). Unknown fields are ignored, as vLLM does. Types are checked
+by pydantic (a wrong type is a 400 in OpenAI's error shape, see app.py); ranges are checked by
+`SamplingParams` and by the server against the model (vocabulary, context length)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+MAX_LOGPROBS = 20          # OpenAI's and vLLM's cap on logprobs / top_logprobs
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1   # vLLM: a seed must fit 64 bits
+
+
+class OpenAIError(Exception):
+    """An error the server answers with `{"error": {message, type, param, code}}` and `status`."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 type: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.param = message, status, param
+        self.type = type or _TYPES.get(status, "BadRequestError")
+
+
+_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "BadRequestError",
+          422: "BadRequestError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+def error_body(message: str, status: int, type: str | None = None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type or _TYPES.get(status, "BadRequestError"),
+                      "param": param, "code": status}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool | None = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by completions and chat."""
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    model: str | None = None
+    n: StrictInt = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: StrictInt | None = None
+    min_p: float | None = None
+    seed: StrictInt | None = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[StrictInt] | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    repetition_penalty: float | None = None
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = 0
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    priority: StrictInt = 0
+
+
+# a prompt: text, token ids, several texts, or several token-id lists
+Prompt = Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
+
+
+class CompletionRequest(_Sampling):
+    prompt: Prompt
+    max_tokens: StrictInt | None = 16
+    logprobs: StrictInt | None = None
+    echo: StrictBool = False
+    suffix: str | None = None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Union[str, list[ContentPart], None] = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = False
+    top_logprobs: StrictInt | None = None
+    add_generation_prompt: StrictBool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+def message_text(m: ChatMessage) -> str:
+    """A message's content as one string (text parts joined); other part types are refused."""
+    if m.content is None:
+        return ""
+    if isinstance(m.content, str):
+        return m.content
+    texts = []
+    for part in m.content:
+        if part.type != "text" or part.text is None:
+            raise OpenAIError(f"content parts of type {part.type!r} are not supported (text only)", 400,
+                              "messages")
+        texts.append(part.text)
+    return "".join(texts)

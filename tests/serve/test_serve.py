@@ -1,0 +1,357 @@
+"""`llmopt serve` end to end: the official openai client against a real server subprocess on a tiny
+random model; malformed requests; a client leaving mid-stream; /metrics."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from serve_util import API_KEY, ENGINE_ARGS, MAX_MODEL_LEN, MODEL_NAME, make_chat_model, start_server
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_model(tmp_path_factory):
+    return make_chat_model(tmp_path_factory.mktemp("serve-tiny"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_model, tmp_path_factory):
+    gen = start_server(tiny_chat_model, tmp_path_factory.mktemp("serve-log") / "server.log")
+    yield next(gen)
+    gen.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with server.http() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_chat_model):
+    """The offline LLM API on the same model and engine arguments."""
+    from llmopt import LLM
+    return LLM(str(tiny_chat_model), **ENGINE_ARGS)
+
+
+def metrics(http) -> dict[str, float]:
+    """Every sample of /metrics (parsed by prometheus_client), by name and labels."""
+    text = http.get("/metrics").text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
+                                           if k not in ("model_name", "engine")) + "}"
+                            if set(s.labels) - {"model_name", "engine"} else "")
+            out[key] = s.value
+    return out
+
+
+# -- happy paths --------------------------------------------------------------------------------------
+def test_models_health_version(client, http):
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    assert http.get("/health").status_code == 200
+    assert http.get("/version").json()["version"]
+
+
+def test_completion_greedy_matches_offline_and_stream(client, offline):
+    from llmopt import SamplingParams
+    want = offline.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    for prompt, ref in zip(PROMPTS, want):
+        r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.object == "text_completion" and len(r.choices) == 1
+        assert r.choices[0].text == ref.outputs[0].text
+        assert r.choices[0].finish_reason == "length"
+        assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+        assert r.usage.completion_tokens == 8 and r.usage.total_tokens == r.usage.prompt_tokens + 8
+        assert r.usage.prompt_tokens_details.cached_tokens >= 0
+        chunks = list(client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=0,
+                                                stream=True, stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True}))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == r.choices[0].text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert chunks[-1].usage.completion_tokens == 8 and not chunks[-1].choices
+
+
+def test_completion_token_ids_batch_and_n(client, offline):
+    ids = offline.tokenizer("Hello world").input_ids
+    ids2 = offline.tokenizer(PROMPTS[0]).input_ids
+    r = client.completions.create(model=MODEL_NAME, prompt=[ids, ids2], max_tokens=4, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.usage.completion_tokens == 8
+    same = client.completions.create(model=MODEL_NAME, prompt="Hello world", max_tokens=4, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert same.choices[0].text == r.choices[0].text       # token ids and text prompts agree
+    assert r.usage.prompt_tokens == len(ids) + len(ids2)
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[:2], max_tokens=5, n=3, temperature=1.0, seed=7,
+                                  extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == list(range(6))
+    assert r.usage.completion_tokens == 30
+    # n samples streamed: every index appears and finishes
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=5, n=3, seed=3,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    finished = {c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason}
+    assert finished == {0, 1, 2}
+
+
+def test_seeded_sampling_is_reproducible(client):
+    kw = dict(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=6, temperature=0.9, top_p=0.9, seed=123)
+    a = client.completions.create(**kw).choices[0].text
+    b = client.completions.create(**kw).choices[0].text
+    assert a == b
+
+
+def test_chat_greedy_matches_offline_and_stream(client, offline):
+    from llmopt import SamplingParams
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+    ref = offline.chat(messages, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    r = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_completion_tokens=6, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == ref.outputs[0].text
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids) and r.usage.completion_tokens == 6
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 6
+    # the same conversation again: its prompt blocks come from the prefix cache
+    again = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16
+
+
+def test_stop_string_across_tokens_streams_the_same_text(client):
+    base = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=12, temperature=0,
+                                     logprobs=0, extra_body={"ignore_eos": True})
+    text = base.choices[0].text
+    tokens = base.choices[0].logprobs.tokens
+    # a stop string spanning the boundary between output tokens 3 and 4 (2 chars on each side)
+    cut = len("".join(tokens[:4]))
+    stop = text[cut - 2:cut + 2]
+    assert len(stop) == 4 and stop in text
+    kw = dict(model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=12, temperature=0, stop=[stop])
+    plain = client.completions.create(**kw).choices[0]
+    assert plain.finish_reason == "stop" and plain.text == text[:text.index(stop)]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True) if c.choices)
+    assert streamed == plain.text
+
+
+def test_logprobs(client):
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=3, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 3 and all(x <= 0 for x in lp.token_logprobs)
+    assert all(len(t) <= 2 and t for t in lp.top_logprobs)
+    c = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                       temperature=0, logprobs=True, top_logprobs=3)
+    content = c.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 3 for t in content)
+
+
+def test_tokenize_detokenize(http, offline):
+    r = http.post("/tokenize", json={"model": MODEL_NAME, "prompt": "Hello world"}).json()
+    assert r["tokens"] == offline.tokenizer("Hello world").input_ids and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == MAX_MODEL_LEN
+    assert http.post("/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == "Hello world"
+    chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] > 3
+
+
+# -- bad input ----------------------------------------------------------------------------------------
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+MSG = [{"role": "user", "content": "hi"}]
+BAD = [
+    ("negative max_tokens", C, {"prompt": "hi", "max_tokens": -1}, 400),
+    ("zero max_tokens", C, {"prompt": "hi", "max_tokens": 0}, 400),
+    ("max_tokens of the wrong type", C, {"prompt": "hi", "max_tokens": "ten"}, 400),
+    ("negative temperature", C, {"prompt": "hi", "temperature": -0.5}, 400),
+    ("NaN temperature", C, '{"prompt": "hi", "temperature": NaN}', 400),
+    ("top_p 0", C, {"prompt": "hi", "top_p": 0}, 400),
+    ("top_k above the vocabulary", C, {"prompt": "hi", "top_k": 10 ** 6}, 400),
+    ("logprobs above 20", C, {"prompt": "hi", "logprobs": 21}, 400),
+    ("negative logprobs", C, {"prompt": "hi", "logprobs": -1}, 400),
+    ("top_logprobs above 20", CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, 400),
+    ("top_logprobs without logprobs", CHAT, {"messages": MSG, "top_logprobs": 2}, 400),
+    ("seed above 64 bits", C, {"prompt": "hi", "seed": 2 ** 64}, 400),
+    ("seed of the wrong type", C, {"prompt": "hi", "seed": "abc"}, 400),
+    ("n = 0", C, {"prompt": "hi", "n": 0}, 400),
+    ("huge n", C, {"prompt": "hi", "n": 10 ** 6}, 400),
+    ("presence_penalty out of range", C, {"prompt": "hi", "presence_penalty": 5}, 400),
+    ("repetition_penalty 0", C, {"prompt": "hi", "repetition_penalty": 0}, 400),
+    ("min_tokens above max_tokens", C, {"prompt": "hi", "max_tokens": 2, "min_tokens": 5}, 400),
+    ("prompt + max_tokens over the context", C, {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, 400),
+    ("prompt over the context", C, {"prompt": "hi " * (2 * MAX_MODEL_LEN)}, 400),
+    ("huge max_tokens", C, {"prompt": "hi", "max_tokens": 10 ** 30}, 400),
+    ("token id outside the vocabulary", C, {"prompt": [1, 10 ** 9]}, 400),
+    ("negative token id", C, {"prompt": [-1]}, 400),
+    ("empty prompt", C, {"prompt": ""}, 400),
+    ("empty prompt list", C, {"prompt": []}, 400),
+    ("missing prompt", C, {"max_tokens": 3}, 400),
+    ("prompt of the wrong type", C, {"prompt": {"a": 1}}, 400),
+    ("stop_token_ids outside the vocabulary", C, {"prompt": "hi", "stop_token_ids": [-5]}, 400),
+    ("empty stop string", C, {"prompt": "hi", "stop": [""]}, 400),
+    ("missing messages", CHAT, {"max_tokens": 3}, 400),
+    ("empty messages", CHAT, {"messages": []}, 400),
+    ("unknown role", CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    ("image content part", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400),
+    ("chat max_completion_tokens over the context", CHAT, {"messages": MSG, "max_completion_tokens": 10 ** 6}, 400),
+    ("priority under fcfs", C, {"prompt": "hi", "priority": 1}, 400),
+    ("non-JSON body", C, "this is not json", 400),
+    ("invalid UTF-8", C, b'{"prompt": "\xff\xfe"}', 400),
+    ("a JSON list as the body", C, "[1, 2]", 400),
+    ("streamed: negative max_tokens", C, {"prompt": "hi", "max_tokens": -1, "stream": True}, 400),
+    ("streamed chat: logprobs above 20", CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 99,
+                                                "stream": True}, 400),
+    ("stream_options of the wrong type", C, {"prompt": "hi", "stream": True, "stream_options": 3}, 400),
+    ("unknown model", C, {"model": "gpt-4", "prompt": "hi"}, 404),
+    ("unknown model in chat", CHAT, {"model": "gpt-4", "messages": MSG}, 404),
+    ("unknown route", "/v1/engines", {}, 404),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status", BAD, ids=[b[0] for b in BAD])
+def test_bad_request(http, name, path, body, status):
+    if isinstance(body, dict):
+        r = http.post(path, json=body)
+    else:
+        r = http.post(path, content=body if isinstance(body, bytes) else body.encode(),
+                      headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["code"] == status
+
+
+def test_bad_requests_leave_concurrent_good_ones_alone(client, http):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def good(prompt):
+        return client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+
+    alone = [good(p) for p in PROMPTS]
+    with ThreadPoolExecutor(8) as pool:
+        goods = [pool.submit(good, p) for p in PROMPTS * 2]
+        bads = [pool.submit(http.post, path, json=body) for _, path, body, _ in BAD if isinstance(body, dict)][:12]
+        assert [f.result() for f in goods] == alone * 2
+        assert all(400 <= f.result().status_code < 500 for f in bads)
+    assert http.get("/health").status_code == 200
+
+
+def test_api_key_required(server, http):
+    r = httpx.post(server.url + C, json={"prompt": "hi"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == 401
+    r = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert httpx.get(server.url + "/health").status_code == 200   # only /v1 needs the key
+
+
+def test_client_errors_map_to_openai_exceptions(client):
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL_NAME, prompt="hi", temperature=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=MSG)
+
+
+# -- disconnects, metrics -----------------------------------------------------------------------------
+ABORTS = "llmopt:request_success_total{finished_reason=abort}"
+
+
+def wait_idle(http, timeout: float = 20) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(http)
+        if (m["llmopt:num_requests_running"] == 0 and m["llmopt:num_requests_waiting"] == 0
+                and m["llmopt:kv_cache_usage_perc"] == 0):
+            return m
+        assert time.monotonic() < deadline, m
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("path,body", [(C, {"prompt": PROMPTS[0], "n": 2}), (CHAT, {"messages": MSG})])
+def test_disconnect_mid_stream_aborts_and_frees_blocks(server, http, path, body):
+    before = wait_idle(http)
+    body = {**body, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with server.http() as c, c.stream("POST", path, json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = 0
+        for line in lines:
+            if line.startswith("data: "):
+                got += 1
+                if got == 3:
+                    break
+        m = metrics(http)
+        assert m["llmopt:num_requests_running"] >= 1 and m["llmopt:kv_cache_usage_perc"] > 0
+    # the client left after 3 events of 200 tokens: the request is aborted and its blocks freed
+    after = wait_idle(http)
+    n = body.get("n", 1)
+    assert after[ABORTS] - before[ABORTS] == n
+    assert after["llmopt:generation_tokens_total"] == before["llmopt:generation_tokens_total"]  # none finished
+    assert http.get("/health").status_code == 200
+    r = http.post(C, json={"prompt": "still alive", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_disconnect_non_streaming_aborts(server, http):
+    before = wait_idle(http)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + C, json={"prompt": PROMPTS[1], "max_tokens": 240, "ignore_eos": True},
+                   headers={"Authorization": f"Bearer {API_KEY}"}, timeout=0.5)
+    after = wait_idle(http)
+    assert after[ABORTS] - before[ABORTS] == 1
+    assert after["llmopt:generation_tokens_total"] == before["llmopt:generation_tokens_total"]
+
+
+def test_metrics(client, http):
+    before = metrics(http)
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    after = metrics(http)
+    text = http.get("/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ["llmopt:num_requests_running", "llmopt:num_requests_waiting", "llmopt:kv_cache_usage_perc",
+                 "llmopt:prompt_tokens", "llmopt:generation_tokens", "llmopt:request_success",
+                 "llmopt:time_to_first_token_seconds", "llmopt:e2e_request_latency_seconds",
+                 "llmopt:inter_token_latency_seconds", "llmopt:request_queue_time_seconds",
+                 "llmopt:prefix_cache_queries", "llmopt:prefix_cache_hits", "llmopt:num_preemptions"]:
+        assert name in families, name
+        assert all(s.labels.get("model_name") == MODEL_NAME for s in families[name].samples)
+    assert families["llmopt:prompt_tokens"].type == "counter"
+    assert families["llmopt:time_to_first_token_seconds"].type == "histogram"
+    assert "llmopt:prompt_tokens_total" in after and "llmopt:request_success_total{finished_reason=length}" in after
+    assert after["llmopt:prompt_tokens_total"] - before["llmopt:prompt_tokens_total"] == r.usage.prompt_tokens
+    assert after["llmopt:generation_tokens_total"] - before["llmopt:generation_tokens_total"] == 4
+    assert (after["llmopt:request_success_total{finished_reason=length}"]
+            - before["llmopt:request_success_total{finished_reason=length}"]) == 1
+    for h in ["llmopt:time_to_first_token_seconds_count", "llmopt:e2e_request_latency_seconds_count"]:
+        assert after[h] - before[h] == 1
+
+
+def test_raw_sse_format(http):
+    with http.stream("POST", C, json={"prompt": "hi", "max_tokens": 2, "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = [e for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    for e in events[:-1]:
+        assert json.loads(e[len("data: "):])["object"] == "text_completion"
