@@ -73,6 +73,9 @@ class QuantSpec:
         if s.act_order == "group" and s.format == "compressed-tensors":   # refused here, before calibration
             raise UserInputError("--act-order group needs a g_idx, which --format compressed-tensors has no place "
                                  "for: use --format gptq, or --act-order static")
+        if s.method == "awq" and s.format == "gptq":   # refused here, before calibration
+            raise UserInputError("--method awq is written as --format awq (AutoAWQ GEMM) or compressed-tensors: GPTQ v1 "
+                                 "stores zero points minus one, so AWQ's zero point 0 has no place there")
         if s.format == "awq" and (s.bits != 4 or s.sym or s.group_size == -1 or s.act_order == "group"):
             raise UserInputError("--format awq (AutoAWQ GEMM) holds 4-bit asymmetric weights with groups: "
                                  "use --bits 4 --asym --group-size 128|64|32, or --format gptq|compressed-tensors")

@@ -64,6 +64,7 @@ def _refusals(t: Path):
         (m, "/proc/llmopt-out", True, {}, "not writable"),
         (m, t / "out", True, {"method": "gptq", "act_order": "group", "format": "compressed-tensors"}, "g_idx"),
         (m, t / "out", True, {"method": "fp8", "format": "awq"}, "compressed-tensors only"),
+        (m, t / "out", True, {"method": "awq", "format": "gptq"}, "zero point 0 has no place"),
     ]
 
 
