@@ -16,6 +16,8 @@ from llmopt.errors import DoesNotFitError, UserInputError
 from llmopt.units import SIZE_HELP
 
 GIB = 1 << 30
+MAX_GIB = 1 << 20        # --gpu-memory / --reserve-gib at most (1 PiB)
+MAX_LAYERS = 4096        # --num-layers at most (the plan lists every layer)
 
 
 # Shown under Examples in --help (app.py registers the command); one short line each.
@@ -29,8 +31,8 @@ def kv_estimate(
     model: Optional[str] = ModelOpt,
     gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU preset: H100-80GB, H200, A100-40GB, A100-80GB, L40S, "
                                       "L4, RTX-4090 (see --list-presets)."),
-    gpu_memory: Optional[float] = typer.Option(None, "--gpu-memory", callback=in_range(0, lo_open=True),
-                                               help="GPU memory in GiB, > 0 (instead of --gpu)."),
+    gpu_memory: Optional[float] = typer.Option(None, "--gpu-memory", callback=in_range(0.001, MAX_GIB),
+                                               help=f"GPU memory in GiB, 0.001 to {MAX_GIB} (instead of --gpu)."),
     gpu_memory_utilization: float = typer.Option(defaults.GPU_MEMORY_UTILIZATION, "--gpu-memory-utilization",
                                                  callback=in_range(0, 1, lo_open=True),
                                                  help="Share of GPU memory the server may use, (0, 1] (vLLM's "
@@ -55,8 +57,8 @@ def kv_estimate(
                                      help="Requests per step, >= 1 (sizes logits)."),
     kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help=f"KV cache bytes per GPU: {SIZE_HELP} "
                                                   "(instead of deriving it from the GPU budget)."),
-    reserve_gib: Optional[float] = typer.Option(None, "--reserve-gib", callback=in_range(0),
-                                                help="Non-KV, non-weight memory per GPU in GiB, >= 0 "
+    reserve_gib: Optional[float] = typer.Option(None, "--reserve-gib", callback=in_range(0, MAX_GIB),
+                                                help=f"Non-KV, non-weight memory per GPU in GiB, 0 to {MAX_GIB} "
                                                 "(default: estimated activations + logits + runtime)."),
     weight_format: str = typer.Option("auto", "--weight-format", help="auto|bfloat16|float16|float32|fp8|fp8-block|"
                                       "int8|int4|<GGML type such as q4_k>."),
@@ -72,8 +74,8 @@ def kv_estimate(
     what_if: bool = typer.Option(True, "--what-if/--no-what-if", help="Also show fp8 KV, quantized weights, "
                                  "2x GPUs and the longest fitting context under the same budget."),
     list_presets: bool = typer.Option(False, "--list-presets", help="List model and GPU presets and exit."),
-    num_layers: Optional[int] = typer.Option(None, "--num-layers", callback=in_range(1),
-                                             help="Override: decoder layers, >= 1."),
+    num_layers: Optional[int] = typer.Option(None, "--num-layers", callback=in_range(1, MAX_LAYERS),
+                                             help=f"Override: decoder layers, 1 to {MAX_LAYERS}."),
     num_kv_heads: Optional[int] = typer.Option(None, "--num-kv-heads", callback=in_range(1),
                                                help="Override: KV heads, >= 1."),
     head_dim: Optional[int] = typer.Option(None, "--head-dim", callback=in_range(1),

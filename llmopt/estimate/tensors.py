@@ -110,7 +110,7 @@ def read_gguf(path: Path) -> tuple[dict, list[TensorInfo]]:
                 for d in dims:
                     numel *= d
                 tensors.append(TensorInfo(name, shape, type_name, ggml_nbytes(numel, type_name)))
-        except (struct.error, ValueError) as e:
+        except (struct.error, ValueError, OverflowError, MemoryError, IndexError, KeyError) as e:
             raise ModelLoadError(f"{path}: unreadable GGUF header ({e})") from e
         finally:
             c.buf.release()
