@@ -11,7 +11,7 @@ import os
 import typer
 
 from llmopt import __version__
-from llmopt.cli import eval_ppl, generate, kv_estimate, output, quantize, serve
+from llmopt.cli import bench, eval_ppl, generate, kv_estimate, output, quantize, serve
 
 app = typer.Typer(name="llmopt", help="LLM inference optimization toolkit: quantize, estimate, serve, "
                   "benchmark and evaluate Llama-family models.", no_args_is_help=True,
@@ -40,6 +40,7 @@ COMMANDS = [
     ("kv-estimate", kv_estimate, kv_estimate.kv_estimate),
     ("generate", generate, generate.generate),
     ("serve", serve, serve.serve),
+    ("bench", bench, bench.bench),
 ]
 
 for _name, _module, _function in COMMANDS:

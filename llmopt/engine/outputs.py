@@ -18,11 +18,13 @@ class TokenLogprobs:
 class RequestMetrics:
     """Timestamps of one request (time.monotonic() seconds), as vLLM's RequestMetrics.
     first_scheduled: admitted to the running batch; first_token: its first output token sampled;
-    finished: stopped, hit its length limit or was aborted. None: not yet."""
+    finished: stopped, hit its length limit or was aborted. None: not yet. token_times: when each
+    output token was sampled, one entry per token (tokens of one step share it)."""
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
 
     @property
     def time_in_queue(self) -> float | None:
@@ -46,7 +48,8 @@ class RequestMetrics:
         finished = [m.finished_time for m in parts]
         return RequestMetrics(min(m.arrival_time for m in parts), first(m.first_scheduled_time for m in parts),
                               first(m.first_token_time for m in parts),
-                              None if None in finished else max(finished))
+                              None if None in finished else max(finished),
+                              sorted(t for m in parts for t in m.token_times))
 
 
 @dataclass

@@ -229,6 +229,7 @@ class Scheduler:
         accepted = 0
         for j, tok in enumerate(got.token_ids):
             new_text = req.append_output_token(tok, got.logprob(j), got.top(j))
+            req.metrics.token_times.append(now)
             status = check_stop(req, new_text)
             if status is not None:
                 self.finish_request(req, status)

@@ -1,0 +1,375 @@
+"""`llmopt bench`: serving benchmarks with `vllm bench serve`'s flags and metrics. Online against any
+OpenAI-compatible server (--base-url), offline on the engine in-process (no --base-url). A table, or
+JSON (--json, --output), CSV (--csv), a plot (--plot), and a CI gate (--compare-to: exit 4 when a
+metric regresses beyond --fail-threshold). Ctrl-C stops sending, reports what completed, exits 130."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from typing import Any
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from llmopt import defaults
+from llmopt.cli import common, output
+from llmopt.cli.ranges import in_range
+from llmopt.errors import UserInputError
+from llmopt.units import SIZE_HELP, parse_bytes
+from llmopt.validate import SEED_MAX, SEED_MIN
+
+INF = float("inf")
+
+# Shown under Examples in --help (app.py registers the command); one short line each.
+EXAMPLES = [
+    "llmopt bench --base-url http://127.0.0.1:8000 --num-prompts 200",
+    "llmopt bench --base-url URL --request-rate 4 --max-concurrency 16",
+    "llmopt bench --model smollm2-135m --num-prompts 16 --ignore-eos",
+    "llmopt bench --base-url URL --sweep --plot sweep.png -o sweep.json",
+    "llmopt bench --base-url URL -o new.json --compare-to old.json",
+]
+
+_ENGINE_DEFAULTS = dict(dtype=defaults.DTYPE, device=defaults.DEVICE, block_size=defaults.BLOCK_SIZE,
+                        kv_cache_memory=None, gpu_memory_utilization=defaults.GPU_MEMORY_UTILIZATION,
+                        kv_cache_dtype=defaults.KV_CACHE_DTYPE, max_model_len=None,
+                        max_num_seqs=defaults.MAX_NUM_SEQS, max_num_batched_tokens=defaults.MAX_NUM_BATCHED_TOKENS,
+                        prefix_caching=defaults.ENABLE_PREFIX_CACHING, attention_backend=defaults.ATTENTION_BACKEND)
+
+
+class _Bars:
+    """A rich progress bar on stderr per stage (warm-up, each benchmark of a sweep)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), TimeRemainingColumn(), console=output.err) if enabled else None
+        self.task = None
+
+    def __enter__(self) -> "_Bars":
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def start(self, description: str, total: int | None) -> None:
+        if self.bar is not None:
+            if self.task is not None:
+                self.bar.update(self.task, visible=False)
+            self.task = self.bar.add_task(description, total=total)
+
+    def advance(self, n: int = 1) -> None:
+        if self.bar is not None and self.task is not None:
+            self.bar.advance(self.task, n)
+
+    def note(self, text: str) -> None:
+        output.err.print(text, markup=False, highlight=False)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:,.2f}"
+
+
+def _result_tables(d: dict[str, Any]) -> list[Table]:
+    title = "Serving Benchmark Result" if d["mode"] == "online" else "Offline Benchmark Result (engine in-process)"
+    rows: list[tuple[str, Any]] = [("Successful requests", d["completed"]), ("Failed requests", d["failed"])]
+    if d["cancelled"]:
+        rows.append(("Cancelled by Ctrl-C", d["cancelled"]))
+    if d["max_concurrency"] is not None:
+        rows.append(("Maximum request concurrency", d["max_concurrency"]))
+    if d["request_rate"] != INF:
+        rows.append(("Request rate configured (RPS)", d["request_rate"]))
+    rows += [("Benchmark duration (s)", d["duration"]), ("Total input tokens", d["total_input_tokens"]),
+             ("Total generated tokens", d["total_output_tokens"]),
+             ("Request throughput (req/s)", d["request_throughput"])]
+    if d["request_goodput"] is not None:
+        rows.append(("Request goodput (req/s)", d["request_goodput"]))
+    rows += [("Output token throughput (tok/s)", d["output_throughput"]),
+             ("Peak output token throughput (tok/s)", d["max_output_tokens_per_s"]),
+             ("Peak concurrent requests", d["max_concurrent_requests"]),
+             ("Total token throughput (tok/s)", d["total_token_throughput"])]
+    names = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2EL"}
+    for m, label in names.items():
+        pkeys = [k for k in d if k.startswith("p") and k.endswith(f"_{m}_ms")]
+        if not pkeys:
+            continue
+        rows += [(f"Mean {label} (ms)", d[f"mean_{m}_ms"]), (f"Median {label} (ms)", d[f"median_{m}_ms"])]
+        rows += [(f"{k.split('_')[0].upper()} {label} (ms)", d[k]) for k in pkeys]
+    server = [("Prefix cache hit rate", d["prefix_cache_hit_rate"]), ("KV cache usage mean", d["kv_cache_usage_mean"]),
+              ("KV cache usage max", d["kv_cache_usage_max"]), ("Preemptions", d["num_preemptions"]),
+              ("Spec acceptance rate (%)", d["spec_decode_acceptance_rate"]),
+              ("Spec acceptance length", d["spec_decode_acceptance_length"])]
+    rows += [(k, v) for k, v in server if v is not None]
+    tables = [output.kv_table(title, rows)]
+    if d["failed_reasons"]:
+        t = Table(title="Failed requests by reason", title_justify="left")
+        t.add_column("count", justify="right")
+        t.add_column("reason")
+        for reason, n in sorted(d["failed_reasons"].items(), key=lambda x: -x[1]):
+            t.add_row(str(n), reason)
+        tables.append(t)
+    if d["per_category"]:
+        t = Table(title="Per category", title_justify="left")
+        for col in ("category", "completed", "out tokens", "mean TTFT ms", "mean TPOT ms", "mean ITL ms",
+                    "mean E2EL ms", "tok/s per req"):
+            t.add_column(col, justify="left" if col == "category" else "right")
+        for cat, c in d["per_category"].items():
+            t.add_row(cat, str(c["completed"]), str(c["total_output_tokens"]), _ms(c["mean_ttft_ms"]),
+                      _ms(c["mean_tpot_ms"]), _ms(c["mean_itl_ms"]), _ms(c["mean_e2el_ms"]),
+                      _ms(c["mean_tokens_per_s"]))
+        tables.append(t)
+    if d["compare_hf"]:
+        h = d["compare_hf"]
+        tables.append(output.kv_table("transformers generate on the same prompts", [
+            ("Batch size", h["batch_size"]), ("Duration (s)", h["duration"]),
+            ("Output token throughput (tok/s)", h["output_throughput"]),
+            ("Total token throughput (tok/s)", h["total_token_throughput"]),
+            ("Engine / transformers (output tok/s)", h["speedup_output_throughput"])]))
+    return tables
+
+
+def _sweep_table(d: dict[str, Any]) -> Table:
+    t = Table(title=f"Sweep ({d['benchmarks'][0]['mode']})", title_justify="left")
+    for col in ("strategy", "req/s", "out tok/s", "total tok/s", "mean TTFT ms", "p99 TTFT ms", "mean TPOT ms",
+                "mean ITL ms", "mean E2EL ms", "failed"):
+        t.add_column(col, justify="left" if col == "strategy" else "right")
+    for b in d["benchmarks"]:
+        t.add_row(b["strategy"], f"{b['request_throughput']:.3f}", f"{b['output_throughput']:.1f}",
+                  f"{b['total_token_throughput']:.1f}", _ms(b["mean_ttft_ms"]), _ms(b.get("p99_ttft_ms")),
+                  _ms(b["mean_tpot_ms"]), _ms(b["mean_itl_ms"]), _ms(b["mean_e2el_ms"]), str(b["failed"]))
+    return t
+
+
+def _comparison_table(c: dict[str, Any]) -> Table:
+    t = Table(title=f"Against {c['previous_file']} (fail beyond {c['fail_threshold_pct']:g}%)", title_justify="left")
+    for col in ("benchmark", "metric", "previous", "current", "change", ""):
+        t.add_column(col, justify="left" if col in ("benchmark", "metric", "") else "right")
+    for x in c["deltas"]:
+        change = "-" if x["change_pct"] is None else f"{x['change_pct']:+.1f}%"
+        t.add_row(x["benchmark"], x["metric"], output.fmt(x["previous"]), output.fmt(x["current"]), change,
+                  "[red]REGRESSED[/]" if x["regressed"] else "")
+    return t
+
+
+def _tables(d: dict[str, Any]) -> list[Table]:
+    if "benchmarks" in d:
+        tables = [_sweep_table(d)]
+        for b in d["benchmarks"]:
+            if b["failed_reasons"]:
+                tables += _result_tables(b)[1:2]
+    else:
+        tables = _result_tables(d)
+    if d.get("comparison"):
+        tables.append(_comparison_table(d["comparison"]))
+    return tables
+
+
+def bench(
+    base_url: str = typer.Option(None, "--base-url", help="Server root (or ending in /v1) of an OpenAI-compatible "
+                                 "server: an online run. Without it: offline, the engine in-process."),
+    endpoint: str = typer.Option(defaults.BENCH_ENDPOINT, "--endpoint",
+                                 help="/v1/completions or /v1/chat/completions."),
+    model: str = typer.Option(None, "--model", "-m", help="Offline: the model to run (folder, .gguf, HF id in the "
+                              f"cache, built-in; default {defaults.DEFAULT_MODEL}). Online: the served name "
+                              "(default: the server's first)."),
+    tokenizer: str = typer.Option(None, "--tokenizer", help="Tokenizer for the workload (default: --model; online "
+                                  "without --model: the server's model)."),
+    api_key: str = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY",
+                                help="Sent as `Authorization: Bearer KEY` (or OPENAI_API_KEY)."),
+    dataset_name: str = typer.Option(defaults.BENCH_DATASET, "--dataset-name",
+                                     help="random, sharegpt, spec_bench or prompts (a file, vLLM's custom)."),
+    dataset_path: str = typer.Option(None, "--dataset-path", help="ShareGPT JSON, Spec-Bench jsonl (default: "
+                                     "the shared copy) or a prompts file (.txt lines, .jsonl \"prompt\")."),
+    num_prompts: int = typer.Option(None, "--num-prompts", callback=in_range(1),
+                                    help=f"Requests per benchmark, >= 1 (default {defaults.BENCH_NUM_PROMPTS}; a "
+                                    "prompts file: its prompts)."),
+    duration: float = typer.Option(None, "--duration", callback=in_range(0, lo_open=True),
+                                   help="Send for this many seconds instead (cycling the workload), > 0."),
+    random_input_len: int = typer.Option(defaults.BENCH_RANDOM_INPUT_LEN, "--random-input-len", callback=in_range(1),
+                                         help="random: prompt tokens, >= 1."),
+    random_output_len: int = typer.Option(defaults.BENCH_RANDOM_OUTPUT_LEN, "--random-output-len",
+                                          callback=in_range(1), help="random: output tokens (max_tokens), >= 1."),
+    random_range_ratio: float = typer.Option(defaults.BENCH_RANDOM_RANGE_RATIO, "--random-range-ratio",
+                                             callback=in_range(0, 1, hi_open=True),
+                                             help="random: lengths uniform in [len(1-r), len(1+r)], [0, 1)."),
+    random_prefix_len: int = typer.Option(defaults.BENCH_RANDOM_PREFIX_LEN, "--random-prefix-len",
+                                          callback=in_range(0), help="random: tokens of a prefix shared by every "
+                                          "prompt, added to the input length, >= 0."),
+    sharegpt_output_len: int = typer.Option(None, "--sharegpt-output-len", callback=in_range(1),
+                                            help="sharegpt: output tokens (default: the reply's length)."),
+    spec_bench_output_len: int = typer.Option(defaults.BENCH_SPEC_BENCH_OUTPUT_LEN, "--spec-bench-output-len",
+                                              callback=in_range(1), help="spec_bench: output tokens, >= 1."),
+    spec_bench_category: str = typer.Option(None, "--spec-bench-category",
+                                            help="spec_bench: only this category."),
+    custom_output_len: int = typer.Option(defaults.BENCH_CUSTOM_OUTPUT_LEN, "--custom-output-len",
+                                          callback=in_range(1), help="prompts: output tokens, >= 1."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Generate every requested token (past EOS)."),
+    seed: int = typer.Option(defaults.BENCH_SEED, "--seed", callback=in_range(SEED_MIN, SEED_MAX),
+                             help="Seed of the workload and the arrival times."),
+    temperature: float = typer.Option(defaults.BENCH_TEMPERATURE, "--temperature", callback=in_range(0),
+                                      help="Sampling temperature, >= 0 (default 0: greedy, as vLLM's bench)."),
+    top_p: float = typer.Option(None, "--top-p", callback=in_range(0, 1, lo_open=True), help="Top-p, (0, 1]."),
+    top_k: int = typer.Option(None, "--top-k", callback=in_range(-1), help="Top-k, >= 1; 0 or -1 = off."),
+    min_p: float = typer.Option(None, "--min-p", callback=in_range(0, 1), help="Min-p, 0 to 1."),
+    request_rate: float = typer.Option(INF, "--request-rate", callback=in_range(0, lo_open=True, allow=(INF,)),
+                                       help="Requests per second, > 0 (inf: all at once)."),
+    burstiness: float = typer.Option(defaults.BENCH_BURSTINESS, "--burstiness",
+                                     callback=in_range(0, lo_open=True, allow=(INF,)),
+                                     help="Gamma shape of the arrival gaps, > 0 (1: Poisson; inf: constant)."),
+    max_concurrency: int = typer.Option(None, "--max-concurrency", callback=in_range(1),
+                                        help="Requests in flight at most, >= 1 (default: no cap)."),
+    num_warmups: int = typer.Option(0, "--num-warmups", callback=in_range(0),
+                                    help="Warm-up requests before measuring, >= 0."),
+    sweep: bool = typer.Option(False, "--sweep", help="GuideLLM's sweep: synchronous, throughput, then constant "
+                               "rates between the two."),
+    sweep_size: int = typer.Option(defaults.BENCH_SWEEP_SIZE, "--sweep-size", callback=in_range(2),
+                                   help="Benchmarks in a sweep, >= 2."),
+    request_timeout: float = typer.Option(defaults.BENCH_REQUEST_TIMEOUT, "--request-timeout",
+                                          callback=in_range(0, lo_open=True),
+                                          help="Seconds before a request counts as failed, > 0."),
+    percentile_metrics: str = typer.Option(defaults.BENCH_PERCENTILE_METRICS, "--percentile-metrics",
+                                           help="Metrics with percentiles: of ttft,tpot,itl,e2el."),
+    metric_percentiles: str = typer.Option(defaults.BENCH_METRIC_PERCENTILES, "--metric-percentiles",
+                                           help="Percentiles, comma-separated, e.g. 50,90,99."),
+    goodput: list[str] = typer.Option(None, "--goodput", help="SLO NAME:MS for goodput, ttft/tpot/e2el "
+                                      "(repeatable, or 'ttft:500 tpot:50')."),
+    json_out: bool = common.JsonOpt,
+    output_file: str = typer.Option(None, "--output", "-o", help="Also write the JSON result to this file."),
+    csv_file: str = typer.Option(None, "--csv", help="Write the scalar results as CSV (a row per benchmark)."),
+    plot_file: str = typer.Option(None, "--plot", help="Write latency CDFs (and a sweep's curves) as a PNG "
+                                  "(needs matplotlib: llmopt[plot])."),
+    compare_to: str = typer.Option(None, "--compare-to", help="A previous --output JSON: print the deltas; exit "
+                                   "4 if a metric regressed."),
+    fail_threshold: float = typer.Option(defaults.BENCH_FAIL_THRESHOLD, "--fail-threshold", callback=in_range(0),
+                                         help="Percent a metric may get worse under --compare-to, >= 0."),
+    compare: str = typer.Option(None, "--compare", help="hf: also run transformers generate on the same prompts "
+                                "(offline)."),
+    spec: str = typer.Option("none", "--spec", help="Speculative method: none (ngram, draft_model, eagle, eagle3 "
+                             "are not available yet)."),
+    spec_model: str = typer.Option(None, "--spec-model", help="Draft model of --spec (not available yet)."),
+    num_speculative_tokens: int = typer.Option(None, "--num-speculative-tokens", callback=in_range(1),
+                                               help="Draft tokens per step of --spec (not available yet)."),
+    speculative_config: str = typer.Option(None, "--speculative-config",
+                                           help="JSON or a spec_config.json (not available yet)."),
+    dtype: str = common.DtypeOpt,
+    device: str = common.DeviceOpt,
+    block_size: int = typer.Option(defaults.BLOCK_SIZE, "--block-size", callback=in_range(1),
+                                   help="Offline: tokens per KV-cache block, >= 1."),
+    kv_cache_memory: str = typer.Option(None, "--kv-cache-memory", help=f"Offline: KV-cache bytes: {SIZE_HELP}."),
+    gpu_memory_utilization: float = typer.Option(defaults.GPU_MEMORY_UTILIZATION, "--gpu-memory-utilization",
+                                                 callback=in_range(0, 1, lo_open=True),
+                                                 help="Offline: share of the GPU's memory, (0, 1]."),
+    kv_cache_dtype: str = typer.Option(defaults.KV_CACHE_DTYPE, "--kv-cache-dtype",
+                                       help="Offline: auto, fp8, fp8_e4m3, fp8_e5m2 or int8."),
+    max_model_len: int = typer.Option(None, "--max-model-len", callback=in_range(2),
+                                      help="Offline: context per request (default: the model's)."),
+    max_num_seqs: int = typer.Option(defaults.MAX_NUM_SEQS, "--max-num-seqs", callback=in_range(1),
+                                     help="Offline: requests per engine step, >= 1."),
+    max_num_batched_tokens: int = typer.Option(defaults.MAX_NUM_BATCHED_TOKENS, "--max-num-batched-tokens",
+                                               callback=in_range(0),
+                                               help="Offline: token budget per step; 0 = unlimited."),
+    prefix_caching: bool = typer.Option(defaults.ENABLE_PREFIX_CACHING,
+                                        "--enable-prefix-caching/--no-enable-prefix-caching",
+                                        help="Offline: reuse the KV blocks of prompt prefixes."),
+    attention_backend: str = typer.Option(defaults.ATTENTION_BACKEND, "--attention-backend",
+                                          help="Offline: auto, torch or triton."),
+    quiet: bool = common.QuietOpt,
+) -> None:
+    """Benchmark a server (online) or the engine (offline) with vLLM's metrics."""
+    from llmopt.bench.config import BenchConfig, Hooks, SamplingSpec
+    from llmopt.bench.datasets import WorkloadSpec
+    from llmopt.bench.metrics import parse_goodput, parse_metric_names, parse_percentiles
+    from llmopt.bench.report import (EXIT_REGRESSION, check_matplotlib, compare as compare_results, load_previous,
+                                     plot, to_csv)
+    from llmopt.bench.schedule import Load
+    from llmopt.bench.runner import run_benchmark
+    from llmopt.fsutil import check_output_file, write_atomic
+
+    if spec != "none" or spec_model or num_speculative_tokens or speculative_config:
+        raise UserInputError(f"--spec {spec}: speculative decoding is not in llmopt yet, so bench runs plain "
+                             "decoding only (--spec none, without --spec-model, --num-speculative-tokens or "
+                             "--speculative-config)")
+    if compare not in (None, "hf"):
+        raise UserInputError(f"--compare {compare}: the one comparison is hf (transformers generate)")
+    engine_flags = dict(dtype=dtype, device=device, block_size=block_size, kv_cache_memory=kv_cache_memory,
+                        gpu_memory_utilization=gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype,
+                        max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=max_num_batched_tokens, prefix_caching=prefix_caching,
+                        attention_backend=attention_backend)
+    if base_url is not None:
+        given = [k for k, v in engine_flags.items() if v != _ENGINE_DEFAULTS[k]]
+        if given:
+            flags = ", ".join("--" + k.replace("_", "-") for k in given)
+            raise UserInputError(f"{flags}: engine flags are for offline runs; with --base-url the server's own "
+                                 "settings apply")
+    for path, flag in ((output_file, "--output"), (csv_file, "--csv"), (plot_file, "--plot")):
+        if path:
+            check_output_file(path, [compare_to, dataset_path], flag=flag)
+    if plot_file:
+        check_matplotlib()
+    previous = load_previous(compare_to) if compare_to else None
+
+    engine_args = None
+    if base_url is None:
+        from llmopt.engine.args import EngineArgs
+        kv_bytes = None if kv_cache_memory is None else parse_bytes(kv_cache_memory, "--kv-cache-memory")
+        engine_args = EngineArgs(model=model, dtype=dtype, device=device, block_size=block_size,
+                                 kv_cache_memory=kv_bytes, gpu_memory_utilization=gpu_memory_utilization,
+                                 kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
+                                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                 enable_prefix_caching=prefix_caching, attention_backend=attention_backend,
+                                 seed=seed)
+    cfg = BenchConfig(
+        workload=WorkloadSpec(dataset_name, dataset_path, num_prompts, seed, random_input_len, random_output_len,
+                              random_range_ratio, random_prefix_len, sharegpt_output_len, spec_bench_output_len,
+                              spec_bench_category, custom_output_len),
+        load=Load(request_rate, burstiness, max_concurrency, duration, seed),
+        sampling=SamplingSpec(temperature, top_p, top_k, min_p, ignore_eos),
+        base_url=base_url, endpoint=endpoint, model=model, tokenizer=tokenizer, api_key=api_key,
+        num_warmups=num_warmups, percentiles=parse_percentiles(metric_percentiles),
+        percentile_metrics=parse_metric_names(percentile_metrics), goodput=parse_goodput(goodput),
+        request_timeout=request_timeout, engine_args=engine_args, compare_hf=compare == "hf", sweep=sweep,
+        sweep_size=sweep_size, spec=spec)
+
+    from llmopt.cli.generate import log_to_stderr
+    log_to_stderr(logging.WARNING if quiet else logging.INFO)
+    stop = threading.Event()
+
+    def on_sigint(signum, frame):
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        output.err.print("stopping: no new requests; reporting what completed (Ctrl-C again to abort)",
+                         highlight=False)
+
+    in_main = threading.current_thread() is threading.main_thread()
+    previous_handler = signal.signal(signal.SIGINT, on_sigint) if in_main else None
+    try:
+        with _Bars(enabled=not quiet) as bars:
+            report = run_benchmark(cfg, Hooks(bars.start, bars.advance, bars.note, stop))
+    finally:
+        if in_main:
+            signal.signal(signal.SIGINT, previous_handler)
+
+    result = report.to_dict()
+    if previous is not None and not report.interrupted:
+        report.comparison = compare_results(previous, result, fail_threshold, compare_to)
+        result = report.to_dict()
+    output.emit(result, as_json=json_out, table=_tables, output=output_file)
+    if csv_file:
+        write_atomic(csv_file, to_csv(result))
+    if plot_file:
+        plot(report, plot_file)
+    if report.interrupted:
+        done = sum(r.summary.completed for r in report.results)
+        output.fail(f"interrupted: reported the {done} request(s) that completed", 130)
+    if report.comparison is not None and report.comparison.regressions:
+        worst = ", ".join(f"{d.metric} {'-' if d.change_pct is None else f'{d.change_pct:+.1f}%'}"
+                          for d in report.comparison.regressions[:5])
+        n = len(report.comparison.regressions)
+        output.fail(f"{n} metric(s) regressed beyond {fail_threshold:g}% against {compare_to}: {worst}",
+                    EXIT_REGRESSION)
