@@ -30,6 +30,7 @@ from llmopt.errors import LLMOptError
 out = Console(soft_wrap=True)
 err = Console(stderr=True)
 DEBUG = {"on": bool(os.environ.get("LLMOPT_DEBUG"))}
+EMITTED = {"json": False}   # the command printed its JSON result: an error after it (--require-fit) adds none
 
 
 def to_jsonable(obj: Any) -> Any:
@@ -64,6 +65,7 @@ def emit(result: Any, *, as_json: bool, table: Callable[[Any], Table | Iterable[
     if as_json or table is None:
         sys.stdout.write(dumps(result) + "\n")
         sys.stdout.flush()
+        EMITTED["json"] = True
         return
     rendered = table(result)
     for t in ([rendered] if isinstance(rendered, Table) else rendered):
@@ -163,6 +165,7 @@ def run_guarded(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     quietly; anything else is a bug (exit 1). --debug / LLMOPT_DEBUG=1 adds the traceback."""
     fsutil.handle_sigterm()
     as_json = bool(kwargs.get("json_out") or kwargs.get("as_json"))   # the commands' --json parameter
+    EMITTED["json"] = False
     try:
         return fn(*args, **kwargs)
     except LLMOptError as e:
@@ -186,11 +189,12 @@ EXIT_BROKEN_PIPE = 141   # 128 + SIGPIPE: what a shell reports for a writer whos
 
 
 def _failed(message: str, code: int, as_json: bool, kind: str) -> None:
-    """fail(), after the traceback when --debug / LLMOPT_DEBUG=1 asks for it (the exit code stays)."""
+    """fail(), after the traceback when --debug / LLMOPT_DEBUG=1 asks for it (the exit code stays);
+    the JSON error object only when stdout has no JSON result yet (one object per run)."""
     if DEBUG["on"]:
         import traceback
         traceback.print_exc()
-    fail(message, code, as_json=as_json, kind=kind)
+    fail(message, code, as_json=as_json and not EMITTED["json"], kind=kind)
 
 
 def _wants_json(args: list[str]) -> bool:

@@ -296,6 +296,8 @@ def test_bad_options(tiny, wiki):
     with pytest.raises(UserInputError):
         plan_ppl(lm.tokenizer, 1024, wiki, "sliding", max_length=64, stride=128, limit=500)
     with pytest.raises(DataError):
+        plan_ppl(lm.tokenizer, 4096, wiki, "chunks", ctx=2048, limit=500)
+    with pytest.raises(UserInputError, match="--ctx 2,048 is longer than the model's context of 1,024 tokens"):
         plan_ppl(lm.tokenizer, 1024, wiki, "chunks", ctx=2048, limit=500)
 
 
