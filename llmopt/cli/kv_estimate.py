@@ -118,6 +118,9 @@ def kv_estimate(
         group_size=group_size, batch_sizes=parse_list(batch_sizes, "--batch-sizes") if batch_sizes else None,
         seq_lens=parse_list(seq_lens, "--seq-lens") if seq_lens else None, naive=naive, hybrid=not no_hybrid,
         what_if=what_if)
+    if est.max_model_len > est.max_position_embeddings:   # as the engine and vLLM refuse it
+        raise UserInputError(f"--max-model-len {est.max_model_len:,} is longer than the model's context of "
+                             f"{est.max_position_embeddings:,} tokens (max_position_embeddings): give at most that")
     output.emit(est, as_json=as_json, table=render)
     if require_fit:
         if est.fits is None:

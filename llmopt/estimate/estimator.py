@@ -154,9 +154,9 @@ def estimate(spec: ModelSpec, *, device: str | None = None, dtype: str = default
     summary = [LayerSummary(k, w, len(v), _num(v[0].token_bytes)) for (k, w), v in per_kind.items()]
     weights = weight_memory(spec, weight_format, group_size, tp)
     note = spec.note
-    if max_len > spec.max_position_embeddings:     # refused, as vLLM and the engine refuse it
-        raise UserInputError(f"--max-model-len {max_len:,} is longer than the model's context of "
-                             f"{spec.max_position_embeddings:,} tokens (max_position_embeddings): give at most that")
+    if max_len > spec.max_position_embeddings:     # planning what-ifs; `llmopt kv-estimate` refuses it
+        note = (note + "; " if note else "") + (f"max_model_len {max_len:,} exceeds the model's "
+                                                 f"max_position_embeddings {spec.max_position_embeddings:,}")
     est = KVEstimate(
         model=spec.name, source=spec.source, origin=spec.origin, attention=spec.attention, num_layers=spec.num_layers,
         num_kv_heads=1 if spec.mla else spec.num_kv_heads,
