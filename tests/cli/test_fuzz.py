@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -81,7 +82,7 @@ def fuzz_env(tiny_factory, tmp_path_factory):
         "generate": ["--model", str(tiny), "hi", "--max-tokens", "2", "--max-model-len", "64",
                      "--kv-cache-memory", "4MiB", "-q"],
     }
-    return {"paths": paths, "base": base}
+    return {"paths": paths, "base": base, "root": root}
 
 
 @pytest.mark.parametrize("command", sorted(FUNCTIONS))
@@ -100,7 +101,12 @@ def test_fuzzed_flags_never_crash(command, fuzz_env):
         as_json = data.draw(st.booleans(), label="--json")
         if as_json:
             args.append("--json")
-        res = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+        cwd = os.getcwd()
+        os.chdir(fuzz_env["root"])       # relative paths (`nope/nope` as --output) land in the temp folder
+        try:
+            res = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+        finally:
+            os.chdir(cwd)
         note = f"{args}: exit {res.exit_code}\n{res.output[-2000:]}"
         assert res.exit_code in (0, 1, 2, 3), note
         assert "Traceback" not in res.output, note
