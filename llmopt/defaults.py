@@ -35,6 +35,13 @@ ENABLE_PREFIX_CACHING = True
 ATTENTION_BACKEND = "auto"   # auto: triton on CUDA, the PyTorch reference on the CPU
 SCHEDULING_POLICY = "fcfs"
 
+# serve
+SERVE_HOST = "127.0.0.1"
+SERVE_PORT = 8000
+SERVE_MAX_REQUEST_BYTES = 16 << 20   # a larger body is a 413 (a 128k-token prompt as JSON token ids is ~1 MiB)
+SERVE_LOG_INTERVAL = 10.0            # seconds between the periodic stats lines, as vLLM's
+SERVE_SHUTDOWN_TIMEOUT = 0.0         # seconds in-flight requests get after SIGTERM (0: abort at once, as vLLM)
+
 # generate
 GENERATE_MAX_TOKENS = 256
 GENERATE_TEMPERATURE = 0.0   # greedy: reproducible answers from the command line

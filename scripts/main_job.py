@@ -1,17 +1,23 @@
 """The main job (`make run`): walk the default model through the toolkit and print one summary.
 
 eval-ppl (base) -> quantize (AWQ w4 g64) -> eval-ppl (quantized, KL against base) -> kv-estimate
--> generate (a chat prompt through the paged-KV engine on the quantized model). Each step is the
-real CLI with --json; progress bars go to stderr. Exits non-zero on the first failing step.
+-> generate (a chat prompt through the paged-KV engine on the quantized model) -> serve (the same
+checkpoint behind `llmopt serve` on a free port, asked one chat completion over HTTP, then stopped
+with SIGTERM, which must exit 0). Each step is the real CLI with --json; progress bars go to
+stderr. Exits non-zero on the first failing step.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 from rich.console import Console
@@ -36,6 +42,54 @@ def llmopt(*args: str) -> tuple[dict, float]:
     return json.loads(lines[-1]), time.perf_counter() - t0
 
 
+def serve_and_query(model: str, question: str, max_tokens: int = 48) -> tuple[dict, float]:
+    """Start `llmopt serve` on `model` (the ENGINE flags) on a free port, ask one chat completion
+    over HTTP, stop it with SIGTERM; returns the answer and the server's timings."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    args = ["serve", "--model", model, *ENGINE, "--port", str(port), "--served-model-name", "main-job",
+            "--uvicorn-log-level", "warning", "--log-interval", "0"]
+    Console(stderr=True).print(f"[bold cyan]$ llmopt {' '.join(args)}")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "llmopt", *args], cwd=ROOT)
+    try:
+        while True:
+            if proc.poll() is not None:
+                sys.exit(f"main job: `llmopt serve` exited with code {proc.returncode} before it was ready")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.perf_counter() - t0 > 600:
+                sys.exit("main job: `llmopt serve` was not ready after 10 minutes")
+            time.sleep(0.25)
+        ready = time.perf_counter() - t0
+        body = {"model": "main-job", "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+                "temperature": 0}
+        req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+        t1 = time.perf_counter()
+        with urllib.request.urlopen(req, timeout=600) as r:
+            answer = json.loads(r.read())
+        query = time.perf_counter() - t1
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            sys.exit("main job: `llmopt serve` did not stop within 60 s of SIGTERM")
+    if code != 0:
+        sys.exit(f"main job: `llmopt serve` exited with code {code} after SIGTERM (expected 0)")
+    return {"text": answer["choices"][0]["message"]["content"], "usage": answer["usage"],
+            "seconds_to_ready": ready, "seconds_query": query}, time.perf_counter() - t0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--limit", type=int, default=16384, help="WikiText-2 test tokens scored (default 16,384)")
@@ -52,9 +106,11 @@ def main() -> None:
     kv, _ = llmopt("kv-estimate", "--model", a.out, *ENGINE)
     gen, t_gen = llmopt("generate", "--model", a.out, *ENGINE, "--chat", "What is the capital of France?",
                         "--max-tokens", "48")
+    served, t_serve = serve_and_query(a.out, "What is the capital of France?")
 
     summary = {"base": base, "quantize": quant, "quantized": after, "kv_estimate": kv, "generate": gen,
-               "seconds": {"eval_base": t_base, "quantize": t_quant, "eval_quantized": t_after, "generate": t_gen}}
+               "serve": served, "seconds": {"eval_base": t_base, "quantize": t_quant, "eval_quantized": t_after,
+                                            "generate": t_gen, "serve": t_serve}}
     if a.json:
         print(json.dumps(summary))
         return
@@ -70,6 +126,9 @@ def main() -> None:
               f"{t_after:.0f} s")
     t.add_row("kv-estimate", _kv_line(kv), "")
     t.add_row("generate", repr(gen["text"][:120]), f"{t_gen:.0f} s")
+    t.add_row("serve", f"{served['text'][:120]!r} (HTTP chat completion, {served['usage']['completion_tokens']} "
+              f"tokens in {served['seconds_query']:.1f} s; ready after {served['seconds_to_ready']:.0f} s; "
+              "SIGTERM: exit 0)", f"{t_serve:.0f} s")
     Console().print(t)
 
 

@@ -1,14 +1,23 @@
-"""`llmopt serve`: the OpenAI-compatible server (llmopt/serve) on one model, with vLLM's flag names."""
+"""`llmopt serve`: the OpenAI-compatible server (llmopt/serve) on one model, with vLLM's flag names.
+
+`--config FILE.yaml` holds flags as keys (`max-model-len: 2048`, dashes or underscores, without the
+leading `--`); flags given on the command line (or by environment variable) win, and an unknown key
+is refused, as vLLM's --config."""
 
 from __future__ import annotations
 
+import difflib
 import logging
+import signal
 import sys
+from pathlib import Path
+from typing import Any
 
 import typer
 
 from llmopt import defaults
 from llmopt.cli import common
+from llmopt.cli.ranges import in_range
 from llmopt.errors import UserInputError
 from llmopt.units import SIZE_HELP, parse_bytes
 
@@ -16,48 +25,83 @@ from llmopt.units import SIZE_HELP, parse_bytes
 EXAMPLES = [
     "llmopt serve --port 8000",
     "llmopt serve --model out/smollm2-awq --served-model-name smol --api-key KEY",
+    "llmopt serve --config serve.yaml --shutdown-timeout 30",
 ]
+
+MAX_REQUEST_BYTES = f"{defaults.SERVE_MAX_REQUEST_BYTES >> 20}MiB"   # the default of --max-request-bytes, as text
 
 
 def serve(
+    ctx: typer.Context,
     model: str = common.ModelOpt,
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (0.0.0.0: every interface)."),
-    port: int = typer.Option(8000, "--port"),
+    config: Path = typer.Option(None, "--config", help="YAML file of flags (keys: flag names); flags on the command "
+                                "line win, unknown keys are refused."),
+    host: str = typer.Option(defaults.SERVE_HOST, "--host", help="Address to bind (0.0.0.0: every interface)."),
+    port: int = typer.Option(defaults.SERVE_PORT, "--port", callback=in_range(1, 65535), help="TCP port, 1 to 65535."),
     api_key: str = typer.Option(None, "--api-key", envvar="LLMOPT_API_KEY",
                                 help="Require `Authorization: Bearer KEY` on /v1/* (or LLMOPT_API_KEY)."),
     served_model_name: str = typer.Option(None, "--served-model-name",
                                           help="The model name clients send (default: --model)."),
     dtype: str = common.DtypeOpt,
     device: str = common.DeviceOpt,
-    block_size: int = typer.Option(defaults.BLOCK_SIZE, "--block-size"),
+    block_size: int = typer.Option(defaults.BLOCK_SIZE, "--block-size", callback=in_range(1), help=">= 1."),
     kv_cache_memory: str = typer.Option(None, "--kv-cache-memory-bytes", "--kv-cache-memory",
                                         help=f"KV-cache bytes: {SIZE_HELP}; default: --gpu-memory-utilization "
                                         "on a GPU, 1GiB on the CPU."),
-    gpu_memory_utilization: float = typer.Option(defaults.GPU_MEMORY_UTILIZATION, "--gpu-memory-utilization"),
+    gpu_memory_utilization: float = typer.Option(defaults.GPU_MEMORY_UTILIZATION, "--gpu-memory-utilization",
+                                                 callback=in_range(0, 1, lo_open=True), help="(0, 1]."),
     kv_cache_dtype: str = typer.Option(defaults.KV_CACHE_DTYPE, "--kv-cache-dtype",
                                        help="auto|fp8|fp8_e4m3|fp8_e5m2|int8."),
-    max_model_len: int = typer.Option(None, "--max-model-len", help="Default: the model's context length."),
-    max_num_seqs: int = typer.Option(defaults.MAX_NUM_SEQS, "--max-num-seqs"),
+    max_model_len: int = typer.Option(None, "--max-model-len", callback=in_range(2),
+                                      help="Default: the model's context length; >= 2."),
+    max_num_seqs: int = typer.Option(defaults.MAX_NUM_SEQS, "--max-num-seqs", callback=in_range(1), help=">= 1."),
     max_num_batched_tokens: int = typer.Option(defaults.MAX_NUM_BATCHED_TOKENS, "--max-num-batched-tokens",
+                                               callback=in_range(0),
                                                help="Token budget per step (chunked prefill); 0 = unlimited."),
-    max_num_queued_reqs: int = typer.Option(None, "--max-num-queued-reqs",
+    max_num_queued_reqs: int = typer.Option(None, "--max-num-queued-reqs", callback=in_range(1),
                                             help="Answer 503 above this many queued sequences (default: no cap)."),
+    max_request_bytes: str = typer.Option(MAX_REQUEST_BYTES, "--max-request-bytes",
+                                          help=f"Largest request body; a larger one gets 413. {SIZE_HELP}."),
     prefix_caching: bool = typer.Option(defaults.ENABLE_PREFIX_CACHING,
-                                        "--enable-prefix-caching/--no-enable-prefix-caching"),
-    scheduling_policy: str = typer.Option(defaults.SCHEDULING_POLICY, "--scheduling-policy", help="fcfs|priority."),
+                                        "--enable-prefix-caching/--no-enable-prefix-caching",
+                                        help="Reuse the KV blocks of prompt prefixes seen before."),
+    scheduling_policy: str = typer.Option(defaults.SCHEDULING_POLICY, "--scheduling-policy",
+                                          help="fcfs|priority (a request's priority: lower runs first)."),
     attention_backend: str = typer.Option(defaults.ATTENTION_BACKEND, "--attention-backend", help="auto|torch|triton."),
     seed: int = typer.Option(0, "--seed", help="Seed of the engine's sampler."),
-    log_level: str = typer.Option("info", "--uvicorn-log-level", help="uvicorn's log level."),
+    shutdown_timeout: float = typer.Option(defaults.SERVE_SHUTDOWN_TIMEOUT, "--shutdown-timeout", callback=in_range(0),
+                                           help="On SIGTERM, let requests in flight finish for up to this many "
+                                           "seconds (0: abort them at once, as vLLM), then exit 0."),
+    log_interval: float = typer.Option(defaults.SERVE_LOG_INTERVAL, "--log-interval", callback=in_range(0),
+                                       help="Seconds between stats lines in the log (0: none)."),
+    disable_log_requests: bool = typer.Option(False, "--disable-log-requests",
+                                              help="No log line per finished request."),
+    log_level: str = typer.Option("info", "--uvicorn-log-level",
+                                  help="uvicorn's log level: critical|error|warning|info|debug|trace."),
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (completions, chat, models, metrics)."""
-    if not 0 < port < 65536:
-        raise UserInputError(f"--port must be in 1..65535, got {port}")
-    if max_num_queued_reqs is not None and max_num_queued_reqs < 1:
-        raise UserInputError("--max-num-queued-reqs must be at least 1")
-    kv_bytes = None if kv_cache_memory is None else parse_bytes(kv_cache_memory, "--kv-cache-memory-bytes")
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    opts = {k: v for k, v in locals().items() if k != "ctx"}
+    if config is not None:
+        opts.update(config_values(ctx, config))
+    run(**opts)
 
-    import uvicorn
+
+def run(*, model, config, host, port, api_key, served_model_name, dtype, device, block_size, kv_cache_memory,
+        gpu_memory_utilization, kv_cache_dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
+        max_num_queued_reqs, max_request_bytes, prefix_caching, scheduling_policy, attention_backend, seed,
+        shutdown_timeout, log_interval, disable_log_requests, log_level) -> None:
+    kv_bytes = None if kv_cache_memory is None else parse_bytes(kv_cache_memory, "--kv-cache-memory-bytes")
+    body_bytes = parse_bytes(max_request_bytes, "--max-request-bytes")
+    if body_bytes < 1:
+        raise UserInputError(f"--max-request-bytes {max_request_bytes}: give at least 1 byte")
+    levels = ("critical", "error", "warning", "info", "debug", "trace")
+    if log_level not in levels:
+        raise UserInputError(f"--uvicorn-log-level {log_level!r}: use one of {'|'.join(levels)}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%m-%d %H:%M:%S", stream=sys.stderr)
+
+    from llmopt.serve.run import bind, run_server
+    sock = bind(host, port)   # a busy port fails now, not after the model has loaded
 
     from llmopt.engine.args import EngineArgs
     from llmopt.engine.async_engine import AsyncLLMEngine
@@ -70,6 +114,59 @@ def serve(
                       attention_backend=attention_backend, seed=seed, scheduling_policy=scheduling_policy)
     engine = AsyncLLMEngine.from_engine_args(args)
     name = served_model_name or model or defaults.DEFAULT_MODEL
-    app = build_app(engine, ServeConfig(model_name=name, api_key=api_key, max_num_queued_reqs=max_num_queued_reqs))
-    logging.getLogger("llmopt.serve").info("serving %s on http://%s:%d/v1", name, host, port)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    app = build_app(engine, ServeConfig(model_name=name, api_key=api_key, max_num_queued_reqs=max_num_queued_reqs,
+                                        max_request_bytes=body_bytes, log_interval=log_interval,
+                                        log_requests=not disable_log_requests))
+    log = logging.getLogger("llmopt.serve")
+    log.info("serving %s on http://%s:%d/v1", name, host, port)
+    sig = run_server(app, sock, shutdown_timeout, log_level)
+    log.info("shut down")
+    if sig == signal.SIGINT:
+        raise KeyboardInterrupt   # Ctrl-C: 130, as every command
+
+
+def config_values(ctx: typer.Context, path: Path) -> dict[str, Any]:
+    """The values of a --config YAML file for the flags not given on the command line (or by
+    environment variable), converted and range-checked as the flags are."""
+    import yaml
+
+    from llmopt.validate import decode_utf8
+    if not path.is_file():
+        raise UserInputError(f"--config {path}: no such file")
+    try:
+        data = yaml.safe_load(decode_utf8(path.read_bytes(), f"--config {path}"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise UserInputError(f"--config {path} is not valid YAML: {getattr(e, 'problem', None) or e}{where}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserInputError(f"--config {path} must be a mapping of flag names to values, got a "
+                             f"{type(data).__name__}")
+    flags: dict[str, tuple[Any, bool]] = {}   # flag name without dashes -> (click option, is the --no- form)
+    for param in ctx.command.params:
+        if param.param_type_name == "option" and param.name != "config":
+            flags.update({o.lstrip("-"): (param, False) for o in param.opts})
+            flags.update({o.lstrip("-"): (param, True) for o in param.secondary_opts})
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = str(key).lstrip("-").replace("_", "-")
+        if name not in flags:
+            close = difflib.get_close_matches(name, flags, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise UserInputError(f"--config {path}: unknown key {key!r}{hint}: use flag names of llmopt serve "
+                                 "(see llmopt serve --help)")
+        param, negative = flags[name]
+        source = ctx.get_parameter_source(param.name)
+        if value is None or getattr(source, "name", "") in ("COMMANDLINE", "ENVIRONMENT"):
+            continue   # null: the default; a flag given on the command line (or LLMOPT_API_KEY) wins
+        if getattr(param, "is_flag", False) and not isinstance(value, bool):
+            raise UserInputError(f"--config {path}: {key} must be true or false, got {value!r}")
+        if isinstance(value, (dict, list)):
+            raise UserInputError(f"--config {path}: {key} must be a single value, got a {type(value).__name__}")
+        try:
+            out[param.name] = param.process_value(ctx, (not value) if negative else value)
+        except typer.BadParameter as e:
+            raise UserInputError(f"--config {path}: {key}: {getattr(e, 'message', '') or e.format_message()}") from None
+    return out

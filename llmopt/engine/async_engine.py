@@ -1,96 +1,225 @@
 """AsyncLLMEngine: the engine behind an asyncio server. One background task owns the engine: it
-adds and aborts requests between steps, runs each step in a worker thread (so the event loop keeps
-serving), and routes outputs to one queue per request.
+queues and aborts requests between steps, runs each step in a worker thread (so the event loop
+keeps serving), and routes outputs to one stream per request.
 
     engine = AsyncLLMEngine(LLMEngine(args))
-    async for out in engine.generate("Hello", SamplingParams(max_tokens=8), request_id="a"):
+    stream = engine.add_request("a", "Hello", SamplingParams(max_tokens=8))   # validated here
+    async for out in stream:
         print(out.outputs[0].text)   # cumulative text so far
+
+`add_request` is synchronous: the request is tokenized and validated at once (a bad one raises
+UserInputError before anything streams), and its arrival time is the caller's. A request the engine
+fails alone (see LLMEngine.step) raises RequestFailedError from its stream; the others go on. A
+failure no request explains marks the engine dead (`dead`): every open stream raises
+EngineDeadError, and so does every later add_request. With nothing to do the loop waits on an event;
+it never spins.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+import time
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from llmopt.engine.args import EngineArgs
-from llmopt.engine.engine import LLMEngine
+from llmopt.engine.engine import EngineDeadError, LLMEngine
 from llmopt.engine.outputs import RequestOutput
 from llmopt.engine.sampling_params import SamplingParams
-from llmopt.errors import UserInputError
+from llmopt.errors import LLMOptError, UserInputError
+
+log = logging.getLogger("llmopt.engine")
 
 _DONE = object()
+
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineStoppedError", "RequestFailedError", "RequestStream"]
+
+
+class RequestFailedError(LLMOptError):
+    """The engine failed on this request alone (its blocks are freed; the engine goes on)."""
+
+
+class EngineStoppedError(LLMOptError):
+    """The request was cut short because the server is shutting down."""
+
+
+@dataclass
+class Throughput:
+    """Tokens the engine has computed since it started: prompt tokens (excluding prefix-cache
+    hits) and generated tokens, counted as outputs arrive."""
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+
+
+class RequestStream:
+    """The outputs of one request, as they come (cumulative RequestOutputs; the last is finished).
+    `aclose()` (or leaving an `async with aclosing(...)` block, or cancellation of the reader
+    followed by aclose) aborts the request if it has not finished, which frees its blocks."""
+
+    def __init__(self, engine: "AsyncLLMEngine", request_id: str) -> None:
+        self.engine, self.request_id = engine, request_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.done = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.done:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if item is _DONE:
+            self.done = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self.done = True
+            raise item
+        if item.error is not None:
+            self.done = True
+            raise RequestFailedError(f"the engine failed on request {self.request_id}: {item.error}")
+        if item.finished:
+            self.done = True
+        return item
+
+    async def aclose(self) -> None:
+        if not self.done:
+            self.done = True
+            self.engine.abort(self.request_id)
 
 
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._adds: list[tuple] = []
-        self._aborts: list[str] = []
+        self._streams: dict[str, RequestStream] = {}
+        self._adds: list = []                       # prepared prompts to queue before the next step
+        self._aborts: list[tuple[str, BaseException | None]] = []
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._ids = itertools.count()
+        self._seen: dict[str, int] = {}             # request id -> output tokens counted so far
+        self.dead: EngineDeadError | None = None    # set once a step failed for no request's reason
+        self.num_steps = 0                          # steps run (a loop that waits runs none)
+        self.throughput = Throughput()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kwargs) -> "AsyncLLMEngine":
         return cls(LLMEngine(args, **kwargs))
 
+    @property
+    def num_open(self) -> int:
+        """Requests added and not yet finished, aborted or failed."""
+        return len(self._streams)
+
     def _ensure_loop(self) -> None:
         if self._wake is None:
             self._wake = asyncio.Event()
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run())
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="llmopt-engine")
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its (cumulative) outputs as they come; aborts it if the consumer
-        stops early."""
+    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None,
+                    prompt_token_ids: list[int] | None = None) -> RequestStream:
+        """Validate a request now (UserInputError if it is bad; EngineDeadError if the engine is
+        dead) and queue it for the next step; returns the stream of its outputs. `arrival_time`
+        (time.monotonic()) defaults to now."""
+        if self.dead is not None:
+            raise EngineDeadError(str(self.dead))
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
-        if rid in self._queues:
+        if rid in self._streams:
             raise UserInputError(f"request id {rid!r} is already in use")
-        q: asyncio.Queue = asyncio.Queue()
-        self._queues[rid] = q
-        self._adds.append((rid, prompt, params or SamplingParams(), priority))
+        parent = self.engine.prepare_request(rid, prompt, params or SamplingParams(), priority,
+                                             time.monotonic() if arrival_time is None else arrival_time,
+                                             prompt_token_ids)
+        stream = RequestStream(self, rid)
+        self._streams[rid] = stream
+        self._adds.append(parent)
         self._ensure_loop()
         self._wake.set()
-        finished = False
-        try:
-            while True:
-                item = await q.get()
-                if item is _DONE:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.abort(rid)
+        return stream
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request; its generate() iterator ends."""
-        if request_id in self._queues:
-            self._aborts.append(request_id)
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None, priority: int = 0,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """add_request and iterate its stream (a bad request raises at the first iteration); the
+        request is aborted if the consumer stops early."""
+        stream = self.add_request(request_id, prompt, params, priority, arrival_time)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()
+
+    def abort(self, request_id: str, error: BaseException | None = None) -> None:
+        """Stop a request before the next step; its stream ends (raising `error` if given)."""
+        if request_id in self._streams:
+            self._aborts.append((request_id, error))
             if self._wake is not None:
                 self._wake.set()
 
+    def abort_all(self, error: BaseException | None = None) -> None:
+        """Abort every open request (a shutdown); their streams raise `error` if given."""
+        for rid in list(self._streams):
+            self.abort(rid, error)
+
+    async def stop(self) -> None:
+        """Stop the background loop (the server is going away)."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def _apply(self) -> None:
+        """Queue the new requests and apply the aborts (between steps: the engine is not stepping)."""
+        adds, self._adds = self._adds, []
+        for parent in adds:
+            stream = self._streams.get(parent.request_id)
+            if stream is None:   # aborted before it was queued
+                continue
+            try:
+                self.engine.add_prepared(parent)
+            except Exception as e:  # noqa: BLE001 - a bad request fails alone
+                del self._streams[parent.request_id]
+                stream.queue.put_nowait(e)
+        aborts, self._aborts = self._aborts, []
+        for rid, error in aborts:
+            self.engine.abort_request(rid)
+            self._seen.pop(rid, None)
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.queue.put_nowait(error if error is not None else _DONE)
+
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        tp = self.throughput
+        for out in outputs:
+            n = sum(len(c.token_ids) for c in out.outputs)
+            if out.request_id not in self._seen:   # its first output: the prompt is computed
+                tp.prompt_tokens += max(len(out.prompt_token_ids) - out.num_cached_tokens, 0)
+            tp.generation_tokens += n - self._seen.get(out.request_id, 0)
+            self._seen[out.request_id] = n
+            if out.finished:
+                self._seen.pop(out.request_id, None)
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.queue.put_nowait(out)
+                if out.finished:
+                    del self._streams[out.request_id]
+
+    def _die(self, error: BaseException) -> None:
+        message = str(error) if isinstance(error, EngineDeadError) else \
+            f"the engine failed: {type(error).__name__}: {error}"
+        log.error("%s; failing %d open requests", message, len(self._streams))
+        self.dead = EngineDeadError(message)
+        for stream in self._streams.values():
+            stream.queue.put_nowait(EngineDeadError(message))
+        self._streams.clear()
+        self._adds.clear()
+        self._aborts.clear()
+
     async def _run(self) -> None:
         while True:
-            adds, self._adds = self._adds, []
-            for rid, prompt, params, priority in adds:
-                try:
-                    self.engine.add_request(rid, prompt, params, priority)
-                except Exception as e:  # a bad request fails alone
-                    self._queues.pop(rid, asyncio.Queue()).put_nowait(e)
-            aborts, self._aborts = self._aborts, []
-            for rid in aborts:
-                self.engine.abort_request(rid)
-                q = self._queues.pop(rid, None)
-                if q is not None:
-                    q.put_nowait(_DONE)
+            self._apply()
             if not self.engine.has_unfinished_requests():
                 self._wake.clear()
                 if not self._adds and not self._aborts:
@@ -98,14 +227,8 @@ class AsyncLLMEngine:
                 continue
             try:
                 outputs = await asyncio.to_thread(self.engine.step)
-            except Exception as e:
-                for q in self._queues.values():
-                    q.put_nowait(e)
-                self._queues.clear()
-                raise
-            for out in outputs:
-                q = self._queues.get(out.request_id)
-                if q is not None:
-                    q.put_nowait(out)
-                    if out.finished:
-                        del self._queues[out.request_id]
+            except Exception as e:  # noqa: BLE001 - no request explains it: the engine is dead
+                self._die(e)
+                return
+            self.num_steps += 1
+            self._route(outputs)

@@ -10,6 +10,12 @@ the others fork from it sharing every prompt block (copy-on-write for the partia
 caller sees one RequestOutput with n completions. The step is: propose drafts (optional hook),
 schedule, run the forward, sample, `Scheduler.update_from_output` (which owns everything after
 sampling), build outputs.
+
+A request is validated when it is added (`prepare_request`: token ids, top_k, logprobs and stop ids
+against the vocabulary, the context length), so no request can make a step fail. Should one fail
+anyway, the step runs each scheduled request alone: a request that fails alone (while the others, or
+a one-token probe, run) is finished with finish_reason "error" and its blocks are freed; a failure no
+request explains raises EngineDeadError.
 """
 
 from __future__ import annotations
@@ -26,9 +32,9 @@ from llmopt.engine.detokenizer import IncrementalDetokenizer
 from llmopt.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmopt.engine.request import Request
 from llmopt.engine.runner import KVCacheInfo, ModelRunner
-from llmopt.engine.sampler import Sampler
+from llmopt.engine.sampler import Sampler, SampledTokens, SamplingRow
 from llmopt.engine.sampling_params import SamplingParams
-from llmopt.engine.scheduler import Scheduler
+from llmopt.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from llmopt.errors import LLMOptError, UserInputError
 from llmopt.models.loader import LoadedModel, load_model
 
@@ -49,10 +55,17 @@ class EngineStats:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
+class EngineDeadError(LLMOptError):
+    """A step failed in a way no single request explains: the engine serves nothing more."""
+
+
 class _Parent:
+    """One prompt as added: its n samples (child requests), built and validated by prepare_request."""
+
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], children: list[Request]):
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
         self.children = children
+        self.error: str | None = None
 
 
 def eos_token_ids(loaded: LoadedModel) -> frozenset[int]:
@@ -124,17 +137,46 @@ class LLMEngine:
                     prompt_token_ids: list[int] | None = None) -> str:
         """Queue a prompt (text, or token ids); `prompt_token_ids` overrides tokenizing the text.
         Returns the request id (generated when None)."""
+        parent = self.prepare_request(request_id, prompt, params, priority, arrival_time, prompt_token_ids)
+        self.add_prepared(parent)
+        return parent.request_id
+
+    def validate(self, ids: list[int], params: SamplingParams) -> None:
+        """Refuse what would fail inside a step: token ids, top_k, logprobs and stop token ids
+        outside the vocabulary, a prompt that leaves no room to generate."""
+        vocab = self.loaded.config.vocab_size
+        if not ids:
+            raise UserInputError("the prompt is empty")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise UserInputError(f"prompt token id {bad} is outside the vocabulary: use ids in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise UserInputError(f"the prompt has {len(ids)} tokens; --max-model-len {self.max_model_len} leaves "
+                                 f"no room to generate")
+        if params.top_k > vocab:
+            raise UserInputError(f"top_k {params.top_k} is larger than the vocabulary: use at most {vocab}")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise UserInputError(f"logprobs {params.logprobs} is larger than the vocabulary: use at most {vocab}")
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise UserInputError(f"stop token id {bad} is outside the vocabulary: use ids in [0, {vocab})")
+
+    def prepare_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
+                        priority: int = 0, arrival_time: float | None = None,
+                        prompt_token_ids: list[int] | None = None) -> _Parent:
+        """Tokenize, validate and build a prompt's requests without queueing them (it touches no
+        scheduler state, so a server may call it while a step runs); `add_prepared` queues them."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{self._counter}"
         self._counter += 1
         if request_id in self._parents:
             raise UserInputError(f"request id {request_id!r} is already in use")
-        ids = list(prompt_token_ids) if prompt_token_ids is not None else self.tokenize(prompt)
-        if not ids:
-            raise UserInputError("the prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise UserInputError(f"the prompt has {len(ids)} tokens; --max-model-len {self.max_model_len} leaves "
-                                 f"no room to generate")
+        try:
+            ids = list(prompt_token_ids) if prompt_token_ids is not None else self.tokenize(prompt)
+        except (TypeError, ValueError) as e:   # e.g. a lone surrogate the tokenizer cannot encode
+            raise UserInputError(f"the prompt cannot be tokenized ({type(e).__name__}: {e}): send valid "
+                                 "Unicode text or token ids") from None
+        self.validate(ids, params)
         text = prompt if isinstance(prompt, str) else None
         children = []
         for i in range(params.n):
@@ -145,9 +187,27 @@ class LLMEngine:
                 if self.args.detokenize and self.tokenizer is not None else None
             children.append(Request(rid, ids, p, self.eos_token_ids, self.max_model_len, text, priority,
                                     arrival_time, parent_id=request_id, index=i, detokenizer=detok))
-        self.scheduler.add_request(children[0], children[1:])
-        self._parents[request_id] = _Parent(request_id, text, ids, children)
-        return request_id
+        return _Parent(request_id, text, ids, children)
+
+    def add_prepared(self, parent: _Parent) -> None:
+        """Queue a prompt built by prepare_request."""
+        if parent.request_id in self._parents:
+            raise UserInputError(f"request id {parent.request_id!r} is already in use")
+        self.scheduler.add_request(parent.children[0], parent.children[1:])
+        self._parents[parent.request_id] = parent
+
+    def fail_request(self, request_id: str, message: str) -> _Parent | None:
+        """Finish every unfinished sample of a prompt with finish_reason "error" (freeing their
+        blocks); returns the prompt, whose next output carries `error`, or None if it is gone."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return None
+        log.error("request %s failed: %s", request_id, message)
+        parent.error = parent.error or message
+        for req in parent.children:
+            if not req.is_finished:
+                self.scheduler.fail_request(req, message)
+        return parent
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
@@ -190,14 +250,69 @@ class LLMEngine:
             self._propose_drafts()
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            if self.scheduler.has_unfinished() and not self.scheduler.running:
-                raise LLMOptError("the scheduler cannot place the next waiting request in the KV cache")
+            if self.scheduler.has_unfinished() and not self.scheduler.running:  # even alone it does not fit
+                head = self.scheduler.waiting.peek()
+                failed = self.fail_request(head.parent_id, f"the KV cache ({self.kv.pool.num_blocks} blocks) cannot "
+                                           f"place this request's {head.num_tokens} tokens")
+                return [self._output(failed)] if failed is not None else []
             return []
-        logits = self.runner.execute(sched)
-        sampled = self.sampler.sample_scheduled(logits, sched.scheduled, self.scheduler.requests)
+        failed: list[_Parent] = []
+        try:
+            logits = self.runner.execute(sched)
+            sampled = self.sampler.sample_scheduled(logits, sched.scheduled, self.scheduler.requests)
+        except Exception as e:  # noqa: BLE001 - find whose failure it is
+            sampled, failed = self._isolate(sched, e)
         progressed = self.scheduler.update_from_output(sched, sampled)
-        touched = {req.parent_id: self._parents[req.parent_id] for req in progressed if req.parent_id in self._parents}
+        for req in progressed:   # a sample that failed after sampling fails its whole prompt
+            if req.error is not None and (p := self.fail_request(req.parent_id, req.error)) is not None:
+                failed.append(p)
+        touched = {p.request_id: p for p in failed}
+        touched.update({req.parent_id: self._parents[req.parent_id] for req in progressed
+                        if req.parent_id in self._parents})
         return [self._output(p) for p in touched.values()]
+
+    def _isolate(self, sched: SchedulerOutput, error: Exception) -> tuple[dict[str, SampledTokens], list[_Parent]]:
+        """The batched forward or sampling raised: run each scheduled request alone. A request
+        that fails alone is finished with an error (its blocks freed) when the others run, or a
+        one-token probe does; when nothing runs, the engine is broken: EngineDeadError."""
+        log.warning("a step of %d requests failed (%s: %s); running them one by one", len(sched.scheduled),
+                    type(error).__name__, error)
+        try:
+            self.runner.copy_blocks(sched.blocks_to_copy)   # idempotent: the failed step may have done it
+        except Exception as e:  # noqa: BLE001
+            raise EngineDeadError(f"the engine failed: {type(e).__name__}: {e}") from e
+        sampled: dict[str, SampledTokens] = {}
+        bad: dict[str, Exception] = {}
+        for s in sched.scheduled:
+            try:
+                logits = self.runner.execute(SchedulerOutput([s]))
+                sampled.update(self.sampler.sample_scheduled(logits, [s], self.scheduler.requests))
+            except Exception as e:  # noqa: BLE001
+                bad[s.request_id] = e
+        parents = []
+        for rid, e in bad.items():
+            req = self.scheduler.requests.get(rid)
+            if req is not None and (p := self.fail_request(req.parent_id, f"{type(e).__name__}: {e}")) is not None:
+                parents.append(p)
+        if len(bad) == len(sched.scheduled) and not self._probe():
+            raise EngineDeadError(f"the engine failed: {type(error).__name__}: {error}") from error
+        return sampled, parents
+
+    def _probe(self) -> bool:
+        """Whether a forward and a draw still work: one token alone in a free block."""
+        if self.kv.pool.num_free_blocks < 1:
+            return False
+        (block,) = self.kv.pool.get_new_blocks(1)
+        try:
+            probe = ScheduledRequest("probe", [0], 0, [block.block_id], 1)
+            logits = self.runner.execute(SchedulerOutput([probe]))
+            self.sampler(logits, [SamplingRow(SamplingParams(temperature=0), [0], [])])
+            return True
+        except Exception as e:  # noqa: BLE001
+            log.error("the engine's probe failed too: %s: %s", type(e).__name__, e)
+            return False
+        finally:
+            self.kv.pool.free_blocks([block])
 
     def _output(self, parent: _Parent) -> RequestOutput:
         outs = [CompletionOutput(req.index, req.text, list(req.output_token_ids),
@@ -210,4 +325,4 @@ class LLMEngine:
         cached = max(parent.children[0].num_cached_tokens, 0)
         metrics = RequestMetrics.merge([r.metrics for r in parent.children])
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs, finished, cached,
-                             metrics)
+                             metrics, parent.error)

@@ -59,7 +59,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None       # "stop", "length", "abort" or None while running
+    finish_reason: str | None = None       # "stop", "length", "abort", "error" or None while running
     stop_reason: int | str | None = None   # the stop token id or stop string that ended it
 
     @property
@@ -76,3 +76,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0             # prompt tokens served by the prefix cache
     metrics: RequestMetrics | None = None
+    error: str | None = None               # why the engine failed this prompt (finish_reason "error")

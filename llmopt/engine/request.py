@@ -18,11 +18,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"      # the engine failed on this request alone (Request.error says how)
 
     @property
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
 class Request:
@@ -54,6 +55,7 @@ class Request:
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.stop_reason: int | str | None = None
+        self.error: str | None = None            # why it finished with FINISHED_ERROR
         self.detokenizer = detokenizer           # an IncrementalDetokenizer, or None (token ids only)
         self.generator: torch.Generator | None = None
         if params.seed is not None:

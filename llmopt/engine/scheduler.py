@@ -208,9 +208,17 @@ class Scheduler:
             for sib in siblings:
                 self._fork(req, sib, req.num_computed_tokens - len(s.spec_token_ids))
             for r, drafts in [(req, s.spec_token_ids)] + [(sib, []) for sib in siblings]:
-                self._accept(r, drafts, sampled[r.request_id], now)
+                try:
+                    self._accept(r, drafts, sampled[r.request_id], now)
+                except Exception as e:  # noqa: BLE001 - this request's own failure (detokenizing, a stop check)
+                    self.fail_request(r, f"{type(e).__name__}: {e}")
                 progressed.append(r)
         return progressed
+
+    def fail_request(self, req: Request, message: str) -> None:
+        """Finish a request with finish_reason "error" (its blocks freed); `message` says why."""
+        req.error = message
+        self.finish_request(req, RequestStatus.FINISHED_ERROR)
 
     def _fork(self, leader: Request, sib: Request, num_tokens: int) -> None:
         """A sibling takes the leader's computed prompt: its blocks (shared) and computed count."""

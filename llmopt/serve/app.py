@@ -4,11 +4,20 @@
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
 Every request is validated completely before anything is queued or streamed (types by pydantic,
-ranges by SamplingParams, then against the model: vocabulary, context length, logprobs cap), so a
-bad request is a 400 in OpenAI's error shape and never reaches the engine's step. A client that
-disconnects (streaming or not) aborts its requests, which frees their KV blocks. Streamed text is
-held back by `max stop string length - 1` characters until it is safe, so a stop string that spans
-tokens never makes streamed text shrink: the concatenated deltas equal the non-streamed text."""
+ranges by SamplingParams, then against the model: vocabulary, context length, logprobs cap; the
+engine's own `add_request` checks again, synchronously), so a bad request is a 400 in OpenAI's error
+shape and never reaches the engine's step. A body above `max_request_bytes` is a 413 before it is
+parsed. A client that disconnects (streaming or not) aborts its requests, which frees their KV
+blocks. Streamed text is held back by `max stop string length - 1` characters until it is safe, so a
+stop string that spans tokens never makes streamed text shrink: the concatenated deltas equal the
+non-streamed text.
+
+Failures: a request the engine fails alone gets a 500 (in-band, as an error event, once its stream
+has started); the others go on. When the engine is dead, /health answers 503, open requests fail
+with 500 and new ones get 503. Shutdown (`OpenAIServer.drain`, called by run.py on SIGTERM): new
+requests get 503, in-flight ones may finish for `--shutdown-timeout` seconds, the rest are aborted
+with a 503 error. Logs: one line per finished request and, every `log_interval` seconds while there
+is work, throughput, running/waiting requests and KV-cache usage, as vLLM logs them."""
 
 from __future__ import annotations
 
@@ -17,7 +26,7 @@ import json
 import logging
 import time
 import uuid
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -26,8 +35,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from llmopt import __version__
-from llmopt.engine.async_engine import AsyncLLMEngine
+from llmopt import __version__, defaults
+from llmopt.engine.async_engine import AsyncLLMEngine, EngineStoppedError, RequestStream
 from llmopt.engine.outputs import RequestOutput
 from llmopt.engine.sampling_params import SamplingParams
 from llmopt.errors import LLMOptError, UserInputError
@@ -46,6 +55,9 @@ class ServeConfig:
     api_key: str | None = None
     max_num_queued_reqs: int | None = None   # running + waiting (n counted as n) above this: 503
     max_n: int | None = None                 # cap on n (default: the engine's max_num_seqs)
+    max_request_bytes: int = defaults.SERVE_MAX_REQUEST_BYTES   # a larger body: 413
+    log_interval: float = defaults.SERVE_LOG_INTERVAL       # periodic stats line every this many seconds (0: never)
+    log_requests: bool = True                # one line per finished request
 
 
 def _error(e: OpenAIError) -> JSONResponse:
@@ -60,9 +72,25 @@ def _sse(obj: dict) -> str:
     return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
 
 
+def _stream_error(e: Exception, rid: str) -> str:
+    """The error event of a stream that has started (OpenAI's error body, in-band)."""
+    if isinstance(e, OpenAIError):
+        return _sse(error_body(e.message, e.status, e.type, e.param))
+    if isinstance(e, EngineStoppedError):
+        return _sse(error_body(str(e), 503))
+    if isinstance(e, LLMOptError):   # the engine failed this request, or is dead
+        return _sse(error_body(str(e), 500))
+    log.exception("request %s failed", rid)
+    return _sse(error_body(f"{type(e).__name__}: {e}", 500))
+
+
 class _Stream(StreamingResponse):
-    """A StreamingResponse that always closes its iterator (so the engine requests it holds are
-    aborted at once when the client leaves, not when the generator is garbage-collected)."""
+    """A StreamingResponse that always closes its iterator and its job (so the engine requests it
+    holds are aborted at once when the client leaves, even if the body never started)."""
+
+    def __init__(self, content, job: "_Job") -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.job = job
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -71,6 +99,7 @@ class _Stream(StreamingResponse):
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 await aclose()
+            await self.job.aclose()
 
 
 async def _merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -118,6 +147,60 @@ class _Choice:
         self.finished = False
 
 
+class _Job:
+    """The engine requests of one HTTP request (one per prompt), started together by
+    `OpenAIServer.start` and closed exactly once: `aclose` aborts what has not finished, gives the
+    sequences back to the admission count, records aborts and errors, and logs each request."""
+
+    def __init__(self, server: "OpenAIServer", streams: list[RequestStream], params: SamplingParams,
+                 arrival: float) -> None:
+        self.server, self.streams, self.params, self.arrival = server, streams, params, arrival
+        self.n = params.n * len(streams)
+        self.done = [False] * len(streams)
+        self.last: list[RequestOutput | None] = [None] * len(streams)
+        self.error: Exception | None = None
+        self.closed = False
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, cumulative output) as they come."""
+        times: list[float | None] = [None] * len(self.streams)
+        metrics = self.server.metrics
+        try:
+            async with aclosing(_merge(self.streams)) as merged:
+                async for i, out in merged:
+                    now = time.monotonic()
+                    if times[i] is not None:
+                        metrics.inter_token(now - times[i])
+                    times[i] = now
+                    self.last[i] = out
+                    if out.finished:
+                        self.done[i] = True
+                        metrics.finished(out, self.arrival)
+                        self.server.log_request(self.streams[i].request_id, out, self.arrival)
+                    yield i, out
+        except Exception as e:
+            self.error = e
+            raise
+
+    async def aclose(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for s in self.streams:
+            await s.aclose()
+        server = self.server
+        server.in_flight -= self.n
+        left = self.params.n * self.done.count(False)
+        failed = isinstance(self.error, LLMOptError) and not isinstance(self.error, EngineStoppedError)
+        server.metrics.aborted(left, "error" if failed else "abort")
+        for i, s in enumerate(self.streams):
+            if not self.done[i]:
+                server.log_request(s.request_id, self.last[i], self.arrival,
+                                   f"failed: {self.error}" if failed else
+                                   "aborted (shutdown)" if isinstance(self.error, EngineStoppedError) else
+                                   "aborted (the client left)")
+
+
 class OpenAIServer:
     def __init__(self, engine: AsyncLLMEngine, config: ServeConfig) -> None:
         self.engine = engine
@@ -129,6 +212,7 @@ class OpenAIServer:
         self.max_n = config.max_n or self.llm.args.max_num_seqs
         self.metrics = ServerMetrics(config.model_name, self.llm.stats)
         self.in_flight = 0   # sequences (n counted as n) the server has queued and not finished
+        self.draining = False   # shutting down: new requests get 503
 
     # -- validation ------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -150,7 +234,8 @@ class OpenAIServer:
         if r.stop_token_ids and any(not 0 <= t < self.vocab_size for t in r.stop_token_ids):
             raise OpenAIError(f"stop_token_ids must be token ids in [0, {self.vocab_size})", 400, "stop_token_ids")
         if r.priority and self.llm.args.scheduling_policy != "priority":
-            raise OpenAIError("priority is only allowed with --scheduling-policy priority", 400, "priority")
+            raise OpenAIError(f"priority {r.priority} is only allowed with --scheduling-policy priority (this "
+                              f"server runs {self.llm.args.scheduling_policy}): send 0 or omit it", 400, "priority")
         kw: dict[str, Any] = dict(
             n=r.n, temperature=1.0 if r.temperature is None else r.temperature,
             top_p=1.0 if r.top_p is None else r.top_p, top_k=r.top_k or 0,
@@ -179,20 +264,28 @@ class OpenAIServer:
                 f"{params.max_tokens or 1} for the completion). Please reduce the length of the "
                 f"{'messages' if what == 'messages' else 'prompt'} or completion.", 400, what)
 
-    def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def tokenize_text(self, text: str, add_special_tokens: bool = True, what: str = "prompt") -> list[int]:
         if self.tokenizer is None:
-            raise OpenAIError("this model has no tokenizer: send token ids", 400, "prompt")
-        return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+            raise OpenAIError("this model has no tokenizer: send token ids", 400, what)
+        try:
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+        except (TypeError, ValueError) as e:   # e.g. a lone surrogate ("\ud800"), which UTF-8 cannot encode
+            raise OpenAIError(f"the {what} cannot be tokenized ({type(e).__name__}): send valid Unicode text "
+                              "(no lone surrogates)", 400, what) from None
 
     def chat_prompt(self, messages, add_generation_prompt: bool = True, kwargs: dict | None = None) -> str:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise OpenAIError("this model's tokenizer has no chat template", 400, "messages")
         conv = [{"role": m.role, "content": message_text(m)} for m in messages]
         try:
-            return self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+            text = self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                       **(kwargs or {}))
         except Exception as e:  # noqa: BLE001 - a template's own error (e.g. roles out of order)
             raise OpenAIError(f"the chat template failed on these messages: {e}", 400, "messages") from None
+        if not isinstance(text, str):   # chat_template_kwargs asked for something else (return_dict, ...)
+            raise OpenAIError(f"the chat template gave a {type(text).__name__}, not text: drop the "
+                              "chat_template_kwargs that change its output", 400, "chat_template_kwargs")
+        return text
 
     def admit(self, n: int) -> None:
         cap = self.config.max_num_queued_reqs
@@ -200,28 +293,86 @@ class OpenAIServer:
             raise OpenAIError(f"the server is at capacity ({cap} queued sequences): retry later", 503)
 
     # -- running requests ------------------------------------------------------------------------
-    async def run(self, prompts: list[list[int]], params: SamplingParams, prefix: str,
-                  arrival: float) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Start one engine request per prompt; yield (prompt index, cumulative output)."""
-        n = params.n * len(prompts)
-        self.in_flight += n
-        gens = [self.engine.generate(ids, params, request_id=f"{prefix}-{i}") for i, ids in enumerate(prompts)]
-        last: list[float | None] = [None] * len(prompts)
-        done = [False] * len(prompts)
+    def start(self, prompts: list[list[int]], params: SamplingParams, prefix: str, arrival: float,
+              priority: int = 0) -> _Job:
+        """Queue one engine request per prompt now (synchronously: a request the engine refuses
+        is a 400 here, before any response starts); the caller must `aclose` the job."""
+        if self.draining:
+            raise OpenAIError("the server is shutting down: retry on another replica", 503)
+        if self.engine.dead is not None:
+            raise OpenAIError(f"the engine is dead ({self.engine.dead}): restart the server", 503)
+        self.admit(params.n * len(prompts))
+        streams: list[RequestStream] = []
         try:
-            async with aclosing(_merge(gens)) as merged:
-                async for i, out in merged:
-                    now = time.monotonic()
-                    if last[i] is not None:
-                        self.metrics.inter_token(now - last[i])
-                    last[i] = now
-                    if out.finished:
-                        done[i] = True
-                        self.metrics.finished(out, arrival)
-                    yield i, out
-        finally:
-            self.in_flight -= n
-            self.metrics.aborted(params.n * done.count(False))   # the client left, or an error
+            for i, ids in enumerate(prompts):
+                streams.append(self.engine.add_request(f"{prefix}-{i}", ids, params, priority, arrival))
+        except UserInputError as e:
+            for st in streams:
+                self.engine.abort(st.request_id)
+            raise OpenAIError(str(e), 400, "prompt") from None
+        except BaseException:
+            for st in streams:
+                self.engine.abort(st.request_id)
+            raise
+        self.in_flight += params.n * len(prompts)
+        return _Job(self, streams, params, arrival)
+
+    def log_request(self, request_id: str, out: RequestOutput | None, arrival: float, how: str | None = None) -> None:
+        """One line per request that ended: how, its tokens, and its latencies (vLLM logs one too)."""
+        if not self.config.log_requests:
+            return
+        if out is None:
+            log.info("request %s %s before its prompt was computed", request_id, how)
+            return
+        m = out.metrics
+        gen = sum(len(c.token_ids) for c in out.outputs)
+        reasons = ",".join(sorted({c.finish_reason for c in out.outputs if c.finish_reason})) or "-"
+
+        def since(t: float | None) -> str:
+            return "-" if t is None else f"{max(t - arrival, 0.0):.3f} s"
+        log.info("request %s %s: prompt %d tokens (%d cached), output %d tokens, queue %s, TTFT %s, e2e %s",
+                 request_id, how or f"finished ({reasons})", len(out.prompt_token_ids), out.num_cached_tokens, gen,
+                 since(m.first_scheduled_time if m else None), since(m.first_token_time if m else None),
+                 since(m.finished_time if m and m.finished_time else time.monotonic()))
+
+    async def log_stats_forever(self, interval: float) -> None:
+        """Every `interval` seconds while there is work (and once when it stops): prompt and
+        generation throughput, running/waiting requests, KV-cache usage, prefix-cache hit rate."""
+        tp = self.engine.throughput
+        last_t, last_p, last_g = time.monotonic(), tp.prompt_tokens, tp.generation_tokens
+        was_idle = True
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            s = self.llm.stats()
+            dp, dg = tp.prompt_tokens - last_p, tp.generation_tokens - last_g
+            idle = not (dp or dg or s.num_running or s.num_waiting)
+            if not (idle and was_idle):
+                dt = max(now - last_t, 1e-9)
+                log.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                         "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+                         dp / dt, dg / dt, s.num_running, s.num_waiting, 100 * s.kv_cache_usage,
+                         100 * s.prefix_cache_hit_rate)
+            was_idle = idle
+            last_t, last_p, last_g = now, tp.prompt_tokens, tp.generation_tokens
+
+    async def drain(self, timeout: float) -> None:
+        """Shut down: new requests get 503 from now on; in-flight ones may finish for up to
+        `timeout` seconds; the rest are aborted (their clients get a 503 error)."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        if self.in_flight:
+            log.info("shutting down: %d sequences in flight, waiting up to %g s for them", self.in_flight, timeout)
+        deadline = loop.time() + timeout
+        while self.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.in_flight:
+            log.info("shutting down: aborting %d sequences", self.in_flight)
+            self.engine.abort_all(EngineStoppedError("the server is shutting down: the request was aborted"))
+            deadline = loop.time() + 5
+            while self.in_flight and loop.time() < deadline:   # their responses end
+                await asyncio.sleep(0.02)
+        await self.engine.stop()
 
     def logprobs_completion(self, lps, offset: int) -> dict:
         dec = self.tokenizer.decode if self.tokenizer is not None else (lambda ids: str(ids[0]))
@@ -291,9 +442,87 @@ class _ApiKey:
         await self.app(scope, receive, send)
 
 
+ARRIVAL = "llmopt.arrival"   # scope key: time.monotonic() when the request reached the server
+
+
+class _BodyLimit:
+    """Plain ASGI middleware: stamps each request's arrival time, and reads a request body whole
+    before the app does, answering 413 as soon as it passes `limit` bytes (by its Content-Length,
+    or while it arrives when chunked). The app then reads the body from memory; later receive()
+    calls (disconnects) go to the client."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        scope[ARRIVAL] = time.monotonic()
+        if scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                await _error(OpenAIError(f"Content-Length {length[:40]!r} is not a number", 400))(scope, receive, send)
+                return
+            if declared > self.limit:
+                await self._too_large(declared, scope, receive, send)
+                return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.limit:
+                await self._too_large(size, scope, receive, send, at_least=True)
+                return
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, size: int, scope, receive, send, at_least: bool = False) -> None:
+        given = f"over {self.limit:,} bytes (sent in chunks)" if at_least else f"{size:,} bytes"
+        await _error(OpenAIError(f"the request body is {given}; at most {self.limit:,} bytes are allowed "
+                                 "(--max-request-bytes)", 413))(scope, receive, send)
+
+
+def _arrival(request: Request) -> float:
+    return request.scope.get(ARRIVAL) or time.monotonic()
+
+
 def build_app(engine: AsyncLLMEngine, config: ServeConfig) -> FastAPI:
     server = OpenAIServer(engine, config)
-    app = FastAPI(title="llmopt", version=__version__)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        import anyio
+        await anyio.sleep(0)   # loads anyio's asyncio backend now, not in the first stream (~0.5 s of its TTFT)
+        stats = asyncio.create_task(server.log_stats_forever(config.log_interval)) if config.log_interval > 0 else None
+        try:
+            yield
+        finally:
+            if stats is not None:
+                stats.cancel()
+                await asyncio.gather(stats, return_exceptions=True)
+            await engine.stop()
+
+    app = FastAPI(title="llmopt", version=__version__, lifespan=lifespan)
     app.state.server = server
 
     @app.exception_handler(OpenAIError)
@@ -304,7 +533,7 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig) -> FastAPI:
     async def _validation_error(request: Request, e: RequestValidationError):
         errors = e.errors()
         if any(err.get("type") == "json_invalid" for err in errors):
-            return _error(OpenAIError("the request body is not valid JSON", 400))
+            return _error(OpenAIError("the request body is not valid JSON (or not UTF-8)", 400))
         first = errors[0] if errors else {}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         message = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ()) if x != 'body') or 'body'}: "
@@ -319,18 +548,24 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig) -> FastAPI:
     async def _user_error(request: Request, e: UserInputError):
         return _error(OpenAIError(str(e), 400))
 
+    @app.exception_handler(EngineStoppedError)
+    async def _stopped(request: Request, e: EngineStoppedError):
+        return _error(OpenAIError(str(e), 503))
+
     @app.exception_handler(LLMOptError)
-    async def _engine_error(request: Request, e: LLMOptError):
+    async def _engine_error(request: Request, e: LLMOptError):   # RequestFailedError, EngineDeadError
         return _error(OpenAIError(str(e), 500))
 
+    app.add_middleware(_BodyLimit, limit=config.max_request_bytes)
     if config.api_key:
-        app.add_middleware(_ApiKey, api_key=config.api_key)
+        app.add_middleware(_ApiKey, api_key=config.api_key)   # outermost: no body is read without the key
 
     @app.get("/health")
     async def health():
-        task = getattr(engine, "_task", None)
-        if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
-            return _error(OpenAIError(f"the engine failed: {task.exception()}", 503))
+        if engine.dead is not None:
+            return _error(OpenAIError(f"the engine is dead: {engine.dead}", 503))
+        if server.draining:
+            return _error(OpenAIError("the server is shutting down", 503))
         return Response(status_code=200)
 
     @app.get("/version")
@@ -354,7 +589,7 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig) -> FastAPI:
             raise OpenAIError("give exactly one of prompt and messages", 400, "prompt")
         if body.messages is not None:
             text = server.chat_prompt(body.messages, body.add_generation_prompt)
-            ids = server.tokenize_text(text, add_special_tokens=False)
+            ids = server.tokenize_text(text, add_special_tokens=False, what="messages")
         else:
             ids = server.tokenize_text(body.prompt, body.add_special_tokens)
         return {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids}
@@ -370,7 +605,7 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        arrival = time.monotonic()
+        arrival = _arrival(request)
         server.check_model(body.model)
         if body.suffix:
             raise OpenAIError("suffix is not supported", 400, "suffix")
@@ -390,14 +625,13 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig) -> FastAPI:
         params = server.sampling_params(body, body.max_tokens, body.logprobs)
         for ids in prompts:
             server.check_prompt(ids, params)
-        server.admit(params.n * len(prompts))
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
         n = params.n
         echo = [(t if t is not None else server.tokenizer.decode(ids)) if body.echo else ""
                 for t, ids in zip(texts, prompts)]
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
         hold = max((len(s) for s in params.stop), default=1) - 1
-        stream = server.run(prompts, params, rid, arrival)
+        job = server.start(prompts, params, rid, arrival, body.priority)
 
         def chunk(choices: list[dict]) -> dict:
             return {"id": rid, "object": "text_completion", "created": created, "model": config.model_name,
@@ -410,7 +644,7 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig) -> FastAPI:
                 finals: list[RequestOutput | None] = [None] * len(prompts)
                 state = {(i, j): _Choice(i * n + j, echo[i]) for i in range(len(prompts)) for j in range(n)}
                 try:
-                    async for i, out in stream:
+                    async for i, out in job.outputs():
                         if out.finished:
                             finals[i] = out
                         for c in out.outputs:
@@ -432,26 +666,25 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig) -> FastAPI:
                             yield _sse(chunk([choice]))
                     if include_usage:
                         yield _sse({**chunk([]), "usage": _usage(finals)})
-                except OpenAIError as e:
-                    yield _sse(error_body(e.message, e.status, e.type, e.param))
                 except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
-                    log.exception("request %s failed", rid)
-                    yield _sse(error_body(f"{type(e).__name__}: {e}", 500))
+                    yield _stream_error(e, rid)
                 finally:
-                    await stream.aclose()
+                    await job.aclose()
                 yield "data: [DONE]\n\n"
 
-            return _Stream(events(), media_type="text/event-stream")
+            return _Stream(events(), job)
 
         async def collect():
             finals: list[RequestOutput | None] = [None] * len(prompts)
-            async with aclosing(stream):
-                async for i, out in stream:
-                    if out.finished:
-                        finals[i] = out
+            async for i, out in job.outputs():
+                if out.finished:
+                    finals[i] = out
             return finals
 
-        finals = await _unless_disconnected(request, collect())
+        try:
+            finals = await _unless_disconnected(request, collect())
+        finally:
+            await job.aclose()
         if finals is None:
             return Response(status_code=499)
         choices = []
@@ -466,25 +699,24 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        arrival = time.monotonic()
+        arrival = _arrival(request)
         server.check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise OpenAIError("top_logprobs needs logprobs: true", 400, "top_logprobs")
         if body.top_logprobs is not None and body.top_logprobs < 0:
-            raise OpenAIError("top_logprobs must be >= 0", 400, "top_logprobs")
+            raise OpenAIError(f"top_logprobs must be >= 0, got {body.top_logprobs}", 400, "top_logprobs")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         if logprobs is not None and logprobs > MAX_LOGPROBS:
             raise OpenAIError(f"top_logprobs must be at most {MAX_LOGPROBS}, got {logprobs}", 400, "top_logprobs")
         text = server.chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
-        ids = server.tokenize_text(text, add_special_tokens=False)
+        ids = server.tokenize_text(text, add_special_tokens=False, what="messages")
         params = server.sampling_params(body, max_tokens, logprobs)
         server.check_prompt(ids, params, "messages")
-        server.admit(params.n)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         hold = max((len(s) for s in params.stop), default=1) - 1
-        stream = server.run([ids], params, rid, arrival)
+        job = server.start([ids], params, rid, arrival, body.priority)
 
         def chunk(choices: list[dict], obj: str = "chat.completion.chunk") -> dict:
             return {"id": rid, "object": obj, "created": created, "model": config.model_name, "choices": choices}
@@ -499,7 +731,7 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig) -> FastAPI:
                     for j in range(params.n):
                         yield _sse(chunk([{"index": j, "delta": {"role": "assistant", "content": ""},
                                            "logprobs": None, "finish_reason": None}]))
-                    async for _, out in stream:
+                    async for _, out in job.outputs():
                         if out.finished:
                             final = out
                         for c in out.outputs:
@@ -521,26 +753,25 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig) -> FastAPI:
                             yield _sse(chunk([choice]))
                     if include_usage:
                         yield _sse({**chunk([]), "usage": _usage([final])})
-                except OpenAIError as e:
-                    yield _sse(error_body(e.message, e.status, e.type, e.param))
                 except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
-                    log.exception("request %s failed", rid)
-                    yield _sse(error_body(f"{type(e).__name__}: {e}", 500))
+                    yield _stream_error(e, rid)
                 finally:
-                    await stream.aclose()
+                    await job.aclose()
                 yield "data: [DONE]\n\n"
 
-            return _Stream(events(), media_type="text/event-stream")
+            return _Stream(events(), job)
 
         async def collect():
             final = None
-            async with aclosing(stream):
-                async for _, out in stream:
-                    if out.finished:
-                        final = out
+            async for _, out in job.outputs():
+                if out.finished:
+                    final = out
             return final
 
-        final = await _unless_disconnected(request, collect())
+        try:
+            final = await _unless_disconnected(request, collect())
+        finally:
+            await job.aclose()
         if final is None:
             return Response(status_code=499)
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},

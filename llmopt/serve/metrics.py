@@ -1,6 +1,7 @@
 """Prometheus metrics of the server, with vLLM's names after our own prefix (`llmopt:`), so a vLLM
 dashboard works by changing the prefix. Counters get prometheus_client's `_total` suffix, as vLLM's
-do. Every metric carries `model_name` and `engine` labels; `request_success` adds `finished_reason`.
+do. Every metric carries `model_name` and `engine` labels; `request_success` adds `finished_reason`
+(stop, length, abort, error).
 
 Engine state (running/waiting requests, KV usage, prefix-cache lookups, preemptions) is read from
 `LLMEngine.stats()` when /metrics is scraped; request counts and latencies are recorded by the
@@ -72,7 +73,7 @@ class ServerMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram(PREFIX + "request_queue_time_seconds", "Arrival to first scheduled.", names,
                                     buckets=LATENCY_BUCKETS, registry=r)
-        for reason in ("stop", "length", "abort"):
+        for reason in ("stop", "length", "abort", "error"):
             self.request_success.labels(**self.labels, finished_reason=reason)
         self.prompt_tokens.labels(**self.labels)
         self.generation_tokens.labels(**self.labels)
@@ -94,10 +95,11 @@ class ServerMetrics:
             if m.finished_time is not None:
                 self.e2e.labels(**lb).observe(max(m.finished_time - arrival, 0.0))
 
-    def aborted(self, num_sequences: int) -> None:
-        """Sequences that ended without finishing (the client left): request_success{abort}, as vLLM."""
+    def aborted(self, num_sequences: int, reason: str = "abort") -> None:
+        """Sequences that ended without finishing: request_success{abort} when the client left or the
+        server shut down, {error} when the engine failed them (vLLM's FinishReason.ERROR)."""
         if num_sequences:
-            self.request_success.labels(**self.labels, finished_reason="abort").inc(num_sequences)
+            self.request_success.labels(**self.labels, finished_reason=reason).inc(num_sequences)
 
     def inter_token(self, seconds: float) -> None:
         self.itl.labels(**self.labels).observe(seconds)

@@ -4,28 +4,26 @@ random model; malformed requests; a client leaving mid-stream; /metrics."""
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from serve_util import API_KEY, ENGINE_ARGS, MAX_MODEL_LEN, MODEL_NAME, make_chat_model, start_server
+from serve_util import (API_KEY, ENGINE_ARGS, MAX_MODEL_LEN, MAX_REQUEST_BYTES, MODEL_NAME, TINY_CHAT, metrics,
+                        shared_server, wait_idle)
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
 
 
 @pytest.fixture(scope="module")
-def tiny_chat_model(tmp_path_factory):
-    return make_chat_model(tmp_path_factory.mktemp("serve-tiny"))
+def tiny_chat_model(tiny_factory):
+    return tiny_factory(**TINY_CHAT)
 
 
 @pytest.fixture(scope="module")
 def server(tiny_chat_model, tmp_path_factory):
-    gen = start_server(tiny_chat_model, tmp_path_factory.mktemp("serve-log") / "server.log")
-    yield next(gen)
-    gen.close()
+    return shared_server(tiny_chat_model, tmp_path_factory.mktemp("serve-log"))
 
 
 @pytest.fixture(scope="module")
@@ -44,19 +42,6 @@ def offline(tiny_chat_model):
     """The offline LLM API on the same model and engine arguments."""
     from llmopt import LLM
     return LLM(str(tiny_chat_model), **ENGINE_ARGS)
-
-
-def metrics(http) -> dict[str, float]:
-    """Every sample of /metrics (parsed by prometheus_client), by name and labels."""
-    text = http.get("/metrics").text
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
-                                           if k not in ("model_name", "engine")) + "}"
-                            if set(s.labels) - {"model_name", "engine"} else "")
-            out[key] = s.value
-    return out
 
 
 # -- happy paths --------------------------------------------------------------------------------------
@@ -220,19 +205,59 @@ BAD = [
     ("streamed chat: logprobs above 20", CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 99,
                                                 "stream": True}, 400),
     ("stream_options of the wrong type", C, {"prompt": "hi", "stream": True, "stream_options": 3}, 400),
+    ("empty body", C, b"", 400),
+    ("JSON null as the body", C, "null", 400),
+    ("deeply nested JSON", C, "[" * 20000 + "]" * 20000, 400),
+    ("invalid UTF-8 in a chat message", CHAT, b'{"messages": [{"role": "user", "content": "\xc3\x28"}]}', 400),
+    ("truncated UTF-8 sequence", C, b'{"prompt": "abc\xe2\x82"}', 400),
+    ("overlong UTF-8 encoding", C, b'{"prompt": "\xc0\xaf"}', 400),
+    ("Latin-1 body", C, '{"prompt": "caf\u00e9"}'.encode("latin-1"), 400),
+    ("lone surrogate in the prompt", C, '{"prompt": "\\ud800 hi"}', 400),
+    ("lone surrogate in a prompt list", C, '{"prompt": ["ok", "\\udfff"]}', 400),
+    ("lone surrogate in a chat message", CHAT, '{"messages": [{"role": "user", "content": "a\\udc00"}]}', 400),
+    ("lone surrogate in /tokenize", "/tokenize", '{"prompt": "\\ud83d"}', 400),
+    ("oversized body", C, b'{"prompt": "' + b"a" * MAX_REQUEST_BYTES + b'"}', 413),
+    ("oversized body, chunked", C, ("chunked", b'{"prompt": "' + b"a" * MAX_REQUEST_BYTES + b'"}'), 413),
+    ("top_k below -1", C, {"prompt": "hi", "top_k": -2}, 400),
+    ("logprobs as a boolean in completions", C, {"prompt": "hi", "logprobs": True}, 400),
+    ("n as a float", C, {"prompt": "hi", "n": 1.5}, 400),
+    ("max_tokens as a boolean", C, {"prompt": "hi", "max_tokens": True}, 400),
+    ("stop as a list of numbers", C, {"prompt": "hi", "stop": [1, 2]}, 400),
+    ("seed below -2**63", C, {"prompt": "hi", "seed": -(2 ** 63) - 1}, 400),
+    ("token id beyond 64 bits", C, {"prompt": [2 ** 70]}, 400),
+    ("priority of the wrong type", C, {"prompt": "hi", "priority": "high"}, 400),
+    ("messages as a string", CHAT, {"messages": "hi"}, 400),
+    ("message without a role", CHAT, {"messages": [{"content": "hi"}]}, 400),
+    ("chat_template_kwargs that break the template call", CHAT,
+     {"messages": MSG, "chat_template_kwargs": {"tokenize": True}}, 400),
+    ("detokenize outside the vocabulary", "/detokenize", {"tokens": [10 ** 9]}, 400),
+    ("tokenize with prompt and messages", "/tokenize", {"prompt": "hi", "messages": MSG}, 400),
     ("unknown model", C, {"model": "gpt-4", "prompt": "hi"}, 404),
     ("unknown model in chat", CHAT, {"model": "gpt-4", "messages": MSG}, 404),
     ("unknown route", "/v1/engines", {}, 404),
 ]
 
 
+def post(http, path, body):
+    """POST a malformed request: a dict as JSON, text or bytes as they are, ("chunked", bytes)
+    without a Content-Length."""
+    if isinstance(body, dict):
+        return http.post(path, json=body)
+    if isinstance(body, tuple):
+        data = body[1]
+        content = (data[i:i + 4096] for i in range(0, len(data), 4096))
+    else:
+        content = body if isinstance(body, bytes) else body.encode()
+    return http.post(path, content=content, headers={"content-type": "application/json"})
+
+
+def test_at_least_30_malformed_requests():
+    assert len(BAD) >= 30
+
+
 @pytest.mark.parametrize("name,path,body,status", BAD, ids=[b[0] for b in BAD])
 def test_bad_request(http, name, path, body, status):
-    if isinstance(body, dict):
-        r = http.post(path, json=body)
-    else:
-        r = http.post(path, content=body if isinstance(body, bytes) else body.encode(),
-                      headers={"content-type": "application/json"})
+    r = post(http, path, body)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["code"] == status
@@ -248,7 +273,7 @@ def test_bad_requests_leave_concurrent_good_ones_alone(client, http):
     alone = [good(p) for p in PROMPTS]
     with ThreadPoolExecutor(8) as pool:
         goods = [pool.submit(good, p) for p in PROMPTS * 2]
-        bads = [pool.submit(http.post, path, json=body) for _, path, body, _ in BAD if isinstance(body, dict)][:12]
+        bads = [pool.submit(post, http, path, body) for _, path, body, _ in BAD]
         assert [f.result() for f in goods] == alone * 2
         assert all(400 <= f.result().status_code < 500 for f in bads)
     assert http.get("/health").status_code == 200
@@ -273,17 +298,6 @@ def test_client_errors_map_to_openai_exceptions(client):
 
 # -- disconnects, metrics -----------------------------------------------------------------------------
 ABORTS = "llmopt:request_success_total{finished_reason=abort}"
-
-
-def wait_idle(http, timeout: float = 20) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(http)
-        if (m["llmopt:num_requests_running"] == 0 and m["llmopt:num_requests_waiting"] == 0
-                and m["llmopt:kv_cache_usage_perc"] == 0):
-            return m
-        assert time.monotonic() < deadline, m
-        time.sleep(0.1)
 
 
 @pytest.mark.parametrize("path,body", [(C, {"prompt": PROMPTS[0], "n": 2}), (CHAT, {"messages": MSG})])
