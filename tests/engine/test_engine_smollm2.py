@@ -73,6 +73,7 @@ def test_generate_cli_json_lines_and_stdin(tiny_with_tokenizer):
     assert rows[0]["token_ids"] == want.outputs[0].token_ids
     r = runner.invoke(app, base + ["--no-enable-prefix-caching"], input="Hello there\n\nHow are you?\n")
     assert r.exit_code == 0, r.output
-    assert r.stdout == "".join(row["text"] + "\n" for row in rows)
+    from llmopt.cli.generate import SEPARATOR
+    assert r.stdout == f"\n{SEPARATOR}\n".join(row["text"] for row in rows) + "\n"   # a separator between completions
     r = runner.invoke(app, base + ["--kv-cache-memory", "lots", "x"])
     assert r.exit_code == 2 and "--kv-cache-memory 'lots'" in r.output and len(r.output.strip().splitlines()) == 1
