@@ -34,6 +34,8 @@ KV_CACHE_DTYPE = "auto"
 ENABLE_PREFIX_CACHING = True
 ATTENTION_BACKEND = "auto"   # auto: triton on CUDA, the PyTorch reference on the CPU
 SCHEDULING_POLICY = "fcfs"
+CPU_QUANT_KERNEL_MAX_ROWS = 32   # quantized CPU GEMMs: own kernel up to this many rows, else dequantized slices + BLAS
+LM_HEAD_DTYPE = "auto"           # auto: int8 head for quantized models on the CPU | float | int8
 
 # serve
 SERVE_HOST = "127.0.0.1"

@@ -109,7 +109,7 @@ class FakeQuantActivations:
 def our_logits(folder: Path, ids: torch.Tensor, dtype: str = "float32") -> torch.Tensor:
     from llmopt.models.attention import DenseCausalAttention
     from llmopt.models.loader import load_model
-    lm = load_model(str(folder), dtype=dtype, device="cpu", tokenizer=False)
+    lm = load_model(str(folder), dtype=dtype, device="cpu", tokenizer=False, lm_head_dtype="float")  # the exact head
     with torch.no_grad():
         pos = torch.arange(ids.shape[1]).expand_as(ids)
         return lm.model.compute_logits(lm.model(ids, pos, DenseCausalAttention())).float()

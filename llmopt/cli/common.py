@@ -16,3 +16,7 @@ JsonOpt = typer.Option(False, "--json", help="Print one JSON object on stdout (a
 JsonLinesOpt = typer.Option(False, "--json", help="Print JSON Lines on stdout: one object per completion (an "
                             'error: one {"error": {"message", "type", "exit_code"}} object).')
 QuietOpt = typer.Option(False, "--quiet", "-q", help="No progress bar.")
+QuantizationOpt = typer.Option(None, "--quantization", help="int8 or fp8: quantize a float checkpoint's "
+                               "linear layers per channel as they load (no calibration).")
+LmHeadDtypeOpt = typer.Option(defaults.LM_HEAD_DTYPE, "--lm-head-dtype", help="auto, float or int8 (auto: "
+                              "int8 per row for a quantized model on the CPU, else float).")

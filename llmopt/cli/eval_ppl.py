@@ -64,6 +64,8 @@ def eval_ppl(
                                    help=f"Windows per forward, 1 to {MAX_BATCH}."),
     base_model: str = typer.Option(None, "--base-model", help="Also report KL divergence and top-1 agreement "
                                    "against this model (same tokenizer), in the same pass."),
+    quantization: str = common.QuantizationOpt,
+    lm_head_dtype: str = common.LmHeadDtypeOpt,
     json_out: bool = common.JsonOpt,
     out_file: str = typer.Option(None, "--output", "-o", help="Also write the JSON result to this file."),
     quiet: bool = common.QuietOpt,
@@ -76,7 +78,7 @@ def eval_ppl(
     if out_file:   # refused before any scoring: a folder, a missing folder, the dataset or a model file itself
         check_output_file(out_file, [dataset, model, base_model])
     data = load_text_dataset(dataset, text_field)
-    lm = load_model(model, dtype, device)
+    lm = load_model(model, dtype, device, quantization=quantization, lm_head_dtype=lm_head_dtype)
     base = load_model(base_model, dtype, device) if base_model else None
     plan = plan_ppl(lm.tokenizer, lm.config.max_position_embeddings, data, method, ctx=ctx,
                     max_length=max_length, stride=stride, limit=limit)

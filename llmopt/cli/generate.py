@@ -125,6 +125,8 @@ def generate(
                                         help="Reuse the KV blocks of prompt prefixes seen before."),
     attention_backend: str = typer.Option(defaults.ATTENTION_BACKEND, "--attention-backend",
                                           help="auto, torch or triton (auto: triton on CUDA, torch on the CPU)."),
+    quantization: str = common.QuantizationOpt,
+    lm_head_dtype: str = common.LmHeadDtypeOpt,
     json_out: bool = common.JsonLinesOpt,
     quiet: bool = common.QuietOpt,
 ) -> None:
@@ -144,7 +146,8 @@ def generate(
               kv_cache_memory=kv_bytes, gpu_memory_utilization=gpu_memory_utilization,
               kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=prefix_caching,
-              attention_backend=attention_backend, seed=seed or 0)
+              attention_backend=attention_backend, seed=seed or 0, quantization=quantization,
+              lm_head_dtype=lm_head_dtype)
     with output.progress("generate", len(texts), enabled=not quiet and len(texts) > 1) as advance:
         if chat:
             convs = [([{"role": "system", "content": system}] if system else []) +

@@ -27,6 +27,8 @@ class EngineArgs:
     seed: int = 0
     scheduling_policy: str = defaults.SCHEDULING_POLICY  # or "priority" (lower value first)
     detokenize: bool = True
+    quantization: str | None = None               # int8 | fp8: a float checkpoint quantized per channel at load
+    lm_head_dtype: str = defaults.LM_HEAD_DTYPE   # auto (int8 for quantized models on the CPU) | float | int8
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -92,7 +92,8 @@ class LLMEngine:
         args = args or EngineArgs(**kwargs)
         self.args = args
         if loaded is None:
-            loaded = load_model(args.model, args.dtype, args.device, progress)
+            loaded = load_model(args.model, args.dtype, args.device, progress, quantization=args.quantization,
+                                lm_head_dtype=args.lm_head_dtype)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = eos_token_ids(loaded)

@@ -113,17 +113,32 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise ModelLoadError(f"{f} cannot be read as safetensors: {e}") from None
 
 
-def build_model(cfg: ModelConfig, folder: Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def build_model(cfg: ModelConfig, folder: Path, dtype: torch.dtype, device: torch.device,
+                quantization: str | None = None, lm_head_dtype: str = defaults.LM_HEAD_DTYPE) -> LlamaForCausalLM:
+    """`quantization` int8|fp8: a float checkpoint's decoder Linears quantized per channel as they
+    load; `lm_head_dtype` auto|float|int8 (quant/runtime.py: resolve_lm_head_dtype)."""
+    from llmopt.quant import runtime
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    if cfg.quantization_config:
-        from llmopt.quant.runtime import convert_for_runtime  # swaps Linear for quantized modules
-        convert_for_runtime(model, cfg.quantization_config)
-    loaded = model.load_weights(iter_safetensors(folder), dtype, device)
+    weights = iter_safetensors(folder)
+    if quantization:
+        if cfg.quantization_config:
+            raise UserInputError(f"--quantization {quantization}: {folder} is already quantized "
+                                 f"({cfg.quantization_config.get('quant_method')})")
+        names = runtime.convert_for_load_quantization(model, quantization)
+        weights = runtime.quantize_as_loaded(weights, names, quantization)
+    elif cfg.quantization_config:
+        runtime.convert_for_runtime(model, cfg.quantization_config)  # swaps Linear for quantized modules
+    head = runtime.resolve_lm_head_dtype(lm_head_dtype, bool(quantization or cfg.quantization_config), device)
+    loaded = model.load_weights(weights, dtype, device)
     missing = [n for n, _ in model.named_parameters(remove_duplicate=False) if n not in loaded]
     if missing:
         raise ModelLoadError(f"{folder}: checkpoint lacks {len(missing)} weights, e.g. {missing[0]}")
     model.inv_freq = rope_inv_freq(cfg).to(device)  # a buffer, not in checkpoints: still on meta
+    if head == "int8":
+        runtime.quantize_lm_head(model)
+    if device.type == "cpu" and (quantization or cfg.quantization_config):
+        runtime.release_freed_memory()
     return model.eval()
 
 
@@ -141,12 +156,13 @@ def load_tokenizer(folder: Path):
 
 
 def load_model(model: str | None = None, dtype: str | None = "auto", device: str | None = "auto",
-               progress=None, tokenizer: bool = True) -> LoadedModel:
+               progress=None, tokenizer: bool = True, quantization: str | None = None,
+               lm_head_dtype: str = defaults.LM_HEAD_DTYPE) -> LoadedModel:
     folder = resolve_checkpoint(model, progress)
     cfg = ModelConfig.from_path(folder)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev, cfg.torch_dtype)
     with torch.inference_mode(False), torch.no_grad():
-        m = build_model(cfg, folder, dt, dev)
+        m = build_model(cfg, folder, dt, dev, quantization, lm_head_dtype)
     tok = load_tokenizer(folder) if tokenizer else None
     return LoadedModel(m, tok, cfg, folder, model or defaults.DEFAULT_MODEL, dt, dev)

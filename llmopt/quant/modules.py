@@ -2,8 +2,11 @@
 pack-quantized). Their buffers carry the checkpoint's names, shapes and dtypes, so
 `LlamaForCausalLM.load_weights` fills them by name; `finish_loading()` then prepares them to run.
 
-- CPU (and any device without Triton): the weight is dequantized once, on first use, and cached in
-  the activations' dtype (a float copy of the layer, the price of exactness and speed on the CPU).
+- CPU: the codes are repacked once, at load time, for llmopt.kernels.cpu_quant (4-bit: the grouped
+  nibble layout, uint8 [out, in / 2]; other widths: int8 codes [out, in]; float32 scales and
+  scale * zero [out, groups]; act-order columns sorted by group) and the checkpoint's tensors are
+  freed; forward decodes inside the GEMV/GEMM. No float copy of the weight is kept. A layer the
+  kernels cannot take (unequal act-order groups, widths not a multiple of 8) dequantizes per call.
 - CUDA: the codes are repacked once, at load time, into the W4A16 kernel's layout (int32 words of
   consecutive input rows, [in / 8, out], like GPTQ's qweight; act-order columns sorted by group) and
   the checkpoint's tensors are freed; forward runs llmopt.kernels.w4a16.
@@ -44,7 +47,6 @@ class QuantLinear(nn.Module):
             self.bias = nn.Parameter(torch.empty(out_features, device="meta"), requires_grad=False)
         else:
             self.bias = None
-        self._dense: torch.Tensor | None = None
 
     def _declare(self, name: str, shape, dtype: torch.dtype) -> None:
         self.register_buffer(name, torch.empty(tuple(shape), dtype=dtype, device="meta"))
@@ -72,14 +74,74 @@ class PackedIntLinear(QuantLinear):
         gs = in_features if group_size == -1 else group_size
         self.n_groups = -(-in_features // gs)
         self._kernel: tuple | None = None   # (qweight [in/per, out], scales [G, out], zeros [G, out], perm, gs)
+        self._cpu: tuple | None = None      # ("w4" | "w8", group size): cpu_codes/cpu_scales/... buffers
 
     def canonical(self) -> IntQuantized:
         raise NotImplementedError
 
     def finish_loading(self) -> None:
         self._check_loaded()
-        if self._buffer_device().type == "cuda":
+        self._prepare()
+
+    def _prepare(self) -> None:
+        dev = self._buffer_device().type
+        if dev == "cuda":
             self._prepare_kernel()
+        elif dev == "cpu":
+            self._prepare_cpu()
+
+    def _prepare_cpu(self) -> None:
+        """Repack for llmopt.kernels.cpu_quant and free the checkpoint's tensors."""
+        from llmopt.kernels.cpu_quant import pack_int4
+        qt = self.canonical()
+        k = qt.in_features
+        gs = k if qt.group_size == -1 else qt.group_size
+        codes, g, perm = qt.qweight, qt.group_index(), None
+        if qt.g_idx is not None:
+            perm = torch.argsort(g, stable=True)
+            if torch.equal(perm, torch.arange(k)):
+                perm = None
+            else:
+                codes, g = codes[:, perm], g[perm]
+        if gs % 8 or k % gs or not torch.equal(g, torch.arange(k) // gs):
+            return   # unequal groups or odd widths: dequantized per call (slow, rare)
+        scales = qt.scales.float().contiguous()
+        zeros = qt.zeros.float()
+        if qt.bits == 4 and k % 64 == 0:
+            kind, packed = "w4", pack_int4(codes)
+        else:                      # any width up to 8 bits as int8 codes; 8-bit codes shifted by -128
+            shift = 128 if qt.bits == 8 else 0
+            kind, packed = "w8", (codes - shift).to(torch.int8).contiguous()
+            zeros = zeros - shift
+        for name in list(self._buffers):
+            del self._buffers[name]
+        self.register_buffer("cpu_codes", packed, persistent=False)
+        self.register_buffer("cpu_scales", scales, persistent=False)
+        self.register_buffer("cpu_szeros", (scales * zeros).contiguous(), persistent=False)
+        self.register_buffer("cpu_perm", perm, persistent=False)
+        self._cpu = (kind, gs)
+
+    def _cpu_matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        from llmopt.kernels import cpu_quant
+        kind, gs = self._cpu
+        if self.cpu_perm is not None:
+            x2 = x2[:, self.cpu_perm]
+        fn = cpu_quant.w4_gemm if kind == "w4" else cpu_quant.w8_gemm
+        return fn(x2, self.cpu_codes, self.cpu_scales, self.cpu_szeros, gs)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight [out, in] (a new tensor each call: tests and references, never the forward)."""
+        if self._cpu is None:
+            return dequantize_fast(self.canonical(), dtype)
+        from llmopt.kernels.cpu_quant import unpack_int4
+        kind, gs = self._cpu
+        codes = unpack_int4(self.cpu_codes) if kind == "w4" else self.cpu_codes
+        n, k = codes.shape
+        w = codes.float().view(n, k // gs, gs) * self.cpu_scales[..., None] - self.cpu_szeros[..., None]
+        w = w.view(n, k)
+        if self.cpu_perm is not None:
+            w = torch.empty_like(w).index_copy_(1, self.cpu_perm, w)
+        return w.to(dtype)
 
     def _buffer_device(self) -> torch.device:
         return next(b for b in self._buffers.values() if b is not None).device
@@ -106,12 +168,10 @@ class PackedIntLinear(QuantLinear):
         for name in list(self._buffers):          # the kernel's copy replaces the checkpoint's tensors
             del self._buffers[name]
 
-    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        if self._dense is None or self._dense.dtype != dtype:
-            self._dense = dequantize_fast(self.canonical(), dtype)
-        return self._dense
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._cpu is not None and not x.is_cuda:
+            from llmopt.kernels.cpu_quant import linear_2d
+            return linear_2d(x, self._cpu_matmul, self.out_features, self.bias)
         if self._kernel is not None and x.is_cuda:
             from llmopt.kernels.w4a16 import w4a16_matmul
             qweight, scales, zeros, perm, gs = self._kernel
@@ -122,7 +182,7 @@ class PackedIntLinear(QuantLinear):
             if self.bias is not None:
                 y = y + self.bias.to(y.dtype)
             return y.reshape(*x.shape[:-1], self.out_features)
-        return F.linear(x, self.dense_weight(x.dtype), self._bias(x.dtype))
+        return F.linear(x, dequantize_fast(self.canonical(), x.dtype), self._bias(x.dtype))   # no copy kept
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", bits={self.bits}, group_size={self.group_size}, sym={self.sym}"
@@ -187,5 +247,4 @@ class CTPackedLinear(PackedIntLinear):
         if tuple(self.weight_shape.tolist()) != (self.out_features, self.in_features):
             raise ModelLoadError(f"weight_shape {self.weight_shape.tolist()} != the model's "
                                  f"[{self.out_features}, {self.in_features}]")
-        if self._buffer_device().type == "cuda":
-            self._prepare_kernel()
+        self._prepare()

@@ -4,17 +4,25 @@ naive-quantized when weight-only) and INT8 W8A8 (int-quantized).
 W8A8 quantizes the activations per token, dynamically and symmetrically, as vLLM does
 (`quant/activations.py`, the definition calibration simulates too), then y = (xq @ w8ᵀ) * s * s_w.
 On CUDA through torch._scaled_mm (fp8, row-wise scales) and torch._int_mm (int8), on the CPU the
-same arithmetic in float32. Weight-only FP8 dequantizes (cached on the CPU, per call on a GPU).
+same arithmetic in float32 through llmopt.kernels.cpu_quant (the 8-bit weight decoded inside the
+GEMV/GEMM: no float copy is kept). Weight-only 8-bit dequantizes per call on a GPU.
+
+Int8Head / Int8Embedding: the LM head (and a tied embedding table) in int8 per row, for quantized
+models on the CPU (`quantize_lm_head`; --lm-head-dtype).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from llmopt.quant.activations import quantize_tokens, quantize_tokens_fp8, quantize_tokens_int8
 from llmopt.quant.modules import QuantLinear
 from llmopt.quant.types import FloatQuantized, Int8Quantized
+
+_EMPTY = torch.empty(0)
+
 
 class W8Linear(QuantLinear):
     """weight [out, in] (fp8 or int8) and weight_scale [out, 1] or [1]."""
@@ -30,6 +38,18 @@ class W8Linear(QuantLinear):
 
     def finish_loading(self) -> None:
         self._check_loaded()
+
+    def _cpu_matmul(self, x2: torch.Tensor, unit: bool = False) -> torch.Tensor:
+        """x2 [M, K] float32 @ (w8 * s)^T on the CPU; unit: @ w8^T (int8 codes times integer
+        activations sum exactly in float32, so W8A8 rounds as the reference does)."""
+        from llmopt.kernels import cpu_quant
+        scales = self.weight_scale.float().reshape(-1)
+        if unit:
+            scales = torch.ones(1)
+        if self.kind == "fp8":
+            return cpu_quant.f8_gemm(x2, self.weight.view(torch.uint8), scales)
+        s = scales.expand(self.out_features).reshape(-1, 1).contiguous() if scales.numel() == 1 else scales[:, None]
+        return cpu_quant.w8_gemm(x2, self.weight, s.contiguous(), _EMPTY, self.in_features)
 
     def canonical(self):
         if self.kind == "fp8":
@@ -61,12 +81,13 @@ class W8Linear(QuantLinear):
         if x.is_cuda:   # no cached copy on a GPU: memory is what the 8-bit weight saves
             w = (self.weight.to(x.dtype) * self.weight_scale.to(x.dtype))
             return F.linear(x, w, self._bias(x.dtype))
-        if self._dense is None or self._dense.dtype != x.dtype:
-            self._dense = self.canonical().dequantize(x.dtype)
-        return F.linear(x, self._dense, self._bias(x.dtype))
+        from llmopt.kernels.cpu_quant import linear_2d
+        return linear_2d(x, self._cpu_matmul, self.out_features, self.bias)
 
     def _emulated_w8a8(self, x2: torch.Tensor) -> torch.Tensor:
         xq, sx = quantize_tokens(x2, self.kind)
+        if not x2.is_cuda:
+            return self._cpu_matmul(xq.float().contiguous(), unit=True) * sx * self._w_scale_row()
         acc = xq.float() @ self.weight.float().t()
         return acc * sx * self._w_scale_row()
 
@@ -91,3 +112,59 @@ class W8Linear(QuantLinear):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", kind={self.kind}, activations={self.activations}"
+
+
+def int8_rows(w: torch.Tensor, rows_per_slice: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row of a float matrix [V, H]: (codes int8 [V, H], scales float32 [V]),
+    a slice of rows at a time (no float32 copy of the whole table)."""
+    codes = torch.empty(w.shape, dtype=torch.int8)
+    scales = torch.empty(w.shape[0], dtype=torch.float32)
+    for a in range(0, w.shape[0], rows_per_slice):
+        part = w[a:a + rows_per_slice].detach().float()
+        s = (part.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+        codes[a:a + part.shape[0]] = torch.round(part / s[:, None]).clamp(-127, 127).to(torch.int8)
+        scales[a:a + part.shape[0]] = s
+    return codes, scales
+
+
+class Int8Head(nn.Module):
+    """The LM head in int8 per output row: logits = x @ (codes * s)^T through cpu_quant.w8_gemm."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.register_buffer("codes", codes, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
+        self.register_buffer("scales_col", scales[:, None].contiguous(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from llmopt.kernels import cpu_quant
+        if x.is_cuda:
+            w = self.codes.to(x.dtype) * self.scales_col.to(x.dtype)
+            return F.linear(x, w)
+        return cpu_quant.linear_2d(x, lambda x2: cpu_quant.w8_gemm(x2, self.codes, self.scales_col, _EMPTY,
+                                                                  self.in_features), self.out_features, None)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per row"
+
+
+class Int8Embedding(nn.Module):
+    """A tied embedding read from the int8 head's table: rows gathered in int8, then scaled."""
+
+    def __init__(self, head: Int8Head, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.head = [head]          # not a submodule: the head owns the table
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = head.codes.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from llmopt.kernels.cpu_quant import w8_rows
+        h = self.head[0]
+        if ids.is_cuda:
+            out = h.codes[ids].to(self.dtype) * h.scales[ids, None].to(self.dtype)
+            return out
+        return w8_rows(ids, h.codes, h.scales).to(self.dtype).view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8 rows of the tied LM head"

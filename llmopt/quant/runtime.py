@@ -18,7 +18,7 @@ import torch.nn as nn
 from llmopt.errors import ModelLoadError
 from llmopt.quant.formats import format_of
 from llmopt.quant.modules import AWQLinear, CTPackedLinear, GPTQLinear
-from llmopt.quant.modules_w8a8 import W8Linear
+from llmopt.quant.modules_w8a8 import Int8Embedding, Int8Head, W8Linear, int8_rows
 
 
 def convert_for_runtime(model: nn.Module, quantization_config: dict) -> int:
@@ -120,3 +120,79 @@ def ct_module(group: dict, dims: tuple, name: str):
         return W8Linear(*dims, kind=kind, per_channel=strategy == "channel", activations=acts)
     raise ModelLoadError(f"{name}: compressed-tensors format {fmt!r} with weights {w} is not supported: llmopt "
                          "runs pack-quantized (int4/int8), int-quantized (W8A8) and float-quantized (FP8)")
+
+
+# -- at load time: --quantization int8|fp8 and the int8 LM head ------------------------------------
+LOAD_QUANTIZATIONS = ("int8", "fp8")
+LM_HEAD_DTYPES = ("auto", "float", "int8")
+
+
+def convert_for_load_quantization(model: nn.Module, method: str) -> set[str]:
+    """--quantization int8|fp8 on a float checkpoint: every decoder Linear becomes a weight-only
+    W8Linear (per output channel) before loading; returns the swapped module names, for
+    `quantize_as_loaded` to quantize their weights as they stream in."""
+    if method not in LOAD_QUANTIZATIONS:
+        raise ModelLoadError(f"unknown --quantization {method!r}: use one of {', '.join(LOAD_QUANTIZATIONS)}")
+    names = [n for n, m in model.named_modules() if type(m) is nn.Linear and n != "lm_head"]
+    for name in names:
+        lin = model.get_submodule(name)
+        model.set_submodule(name, W8Linear(lin.in_features, lin.out_features, lin.bias is not None, kind=method,
+                                           per_channel=True, activations="none"))
+    return set(names)
+
+
+def quantize_as_loaded(weights, names: set[str], method: str):
+    """Wrap a (name, tensor) stream: the weights of `names` come out as their int8/fp8 codes and
+    per-channel scales (W8Linear's buffers), one Linear at a time; everything else passes through."""
+    from llmopt.quant.fp8 import quantize_fp8
+    from llmopt.quant.int8 import quantize_int8
+    for name, tensor in weights:
+        prefix = name[:-len(".weight")] if name.endswith(".weight") else None
+        if prefix not in names:
+            yield name, tensor
+            continue
+        if method == "int8":
+            q = quantize_int8(tensor, activations="none")
+        else:
+            q = quantize_fp8(tensor, "channel", activations="none")
+        yield f"{prefix}.weight", q.weight
+        yield f"{prefix}.weight_scale", q.weight_scale.float().reshape(-1, 1)
+
+
+def resolve_lm_head_dtype(choice: str, quantized: bool, device) -> str:
+    """auto: int8 for a quantized model on the CPU (llama.cpp's Q4 files hold the head in Q8_0), else float."""
+    if choice not in LM_HEAD_DTYPES:
+        raise ModelLoadError(f"unknown --lm-head-dtype {choice!r}: use one of {', '.join(LM_HEAD_DTYPES)}")
+    if choice == "auto":
+        return "int8" if quantized and str(device).startswith("cpu") else "float"
+    return choice
+
+
+def quantize_lm_head(model: nn.Module) -> bool:
+    """Replace a float lm_head with an int8-per-row Int8Head (a tied embedding then reads the same
+    int8 table through Int8Embedding: no float copy of it stays); False when the head is already
+    quantized."""
+    head = model.lm_head
+    if type(head) is not nn.Linear:
+        return False
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    dtype = head.weight.dtype
+    codes, scales = int8_rows(head.weight)
+    new = Int8Head(codes.to(head.weight.device), scales.to(head.weight.device))
+    model.lm_head = new
+    if tied:
+        model.model.embed_tokens = Int8Embedding(new, dtype)
+    return True
+
+
+def release_freed_memory() -> None:
+    """Hand the heap freed by load-time repacking back to the OS (glibc's malloc_trim): the
+    unpacked int32 codes of each layer are temporaries that glibc otherwise keeps resident."""
+    import ctypes
+    import ctypes.util
+    import gc
+    gc.collect()
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):   # not glibc
+        pass

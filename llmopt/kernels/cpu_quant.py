@@ -1,0 +1,170 @@
+"""CPU kernels for quantized weights (cpu_quant.cpp): GEMV/GEMM that decode int8, int4 (grouped
+nibble layout) and FP8 weights inside the loop, float32 activations and accumulation.
+
+The C++ file is compiled on first use with torch.utils.cpp_extension (g++, AVX2 + FMA, OpenMP over
+output rows), cached under TORCH_EXTENSIONS_DIR or CACHE_DIR/torch_extensions keyed by the source's
+hash, and loaded as torch.ops.llmopt_cpu.*, so eager code and torch.compile graphs call the same
+ops. Without a compiler (or AVX2) the same functions run in PyTorch, dequantizing a slice of rows
+at a time (never the whole weight), after one warning line.
+
+Layouts and the arithmetic: see the header of cpu_quant.cpp; `pack_int4` writes the int4 layout.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from llmopt import defaults
+
+log = logging.getLogger("llmopt.kernels")
+SOURCE = Path(__file__).with_name("cpu_quant.cpp")
+ROWS_PER_SLICE = 4096   # fallback: rows of a weight dequantized at once
+
+
+def _build_dir() -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    return Path(root) if root else defaults.CACHE_DIR / "torch_extensions"
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the compiled ops are loaded (builds them on the first call); False after one warning."""
+    if os.environ.get("LLMOPT_CPU_KERNELS", "1") == "0":
+        return False
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        log.warning("quantized CPU kernels need AVX2: running the PyTorch fallback (slower)")
+        return False
+    src = SOURCE.read_bytes()
+    name = "llmopt_cpu_quant_" + hashlib.sha256(src + torch.__version__.encode()).hexdigest()[:12]
+    build = _build_dir() / name
+    try:
+        from torch.utils import cpp_extension
+        build.mkdir(parents=True, exist_ok=True)
+        lib = build / f"{name}.so"
+        if lib.is_file():
+            torch.ops.load_library(str(lib))
+        else:
+            log.info("building the quantized CPU kernels (once, cached in %s)", build)
+            cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build),
+                               extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                               is_python_module=False, verbose=False)
+    except Exception as e:   # no compiler, no ninja, a read-only cache...
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        log.warning("cannot build the quantized CPU kernels (%s): running the PyTorch fallback (slower)", first)
+        return False
+    return hasattr(torch.ops.llmopt_cpu, "w8_gemm")
+
+
+# -- fake (meta) implementations, for torch.compile's tracing -----------------------------------
+def _register_fakes() -> None:
+    def out(x, n):
+        return x.new_empty((x.shape[0], n))
+
+    torch.library.register_fake("llmopt_cpu::w8_gemm")(lambda x, codes, s, sz, gs: out(x, codes.shape[0]))
+    torch.library.register_fake("llmopt_cpu::w4_gemm")(lambda x, packed, s, sz, gs: out(x, packed.shape[0]))
+    torch.library.register_fake("llmopt_cpu::f8_gemm")(lambda x, codes, s: out(x, codes.shape[0]))
+    torch.library.register_fake("llmopt_cpu::w8_rows")(
+        lambda ids, codes, s: s.new_empty((ids.numel(), codes.shape[1])))
+
+
+@functools.cache
+def ops():
+    """torch.ops.llmopt_cpu, or None when the fallback runs."""
+    if not available():
+        return None
+    _register_fakes()
+    return torch.ops.llmopt_cpu
+
+
+# -- layouts --------------------------------------------------------------------------------------
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [N, K] in [0, 16) (K a multiple of 64) -> uint8 [N, K / 2]: per 64-column block b, byte
+    32b + j holds column 64b + j (low nibble) and 64b + 32 + j (high nibble)."""
+    n, k = codes.shape
+    c = codes.to(torch.uint8).view(n, k // 64, 2, 32)
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    n, half = packed.shape
+    p = packed.view(n, half // 32, 32)
+    return torch.stack((p & 0xF, p >> 4), dim=2).reshape(n, half * 2)
+
+
+# -- the entry points -----------------------------------------------------------------------------
+def _sliced(x: torch.Tensor, n: int, dequant) -> torch.Tensor:
+    y = x.new_empty((x.shape[0], n))
+    for r in range(0, n, ROWS_PER_SLICE):
+        w = dequant(r, min(n, r + ROWS_PER_SLICE))
+        y[:, r:r + w.shape[0]] = F.linear(x, w)
+    return y
+
+
+def _grouped(codes: torch.Tensor, scales, szeros, gs) -> torch.Tensor:
+    n, k = codes.shape
+    w = codes.float().view(n, k // gs, gs) * scales[..., None]
+    if szeros.numel():
+        w = w - szeros[..., None]
+    return w.view(n, k)
+
+
+def _kernel(x: torch.Tensor):
+    """The compiled ops for this many rows of x, or None: past CPU_QUANT_KERNEL_MAX_ROWS a slice of the
+    weight dequantized at a time and the float GEMM (multi-threaded BLAS) are faster."""
+    return ops() if x.shape[0] <= defaults.CPU_QUANT_KERNEL_MAX_ROWS else None
+
+
+def w8_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, szeros: torch.Tensor, gs: int):
+    """x [M, K] float32 @ ((codes - z) * s)^T; codes int8 [N, K]; scales, szeros (= s * z, or empty)
+    float32 [N, K / gs]."""
+    o = _kernel(x)
+    if o is not None:
+        return o.w8_gemm(x, codes, scales, szeros, gs)
+    return _sliced(x, codes.shape[0], lambda a, b: _grouped(codes[a:b], scales[a:b],
+                                                            szeros[a:b] if szeros.numel() else szeros, gs))
+
+
+def w4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, szeros: torch.Tensor, gs: int):
+    """x [M, K] float32 @ ((q - z) * s)^T with q from pack_int4's layout [N, K / 2]."""
+    o = _kernel(x)
+    if o is not None:
+        return o.w4_gemm(x, packed, scales, szeros, gs)
+    return _sliced(x, packed.shape[0], lambda a, b: _grouped(unpack_int4(packed[a:b]), scales[a:b],
+                                                             szeros[a:b] if szeros.numel() else szeros, gs))
+
+
+def f8_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor):
+    """x [M, K] float32 @ (fp8(codes) * s)^T; codes: float8_e4m3fn bytes as uint8 [N, K]; s [N] or [1]."""
+    o = _kernel(x)
+    if o is not None:
+        return o.f8_gemm(x, codes, scales)
+    s = scales.reshape(-1, 1)
+    return _sliced(x, codes.shape[0], lambda a, b: codes[a:b].view(torch.float8_e4m3fn).float()
+                   * (s[a:b] if s.shape[0] > 1 else s))
+
+
+def w8_rows(ids: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of an int8 table times their scales [V]: [ids.numel(), K] float32."""
+    o = ops()
+    if o is not None:
+        return o.w8_rows(ids, codes, scales)
+    flat = ids.reshape(-1)
+    return codes[flat].float() * scales[flat, None]
+
+
+def linear_2d(x: torch.Tensor, fn, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """Run `fn(x2d_float32) -> [M, N]` over x [..., K] and add the bias, in x's dtype."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.dtype != torch.float32 or not x2.is_contiguous():
+        x2 = x2.float().contiguous()
+    y = fn(x2)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
