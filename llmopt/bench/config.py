@@ -71,6 +71,9 @@ class BenchConfig:
             raise UserInputError("--request-timeout must be > 0 seconds")
         if self.sweep and self.sweep_size < 2:
             raise UserInputError("--sweep-size must be at least 2 (synchronous and throughput)")
+        if self.sweep and self.load.duration is not None and self.load.max_concurrency is None:
+            raise UserInputError("--sweep with --duration needs --max-concurrency: its throughput benchmark has no "
+                                 "request rate")
         if self.compare_hf and self.online:
             raise UserInputError("--compare hf runs transformers in-process: it is for offline runs (no --base-url)")
 

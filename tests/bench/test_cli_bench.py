@@ -130,6 +130,7 @@ def test_a_sweep_runs_synchronous_throughput_and_constant_rates(server, tmp_path
     (["--goodput", "itl:5"], "SLO names"),
     (["--compare", "vllm"], "--compare vllm"),
     (["--request-rate", "0"], "out of range"),
+    (["--sweep", "--duration", "5", "--request-rate", "2"], "--sweep with --duration"),
 ])
 def test_refusals_are_one_line_exit_2(server, args, fragment):
     res = run(server, *args)
