@@ -87,7 +87,7 @@ def run_benchmark(cfg: BenchConfig, hooks: Hooks | None = None, progress=None) -
                 one(load, f"sweep {load.label} req/s")
     if cfg.compare_hf and not hooks.stop.is_set():
         from llmopt.bench.offline import compare_hf
-        res = results[-1]
+        res = next((r for r in results if r.strategy == "throughput"), results[-1])   # a sweep: its throughput run
         hf = compare_hf(engine, cfg, requests, cfg.load.max_concurrency or len(requests), hooks)
         if hf.output_throughput:
             hf.speedup_output_throughput = res.summary.output_throughput / hf.output_throughput

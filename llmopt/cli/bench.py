@@ -12,6 +12,7 @@ from typing import Any
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich import box
 from rich.table import Table
 
 from llmopt import defaults
@@ -133,14 +134,13 @@ def _result_tables(d: dict[str, Any]) -> list[Table]:
 
 
 def _sweep_table(d: dict[str, Any]) -> Table:
-    t = Table(title=f"Sweep ({d['benchmarks'][0]['mode']})", title_justify="left")
-    for col in ("strategy", "req/s", "out tok/s", "total tok/s", "mean TTFT ms", "p99 TTFT ms", "mean TPOT ms",
-                "mean ITL ms", "mean E2EL ms", "failed"):
-        t.add_column(col, justify="left" if col == "strategy" else "right")
+    """One row per benchmark; the percentiles and the rest are in the JSON (--json, --output)."""
+    t = Table(title=f"Sweep ({d['benchmarks'][0]['mode']})", title_justify="left", box=box.SIMPLE_HEAD)
+    for col in ("strategy", "req/s", "out tok/s", "TTFT ms", "TPOT ms", "E2EL ms", "failed"):
+        t.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=True)
     for b in d["benchmarks"]:
-        t.add_row(b["strategy"], f"{b['request_throughput']:.3f}", f"{b['output_throughput']:.1f}",
-                  f"{b['total_token_throughput']:.1f}", _ms(b["mean_ttft_ms"]), _ms(b.get("p99_ttft_ms")),
-                  _ms(b["mean_tpot_ms"]), _ms(b["mean_itl_ms"]), _ms(b["mean_e2el_ms"]), str(b["failed"]))
+        t.add_row(b["strategy"], f"{b['request_throughput']:.2f}", f"{b['output_throughput']:.1f}",
+                  f"{b['mean_ttft_ms']:.0f}", f"{b['mean_tpot_ms']:.1f}", f"{b['mean_e2el_ms']:.0f}", str(b["failed"]))
     return t
 
 
@@ -159,8 +159,8 @@ def _tables(d: dict[str, Any]) -> list[Table]:
     if "benchmarks" in d:
         tables = [_sweep_table(d)]
         for b in d["benchmarks"]:
-            if b["failed_reasons"]:
-                tables += _result_tables(b)[1:2]
+            extra = _result_tables(b)[1:]      # failures by reason, categories, transformers
+            tables += extra
     else:
         tables = _result_tables(d)
     if d.get("comparison"):

@@ -143,3 +143,14 @@ def test_plot_without_matplotlib_says_how_to_get_it(server, tmp_path, monkeypatc
     res = run(server, "--plot", str(tmp_path / "x.png"))
     assert res.exit_code == 2 and "pip install 'llmopt[plot]'" in res.stderr
     assert not (tmp_path / "x.png").exists()
+
+
+def test_spec_bench_gets_a_table_per_category(server):
+    res = run(server, "--dataset-name", "spec_bench", "--num-prompts", "8", "--spec-bench-output-len", "2", "--json")
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.stdout)
+    cats = d["per_category"]
+    assert sum(c["completed"] for c in cats.values()) == 8 and len(cats) >= 2
+    assert all(c["total_output_tokens"] == 2 * c["completed"] and c["mean_tokens_per_s"] > 0 for c in cats.values())
+    res = run(server, "--dataset-name", "spec_bench", "--num-prompts", "4", "--spec-bench-output-len", "2")
+    assert res.exit_code == 0 and "Per category" in res.stdout and "Serving Benchmark Result" in res.stdout

@@ -87,3 +87,32 @@ def test_compare_hf_generates_the_same_number_of_tokens(tiny):
     assert hf["batch_size"] == 2 and hf["total_output_tokens"] == d["total_output_tokens"] == 32
     assert hf["total_input_tokens"] == d["total_input_tokens"] == 64
     assert hf["speedup_output_throughput"] == pytest.approx(d["output_throughput"] / hf["output_throughput"])
+
+
+def test_offline_follows_the_schedule_and_stops_on_the_stop_event(tiny):
+    import threading
+
+    from llmopt.bench.config import Hooks
+    from llmopt.bench.offline import build_engine, run_engine
+    from llmopt.bench.schedule import plan
+    cfg = BenchConfig(workload=WorkloadSpec("random", num_prompts=8, random_input_len=16, random_output_len=4),
+                      load=Load(request_rate=4.0, seed=3), engine_args=EngineArgs(model=str(tiny), **ENGINE))
+    engine = build_engine(cfg)
+    from llmopt.bench.datasets import sample_requests
+    reqs = sample_requests(cfg.workload, engine.tokenizer)
+    out = run_engine(engine, cfg, reqs, cfg.load)
+    want = plan(8, 4.0, 1.0, 3).offsets                    # over 2 s
+    sent = [r.start_time for r in out.records]
+    # a request joins at the first step boundary after it is due (a step of the tiny model: well under 0.3 s)
+    assert all(0 <= s - w < 0.3 for s, w in zip(sent, want)), list(zip(sent, want))
+    assert [r.scheduled_time for r in out.records] == want.tolist()
+    assert all(r.success for r in out.records) and not out.interrupted
+    stop, done = threading.Event(), []
+
+    def advance(n):
+        done.append(n)
+        if len(done) == 2:
+            stop.set()
+    out = run_engine(engine, cfg, reqs, cfg.load, Hooks(advance=advance, stop=stop))
+    assert out.interrupted and sum(r.success for r in out.records) == 2 and len(out.records) < 8
+    assert not engine.has_unfinished_requests()            # what was running was aborted

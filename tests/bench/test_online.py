@@ -156,3 +156,12 @@ def test_ctrl_c_on_the_command_line_prints_the_partial_result_and_exits_130(serv
     assert d["interrupted"] and d["completed"] + d["cancelled"] < 60 and d["completed"] >= 1
     assert "interrupted: reported the" in err.decode()
     assert httpx.get(server.url + "/_records").status_code == 200     # the server is fine
+
+
+def test_duration_sends_for_that_long_and_waits_for_what_is_in_flight(server):
+    report = bench(server, n=3, out=2, load=dict(request_rate=10.0, duration=1.2, seed=2))
+    d = report.to_dict()
+    recs, _ = server.state()
+    assert 6 <= d["num_prompts"] <= 20 and d["num_prompts"] == len(recs)         # ~ 10/s x 1.2 s, cycling 3 prompts
+    assert max(d["start_times"]) < 1.2 + 0.02 and d["completed"] == d["num_prompts"]
+    assert d["duration"] > max(d["start_times"]) + 0.25 and d["duration_limit"] == 1.2
