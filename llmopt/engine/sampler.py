@@ -5,6 +5,14 @@ frequency on the output), then greedy argmax or temperature -> top-k -> top-p ->
 Draws use the exponential race (argmax of p / E with E ~ Exp(1)), which samples exactly from p and
 lets each seeded row take its noise from its own torch.Generator, so a seeded request gets the same
 tokens whatever else is in the batch. Logprobs are those of the model's raw distribution.
+
+Speculative decoding: a request verifying k draft tokens has k + 1 rows, and row j is sampled as if
+the first j drafts had been accepted (penalties count them, min_tokens blocks EOS until they reach
+it). Greedy rows take the argmax (the scheduler keeps drafts while they equal it); sampled rows go
+through exact rejection sampling (`rejection_sample`): draft j is accepted with probability
+min(1, p_j(d) / q_j(d)), a rejected one is replaced by a draw from norm(max(0, p_j - q_j)), and
+after k accepted drafts a bonus token is drawn from p_k. A drafter that drafts greedily passes no q
+(one-hot q), as vLLM's n-gram and EAGLE proposers do.
 """
 
 from __future__ import annotations
@@ -48,6 +56,9 @@ class SamplerOutput:
     logprobs: list[float] | None = None           # of the sampled tokens
     top_ids: list[list[int]] | None = None        # [rows][k], best first
     top_logprobs: list[list[float]] | None = None
+    probs: torch.Tensor | None = None             # [rows, vocab]: the distribution each row samples from
+                                                  # (after penalties, temperature, top-k/p, min-p; greedy
+                                                  # rows: softmax of the penalized logits), when asked
 
 
 def _pad(rows: list[list[int]], fill: int, device) -> torch.Tensor:
@@ -114,63 +125,102 @@ class Sampler:
         if seed is not None:
             self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """logits [len(rows), vocab] -> one token per row (and logprobs where asked)."""
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], return_probs: bool = False) -> SamplerOutput:
+        """logits [len(rows), vocab] -> one token per row (and logprobs where asked; with
+        return_probs, each row's target distribution in `probs`)."""
         raw = logits
+        logits = self._penalized(logits, rows)
+        greedy = [r.params.greedy for r in rows]
+        probs = None
+        if all(greedy):
+            tokens = logits.argmax(-1)
+            if return_probs:
+                probs = logits.softmax(-1)
+        else:
+            probs = self.target_probs(logits, rows, greedy)
+            tokens = self._draw(probs, rows, logits, greedy)
+        out = self._with_logprobs(raw, tokens, rows)
+        out.probs = probs if return_probs else None
+        return out
+
+    @staticmethod
+    def _penalized(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """float32 logits with min_tokens' blocked ids at -inf and the penalties applied."""
         logits = logits.float()
         blocked = [(i, sorted(r.blocked_token_ids)) for i, r in enumerate(rows) if r.blocked_token_ids]
         if blocked:
             logits = logits.clone()
             for i, ids in blocked:
                 logits[i, [t for t in ids if t < logits.shape[-1]]] = float("-inf")
-        logits = apply_penalties(logits, rows)
-        greedy = [r.params.greedy for r in rows]
-        if all(greedy):
-            tokens = logits.argmax(-1)
-        else:
-            tokens = self._sample(logits, rows, greedy)
-        return self._with_logprobs(raw, tokens, rows)
+        return apply_penalties(logits, rows)
 
-    def sample_scheduled(self, logits: torch.Tensor, scheduled, requests) -> dict[str, SampledTokens]:
+    def sample_scheduled(self, logits: torch.Tensor, scheduled, requests,
+                         draft_probs: dict[str, torch.Tensor] | None = None) -> dict[str, SampledTokens]:
         """Sample every row the runner computed logits for (`ScheduledRequest.num_logits` rows per
         request, in schedule order) with each request's own parameters; the siblings in `fork_ids`
-        sample from their leader's first row (the prompt's last position). Keyed by request id."""
+        sample from their leader's first row (the prompt's last position). A request verifying
+        drafts (`spec_token_ids`) has one row per draft plus one: row j sees the first j drafts as
+        outputs, and its token is the draft itself when rejection sampling accepts it (greedy: when
+        it is the argmax), so the scheduler keeps drafts while they equal the row's token.
+        `draft_probs[request_id]` [k, vocab] is the drafter's q (absent: the drafts were greedy).
+        Keyed by request id."""
         rows: list[SamplingRow] = []
         index: list[int] = []
         owners: list[tuple[str, int, int]] = []   # request id, first row in `rows`, number of rows
+        verify: list[tuple[str, int, list[int]]] = []  # sampled (not greedy) requests with drafts
         off = 0
         for s in scheduled:
             if not s.num_logits:
                 continue
             for rid, first, m in [(s.request_id, off, s.num_logits)] + [(f, off, 1) for f in s.fork_ids]:
                 req = requests[rid]
+                drafts = list(s.spec_token_ids)[:m - 1] if rid == s.request_id else []
                 owners.append((rid, len(rows), m))
-                rows.extend([SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, req.generator,
-                                         req.blocked_token_ids)] * m)
+                if drafts and not req.params.greedy:
+                    verify.append((rid, len(rows), drafts))
+                rows.extend(_rows_with_drafts(req, drafts, m))
                 index.extend(range(first, first + m))
             off += s.num_logits
         if not rows:
             return {}
         picked = logits if index == list(range(logits.shape[0])) else logits[torch.tensor(index, device=logits.device)]
-        res = self(picked, rows)
+        res = self(picked, rows, return_probs=bool(verify))
+        tokens = res.token_ids
+        if verify:
+            tokens = list(tokens)
+            for rid, a, drafts in verify:
+                k = len(drafts)
+                q = None if draft_probs is None or rid not in draft_probs else draft_probs[rid][None, :k]
+                gen = rows[a].generator
+                got = rejection_sample(res.probs[None, a:a + k + 1], torch.tensor([drafts], device=res.probs.device),
+                                       q, gen if gen is not None else self.generator)
+                tokens[a:a + k + 1] = got[0].tolist()
+            if res.logprobs is not None:   # logprobs of the tokens rejection sampling chose
+                res = self._with_logprobs(picked, torch.tensor(tokens, device=picked.device), rows)
 
         def part(xs, a, m):
             return None if xs is None else xs[a:a + m]
-        return {rid: SampledTokens(res.token_ids[a:a + m], part(res.logprobs, a, m), part(res.top_ids, a, m),
+        return {rid: SampledTokens(tokens[a:a + m], part(res.logprobs, a, m), part(res.top_ids, a, m),
                                    part(res.top_logprobs, a, m)) for rid, a, m in owners}
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:
+    def target_probs(self, logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:
+        """Each row's distribution: temperature, top-k, top-p, min-p on penalized logits (greedy
+        rows at temperature 1, unfiltered)."""
         dev = logits.device
         temp = torch.tensor([1.0 if g else r.params.temperature for g, r in zip(greedy, rows)], device=dev)
         scaled = logits / temp[:, None]
         top_k = top_p = min_p = None
-        if any(r.params.top_k > 0 for r in rows):
-            top_k = torch.tensor([r.params.top_k for r in rows], device=dev)
-        if any(r.params.top_p < 1 for r in rows):
-            top_p = torch.tensor([r.params.top_p for r in rows], device=dev)
-        if any(r.params.min_p > 0 for r in rows):
-            min_p = torch.tensor([r.params.min_p for r in rows], device=dev)
-        probs = filter_logits(scaled, top_k, top_p, min_p).softmax(-1)
+        if any(r.params.top_k > 0 and not g for r, g in zip(rows, greedy)):
+            top_k = torch.tensor([0 if g else r.params.top_k for r, g in zip(rows, greedy)], device=dev)
+        if any(r.params.top_p < 1 and not g for r, g in zip(rows, greedy)):
+            top_p = torch.tensor([1.0 if g else r.params.top_p for r, g in zip(rows, greedy)], device=dev)
+        if any(r.params.min_p > 0 and not g for r, g in zip(rows, greedy)):
+            min_p = torch.tensor([0.0 if g else r.params.min_p for r, g in zip(rows, greedy)], device=dev)
+        return filter_logits(scaled, top_k, top_p, min_p).softmax(-1)
+
+    def _draw(self, probs: torch.Tensor, rows: list[SamplingRow], logits: torch.Tensor,
+              greedy: list[bool]) -> torch.Tensor:
+        dev = probs.device
         noise = torch.empty_like(probs)
         unseeded = [i for i, r in enumerate(rows) if r.generator is None]
         if len(unseeded) == len(rows):
@@ -202,3 +252,57 @@ class Sampler:
             out.top_ids = [ids[i][:r.params.logprobs or 0] for i, r in enumerate(rows)]
             out.top_logprobs = [vals[i][:r.params.logprobs or 0] for i, r in enumerate(rows)]
         return out
+
+
+def _rows_with_drafts(req, drafts: list[int], m: int) -> list[SamplingRow]:
+    """m rows for one request: row j has the first j drafts appended to its outputs, and blocks EOS
+    and stop ids while those outputs are fewer than min_tokens."""
+    if not drafts:
+        return [SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, req.generator,
+                            req.blocked_token_ids)] * m
+    out = []
+    n = len(req.output_token_ids)
+    for j in range(m):
+        blocked = req.eos_token_ids | req.stop_token_ids if n + j < req.params.min_tokens else frozenset()
+        out.append(SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids + drafts[:j], req.generator,
+                               blocked))
+    return out
+
+
+def _exp_race(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row of `probs` (any leading shape; rows need not be normalized)."""
+    noise = torch.empty(probs.shape, device="cpu").exponential_(generator=generator).to(probs.device)
+    return (probs / noise).argmax(-1)
+
+
+def rejection_sample(target_probs: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
+                     generator: torch.Generator | None = None) -> torch.Tensor:
+    """Exact speculative sampling (Leviathan et al., Chen et al.) for B sequences of k drafts.
+
+    target_probs [B, k + 1, V]: the target's distribution at each verified row (row j after the first
+    j drafts); draft_ids [B, k]; draft_probs [B, k, V] the distributions the drafts were drawn from,
+    or None for drafts chosen deterministically (one-hot q). Returns tokens [B, k + 1]: position j
+    holds draft j where it is accepted (probability min(1, p/q)), else a draw from
+    norm(max(0, p - q)); position k a bonus draw from p_k. A sequence's output is its tokens up to and
+    including the first that differs from its draft (all k + 1 when every draft is accepted), and is
+    distributed exactly as sampling from the target one token at a time."""
+    B, k1, V = target_probs.shape
+    k = k1 - 1
+    p = target_probs[:, :k].float()
+    d = draft_ids.long()[..., None]
+    p_d = p.gather(-1, d)[..., 0]
+    if draft_probs is None:
+        q_d = torch.ones_like(p_d)
+        resid = p.scatter(-1, d, 0.0)
+    else:
+        q = draft_probs.float()
+        q_d = q.gather(-1, d)[..., 0]
+        resid = (p - q).clamp_min(0)
+    u = torch.rand(B, k, generator=generator).to(p.device)
+    accept = u * q_d < p_d                     # u < p/q without dividing by a zero q
+    total = resid.sum(-1, keepdim=True)
+    resid = torch.where(total > 0, resid, p)   # p == q: a rejection has probability 0 anyway
+    recovered = _exp_race(resid, generator)
+    bonus = _exp_race(target_probs[:, k].float(), generator)
+    tokens = torch.where(accept, draft_ids.long(), recovered)
+    return torch.cat([tokens, bonus[:, None]], 1)
