@@ -34,6 +34,8 @@ KV_CACHE_DTYPE = "auto"
 ENABLE_PREFIX_CACHING = True
 ATTENTION_BACKEND = "auto"   # auto: triton on CUDA, the PyTorch reference on the CPU
 SCHEDULING_POLICY = "fcfs"
+SPEC_PROMPT_LOOKUP = 5          # n-gram speculation: prompt_lookup_min/max when neither is given (vLLM's)
+SPEC_CONFIG_FILE = "spec_config.json"   # what `llmopt spec-tune` writes and --speculative-config DIR reads
 CPU_QUANT_KERNEL_MAX_ROWS = 32   # quantized CPU GEMMs: own kernel up to this many rows, else dequantized slices + BLAS
 LM_HEAD_DTYPE = "auto"           # auto: int8 head for quantized models on the CPU | float | int8
 

@@ -29,8 +29,11 @@ class EngineArgs:
     detokenize: bool = True
     quantization: str | None = None               # int8 | fp8: a float checkpoint quantized per channel at load
     lm_head_dtype: str = defaults.LM_HEAD_DTYPE   # auto (int8 for quantized models on the CPU) | float | int8
+    speculative_config: "dict | str | None" = None  # vLLM's --speculative-config: a dict, JSON, or a spec_config.json
 
     def __post_init__(self) -> None:
+        from llmopt.spec.config import parse_speculative_config
+        self.speculative_config = parse_speculative_config(self.speculative_config)
         if self.block_size < 1:
             raise UserInputError("--block-size must be at least 1")
         if self.max_num_seqs < 1:

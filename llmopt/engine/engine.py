@@ -24,7 +24,7 @@ import dataclasses
 import json
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from llmopt.cache.kv_manager import KVCacheManager, cdiv
 from llmopt.engine.args import EngineArgs
@@ -38,6 +38,9 @@ from llmopt.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from llmopt.errors import LLMOptError, UserInputError
 from llmopt.models.loader import LoadedModel, load_model
 
+if TYPE_CHECKING:
+    from llmopt.spec.decoder import SpecDecodingStats
+
 log = logging.getLogger("llmopt.engine")
 
 
@@ -49,6 +52,7 @@ class EngineStats:
     prefix_cache_queries: int     # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int        # ... and found there
     num_preemptions: int
+    spec_decoding: "SpecDecodingStats | None" = None   # llmopt.spec: drafts and accepted tokens
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -120,6 +124,9 @@ class LLMEngine:
         # verifies all drafts of a request in the same forward (exact-match against the target's
         # own samples, which keeps the target's distribution).
         self.drafter: Callable[[list[Request]], dict[str, list[int]]] | None = None
+        if args.speculative_config is not None:   # llmopt.spec: a drafter with counters (`record`)
+            from llmopt.spec.decoder import SpecDecoder
+            self.drafter = SpecDecoder(self, args.speculative_config)
         log.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB (%s)", info.num_blocks, info.block_size,
                  info.num_tokens, info.bytes_allocated / 2**20, info.kv_cache_dtype)
         log.info("Maximum concurrency for %d tokens per request: %.2fx", self.max_model_len,
@@ -227,7 +234,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         s = self.kv.stats
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.pool.usage(),
-                           s.queries, s.hits, self.scheduler.num_preemptions)
+                           s.queries, s.hits, self.scheduler.num_preemptions, getattr(self.drafter, "stats", None))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block, as vLLM's reset_prefix_cache (after new weights, or to measure
@@ -263,6 +270,8 @@ class LLMEngine:
             sampled = self.sampler.sample_scheduled(logits, sched.scheduled, self.scheduler.requests)
         except Exception as e:  # noqa: BLE001 - find whose failure it is
             sampled, failed = self._isolate(sched, e)
+        if hasattr(self.drafter, "record"):
+            self.drafter.record(sched, sampled)
         progressed = self.scheduler.update_from_output(sched, sampled)
         for req in progressed:   # a sample that failed after sampling fails its whole prompt
             if req.error is not None and (p := self.fail_request(req.parent_id, req.error)) is not None:
