@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -63,7 +62,7 @@ def main() -> None:
     from llmopt.bench.datasets import WorkloadSpec, sample_requests
     from llmopt.bench.offline import build_engine, run_engine
     from llmopt.bench.online import resolve_target, run_online
-    from llmopt.bench.runner import _result
+    from llmopt.bench.runner import result_of
     from llmopt.bench.schedule import Load
     from llmopt.engine.args import EngineArgs
 
@@ -111,7 +110,7 @@ def main() -> None:
                         cfg, out = online_cfg, run_online(online_cfg, target, requests, online_cfg.load)
                     else:
                         cfg, out = offline_cfg, run_engine(engine, offline_cfg, requests, offline_cfg.load)
-                    d = _result(cfg, out, cfg.load, requests, engine.tokenizer, "smollm2-135m", "smollm2-135m").to_dict()
+                    d = result_of(cfg, out, cfg.load, engine.tokenizer, "smollm2-135m", "smollm2-135m").to_dict()
                     runs[mode][c].append(d)
                     print(f"c={c} {mode:7s} repeat {rep}: {d['output_throughput']:.1f} tok/s, "
                           f"TPOT {d['mean_tpot_ms']:.0f} ms, load {loadavg()}", file=sys.stderr)
@@ -177,8 +176,10 @@ def main() -> None:
                   f"| {r['mean_tpot_ms']:.1f} | {r['mean_itl_ms']:.1f} | {r['mean_e2el_ms']:.0f} |")
         on, off = meds["online"], meds["offline"]
         print(f"| {c} | | online − offline | {100 * (on['output_throughput'] / off['output_throughput'] - 1):+.1f}% "
-              f"| | | {on['mean_ttft_ms'] - off['mean_ttft_ms']:+.0f} | {on['mean_tpot_ms'] - off['mean_tpot_ms']:+.1f} "
-              f"| {on['mean_itl_ms'] - off['mean_itl_ms']:+.1f} | {on['mean_e2el_ms'] - off['mean_e2el_ms']:+.0f} |")
+              f"| | | {on['mean_ttft_ms'] - off['mean_ttft_ms']:+.0f} "
+              f"| {on['mean_tpot_ms'] - off['mean_tpot_ms']:+.1f} "
+              f"| {on['mean_itl_ms'] - off['mean_itl_ms']:+.1f} "
+              f"| {on['mean_e2el_ms'] - off['mean_e2el_ms']:+.0f} |")
 
 
 if __name__ == "__main__":

@@ -80,13 +80,12 @@ class BenchConfig:
 
 class Hooks:
     """Progress and stopping, as plain callbacks (the CLI draws the bar; a test passes nothing).
-    start(description, total) opens a new bar (total None: unknown); advance(n) moves it; note(text)
-    is a one-line notice; stop (a threading.Event) set by Ctrl-C ends the sending."""
+    start(description, total) opens a new bar (total None: unknown); advance(n) moves it; stop (a
+    threading.Event) set by Ctrl-C ends the sending."""
 
     def __init__(self, start: Callable[[str, int | None], None] | None = None,
-                 advance: Callable[[int], None] | None = None, note: Callable[[str], None] | None = None,
-                 stop: threading.Event | None = None) -> None:
-        self._start, self._advance, self._note = start, advance, note
+                 advance: Callable[[int], None] | None = None, stop: threading.Event | None = None) -> None:
+        self._start, self._advance = start, advance
         self.stop = stop or threading.Event()
 
     def start(self, description: str, total: int | None) -> None:
@@ -97,9 +96,6 @@ class Hooks:
         if self._advance:
             self._advance(n)
 
-    def note(self, text: str) -> None:
-        if self._note:
-            self._note(text)
 
 
 @dataclass

@@ -229,8 +229,11 @@ def sharegpt_requests(tokenizer, path: Path, output_len: int | None = None, seed
             continue
         p_len = count_tokens(tokenizer, prompt)
         o_len = output_len or len(tokenizer(completion, add_special_tokens=False).input_ids)
-        short = p_len < defaults.BENCH_SHAREGPT_MIN_LEN or (output_len is None and o_len < defaults.BENCH_SHAREGPT_MIN_LEN)
-        if short or p_len > defaults.BENCH_SHAREGPT_MAX_PROMPT_LEN or p_len + o_len > defaults.BENCH_SHAREGPT_MAX_TOTAL_LEN:
+        least = defaults.BENCH_SHAREGPT_MIN_LEN
+        short = p_len < least or (output_len is None and o_len < least)
+        too_long = p_len > defaults.BENCH_SHAREGPT_MAX_PROMPT_LEN or \
+            p_len + o_len > defaults.BENCH_SHAREGPT_MAX_TOTAL_LEN
+        if short or too_long:
             continue
         out.append(SampleRequest(prompt, p_len, o_len))
     return out

@@ -80,7 +80,8 @@ def parse_percentiles(text: str) -> list[float]:
     try:
         ps = [float(x) for x in str(text).split(",") if x.strip()]
     except ValueError:
-        raise UserInputError(f"--metric-percentiles {text!r}: give numbers separated by commas, e.g. 50,90,99") from None
+        raise UserInputError(f"--metric-percentiles {text!r}: give numbers separated by commas, e.g. 50,90,99") \
+            from None
     if not ps or any(not 0 <= p <= 100 for p in ps):
         raise UserInputError(f"--metric-percentiles {text!r}: each must be in [0, 100]")
     return ps

@@ -14,7 +14,6 @@ padded) on the same prompts and lengths, for a throughput ratio.
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass
 
 from llmopt.bench.config import BenchConfig, Hooks, RunOutput

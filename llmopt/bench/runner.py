@@ -7,7 +7,7 @@ import datetime
 from dataclasses import replace
 
 from llmopt.bench.config import BenchConfig, Hooks, RunOutput
-from llmopt.bench.datasets import SampleRequest, load_tokenizer, sample_requests
+from llmopt.bench.datasets import load_tokenizer, sample_requests
 from llmopt.bench.metrics import summarize
 from llmopt.bench.report import BenchReport, BenchResult, category_stats
 from llmopt.bench.schedule import Load, sweep_loads, synchronous, throughput
@@ -28,8 +28,9 @@ def _online_tokenizer(cfg: BenchConfig, target):
                          + "; ".join(tried) + ")")
 
 
-def _result(cfg: BenchConfig, run: RunOutput, load: Load, requests: list[SampleRequest], tokenizer,
-            model_id: str | None, tokenizer_id: str | None) -> BenchResult:
+def result_of(cfg: BenchConfig, run: RunOutput, load: Load, tokenizer, model_id: str | None,
+              tokenizer_id: str | None) -> BenchResult:
+    """A run's BenchResult: its metrics (vLLM's definitions) and the setup it ran under."""
     summary = summarize(run.records, run.duration, tokenizer, cfg.percentiles, cfg.goodput)
     return BenchResult(
         date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -69,7 +70,7 @@ def run_benchmark(cfg: BenchConfig, hooks: Hooks | None = None, progress=None) -
     results: list[BenchResult] = []
 
     def one(load: Load, description: str) -> BenchResult:
-        res = _result(cfg, run(requests, load, description), load, requests, tokenizer, model_id, tokenizer_id)
+        res = result_of(cfg, run(requests, load, description), load, tokenizer, model_id, tokenizer_id)
         results.append(res)
         return res
 

@@ -67,9 +67,6 @@ class _Bars:
         if self.bar is not None and self.task is not None:
             self.bar.advance(self.task, n)
 
-    def note(self, text: str) -> None:
-        output.err.print(text, markup=False, highlight=False)
-
 
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:,.2f}"
@@ -350,7 +347,7 @@ def bench(
     previous_handler = signal.signal(signal.SIGINT, on_sigint) if in_main else None
     try:
         with _Bars(enabled=not quiet) as bars:
-            report = run_benchmark(cfg, Hooks(bars.start, bars.advance, bars.note, stop))
+            report = run_benchmark(cfg, Hooks(bars.start, bars.advance, stop))
     finally:
         if in_main:
             signal.signal(signal.SIGINT, previous_handler)
