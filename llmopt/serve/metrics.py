@@ -52,6 +52,21 @@ class _EngineCollector:
             c = CounterMetricFamily(PREFIX + name, doc, labels=names)
             c.add_metric(values, float(value))
             yield c
+        spec = getattr(s, "spec_decoding", None)
+        if spec is not None:   # vLLM's spec_decode_* counters; per position with a `position` label
+            for name, doc, value in [
+                ("spec_decode_num_drafts", "Verifying steps of requests with drafts.", spec.num_drafts),
+                ("spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.num_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens),
+            ]:
+                c = CounterMetricFamily(PREFIX + name, doc, labels=names)
+                c.add_metric(values, float(value))
+                yield c
+            c = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                    "Draft tokens accepted at each draft position.", labels=names + ["position"])
+            for pos, value in enumerate(spec.num_accepted_tokens_per_pos):
+                c.add_metric(values + [str(pos)], float(value))
+            yield c
 
 
 class ServerMetrics:
