@@ -36,6 +36,7 @@ ATTENTION_BACKEND = "auto"   # auto: triton on CUDA, the PyTorch reference on th
 SCHEDULING_POLICY = "fcfs"
 SPEC_PROMPT_LOOKUP = 5          # n-gram speculation: prompt_lookup_min/max when neither is given (vLLM's)
 SPEC_CONFIG_FILE = "spec_config.json"   # what `llmopt spec-tune` writes and --speculative-config DIR reads
+BENCH_SPEC_NUM_TOKENS = 4       # bench --spec METHOD without --num-speculative-tokens
 CPU_QUANT_KERNEL_MAX_ROWS = 32   # quantized CPU GEMMs: own kernel up to this many rows, else dequantized slices + BLAS
 LM_HEAD_DTYPE = "auto"           # auto: int8 head for quantized models on the CPU | float | int8
 

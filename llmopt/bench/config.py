@@ -62,9 +62,9 @@ class BenchConfig:
             raise UserInputError(f"--endpoint {self.endpoint}: use {' or '.join(ENDPOINTS)}")
         if self.spec not in SPEC_METHODS:
             raise UserInputError(f"--spec {self.spec!r}: use one of {', '.join(SPEC_METHODS)}")
-        if self.spec != "none":
-            raise UserInputError(f"--spec {self.spec}: speculative decoding is not in llmopt yet, so bench can only "
-                                 "run plain decoding (--spec none)")
+        if self.spec != "none" and self.online:
+            raise UserInputError(f"--spec {self.spec} configures the offline engine: a server (--base-url) speculates "
+                                 "as its own --speculative-config says")
         if self.num_warmups < 0:
             raise UserInputError("--num-warmups must be >= 0")
         if not self.request_timeout > 0:

@@ -129,6 +129,17 @@ def run_engine(engine, cfg: BenchConfig, requests: list[SampleRequest], load: Lo
                          num_preemptions=stats1.num_preemptions - stats0.num_preemptions,
                          kv_cache_usage_mean=sum(kv) / len(kv) if kv else None,
                          kv_cache_usage_max=max(kv) if kv else None)
+    sp0, sp1 = stats0.spec_decoding, stats1.spec_decoding
+    if sp1 is not None and sp1.num_drafts > sp0.num_drafts:   # llmopt.spec counters over this run
+        drafts = sp1.num_drafts - sp0.num_drafts
+        draft_tokens = sp1.num_draft_tokens - sp0.num_draft_tokens
+        accepted = sp1.num_accepted_tokens - sp0.num_accepted_tokens
+        server.spec_decode_num_drafts, server.spec_decode_draft_tokens = drafts, draft_tokens
+        server.spec_decode_accepted_tokens = accepted
+        server.spec_decode_acceptance_rate = 100.0 * accepted / draft_tokens
+        server.spec_decode_acceptance_length = 1 + accepted / drafts
+        server.spec_decode_per_position_acceptance_rates = [
+            (a - b) / drafts for a, b in zip(sp1.num_accepted_tokens_per_pos, sp0.num_accepted_tokens_per_pos)]
     return RunOutput(records, end - t0, server, interrupted)
 
 

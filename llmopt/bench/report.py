@@ -70,6 +70,7 @@ class BenchResult:
     records: list[RequestRecord]
     per_category: dict[str, CategoryStats] | None = None
     compare_hf: Any = None                    # offline.HFComparison with --compare hf
+    compare_spec: Any = None                  # spec.bench.SpecComparison with --spec METHOD (offline)
 
     def to_dict(self) -> dict[str, Any]:
         s = self.summary
@@ -98,6 +99,7 @@ class BenchResult:
         d["per_category"] = None if self.per_category is None else \
             {k: dataclasses.asdict(v) for k, v in self.per_category.items()}
         d["compare_hf"] = None if self.compare_hf is None else dataclasses.asdict(self.compare_hf)
+        d["compare_spec"] = None if self.compare_spec is None else dataclasses.asdict(self.compare_spec)
         d["input_lens"] = [r.prompt_len for r in self.records]
         d["output_lens"] = list(s.output_lens)
         d["ttfts"] = [r.ttft for r in self.records]

@@ -120,6 +120,16 @@ def _result_tables(d: dict[str, Any]) -> list[Table]:
                       _ms(c["mean_tpot_ms"]), _ms(c["mean_itl_ms"]), _ms(c["mean_e2el_ms"]),
                       _ms(c["mean_tokens_per_s"]))
         tables.append(t)
+    if d.get("compare_spec"):
+        c = d["compare_spec"]
+        per = c["acceptance_rate_per_pos"]
+        tables.append(output.kv_table(f"Speculative decoding ({c['method']}, K={c['num_speculative_tokens']}) vs "
+                                      "plain on the same prompts", [
+            ("Plain output throughput (tok/s)", c["plain_output_throughput"]),
+            ("Spec output throughput (tok/s)", c["spec_output_throughput"]),
+            ("Speedup", c["speedup"]), ("Acceptance length", c["acceptance_length"]),
+            ("Acceptance rate per position", " ".join(f"{x:.2f}" for x in per) if per else None),
+            ("Greedy outputs identical", c["outputs_identical"])]))
     if d["compare_hf"]:
         h = d["compare_hf"]
         tables.append(output.kv_table("transformers generate on the same prompts", [
@@ -245,13 +255,15 @@ def bench(
                                          help="Percent a metric may get worse under --compare-to, >= 0."),
     compare: str = typer.Option(None, "--compare", help="hf: also run transformers generate on the same prompts "
                                 "(offline)."),
-    spec: str = typer.Option("none", "--spec", help="Speculative method: none (ngram, draft_model, eagle, eagle3 "
-                             "are not available yet)."),
-    spec_model: str = typer.Option(None, "--spec-model", help="Draft model of --spec (not available yet)."),
+    spec: str = typer.Option("none", "--spec", help="Offline speculative decoding: none, ngram, draft_model, eagle "
+                             "or eagle3; the same prompts also run without it and the speedup is reported."),
+    spec_model: str = typer.Option(None, "--spec-model", help="Draft model or EAGLE head folder of --spec."),
     num_speculative_tokens: int = typer.Option(None, "--num-speculative-tokens", callback=in_range(1),
-                                               help="Draft tokens per step of --spec (not available yet)."),
+                                               help=f"Draft tokens per step of --spec (default "
+                                               f"{defaults.BENCH_SPEC_NUM_TOKENS})."),
     speculative_config: str = typer.Option(None, "--speculative-config",
-                                           help="JSON or a spec_config.json (not available yet)."),
+                                           help="vLLM's JSON or a spec_config.json from llmopt spec-tune "
+                                           "(instead of --spec ...)."),
     dtype: str = common.DtypeOpt,
     device: str = common.DeviceOpt,
     block_size: int = typer.Option(defaults.BLOCK_SIZE, "--block-size", callback=in_range(1),
@@ -286,10 +298,9 @@ def bench(
     from llmopt.bench.runner import run_benchmark
     from llmopt.fsutil import check_output_file, write_atomic
 
-    if spec != "none" or spec_model or num_speculative_tokens or speculative_config:
-        raise UserInputError(f"--spec {spec}: speculative decoding is not in llmopt yet, so bench runs plain "
-                             "decoding only (--spec none, without --spec-model, --num-speculative-tokens or "
-                             "--speculative-config)")
+    from llmopt.spec.config import bench_speculative_config
+    spec_config = bench_speculative_config(spec, spec_model, num_speculative_tokens, speculative_config)
+    spec = spec_config.method if spec_config is not None else "none"
     if compare not in (None, "hf"):
         raise UserInputError(f"--compare {compare}: the one comparison is hf (transformers generate)")
     engine_flags = dict(dtype=dtype, device=device, block_size=block_size, kv_cache_memory=kv_cache_memory,
@@ -319,7 +330,7 @@ def bench(
                                  kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
                                  max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                  enable_prefix_caching=prefix_caching, attention_backend=attention_backend,
-                                 seed=seed)
+                                 seed=seed, speculative_config=spec_config)
     cfg = BenchConfig(
         workload=WorkloadSpec(dataset_name, dataset_path, num_prompts, seed, random_input_len, random_output_len,
                               random_range_ratio, random_prefix_len, sharegpt_output_len, spec_bench_output_len,

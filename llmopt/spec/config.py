@@ -116,3 +116,21 @@ def parse_speculative_config(value: "SpeculativeConfig | dict | str | Path | Non
             and (base / value["model"]).exists():
         value["model"] = str(base / value["model"])
     return SpeculativeConfig(**value)
+
+
+def bench_speculative_config(method: str = "none", model: str | None = None, num_speculative_tokens: int | None = None,
+                             config: str | None = None) -> SpeculativeConfig | None:
+    """`llmopt bench`'s speculative flags as one config: --speculative-config (JSON or a
+    spec_config.json) wins; else --spec METHOD with --spec-model and --num-speculative-tokens
+    (default BENCH_SPEC_NUM_TOKENS). None: plain decoding."""
+    if config is not None:
+        cfg = parse_speculative_config(config)
+        if method not in ("none", cfg.method):
+            raise UserInputError(f"--spec {method} but --speculative-config says method {cfg.method}: give one")
+        return cfg
+    if method == "none":
+        if model is not None or num_speculative_tokens is not None:
+            raise UserInputError("--spec-model and --num-speculative-tokens need --spec METHOD")
+        return None
+    return SpeculativeConfig(method=method, model=model,
+                             num_speculative_tokens=num_speculative_tokens or defaults.BENCH_SPEC_NUM_TOKENS)

@@ -123,8 +123,8 @@ def test_a_sweep_runs_synchronous_throughput_and_constant_rates(server, tmp_path
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (["--spec", "ngram"], "speculative decoding is not in llmopt yet"),
-    (["--spec-model", "x"], "speculative decoding is not in llmopt yet"),
+    (["--spec", "ngram"], "configures the offline engine"),
+    (["--spec-model", "x"], "need --spec METHOD"),
     (["--max-num-seqs", "4"], "engine flags are for offline runs"),
     (["--endpoint", "/v1/embeddings"], "--endpoint"),
     (["--goodput", "itl:5"], "SLO names"),
