@@ -217,6 +217,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
+        # Speculative decoding (llmopt.spec, EAGLE): None = off; a tuple of layer indices = after each
+        # forward, `captured` holds (final hidden [*, hidden], [the hidden state entering each listed layer])
+        self.capture_hidden: tuple[int, ...] | None = None
+        self.captured: tuple[torch.Tensor, list[torch.Tensor]] | None = None
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
@@ -234,8 +238,14 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
+        capture, aux = self.capture_hidden, []
             x = layer(x, cos, sin, attn, suffix_from if i == last else 0)
-        return self.model.norm(x, _backend(attn))
+            if capture is not None and i in capture:
+                aux.append(x)
+        x = self.model.norm(x, _backend(attn))
+        if capture is not None:
+            self.captured = (x, aux)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
