@@ -237,11 +237,11 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
         last = len(self.model.layers) - 1
-        for i, layer in enumerate(self.model.layers):
         capture, aux = self.capture_hidden, []
-            x = layer(x, cos, sin, attn, suffix_from if i == last else 0)
+        for i, layer in enumerate(self.model.layers):
             if capture is not None and i in capture:
                 aux.append(x)
+            x = layer(x, cos, sin, attn, suffix_from if i == last else 0)
         x = self.model.norm(x, _backend(attn))
         if capture is not None:
             self.captured = (x, aux)
