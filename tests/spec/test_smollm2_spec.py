@@ -1,0 +1,54 @@
+"""Speculation on the default model (SmolLM2-135M): greedy outputs identical with it on and off for
+n-gram, a LayerSkip-style self-draft (its first 8 layers, written by write_self_draft) and an
+untrained EAGLE-3 head (exactness does not depend on the head), 2 prompts x 24 tokens each."""
+
+import pytest
+
+from llmopt.engine.args import EngineArgs
+from llmopt.engine.engine import LLMEngine
+from llmopt.engine.sampling_params import SamplingParams
+from llmopt.models.loader import load_model, resolve_checkpoint
+from llmopt.spec.draft_model import write_self_draft
+from llmopt.spec.eagle import new_head, save_head
+from engine_helpers import check_no_leak
+
+PROMPTS = ["The capital of France is Paris. The capital of France is", "def add(a, b):\n    return a + b\n\ndef"]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.1)
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory):
+    loaded = load_model(None, "float32", "cpu")
+    base = tmp_path_factory.mktemp("smol-spec")
+    draft = write_self_draft(str(resolve_checkpoint(None)), 8, base / "self-draft")
+    save_head(new_head(loaded.config, "eagle3", list(range(0, 8192)), seed=0), base / "eagle3")
+    return loaded, {"ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+                              "prompt_lookup_max": 4},
+                    "draft_model": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3},
+                    "eagle3": {"method": "eagle3", "model": str(base / "eagle3"), "num_speculative_tokens": 3}}
+
+
+def _run(loaded, spec):
+    loaded.model.capture_hidden = None
+    engine = LLMEngine(EngineArgs(kv_cache_memory=1 << 26, max_model_len=512, enforce_eager=True, speculative_config=spec),
+                       loaded=loaded)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"p{i}", p, PARAMS)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    check_no_leak(engine)
+    return [done[f"p{i}"] for i in range(len(PROMPTS))], engine.stats().spec_decoding
+
+
+def test_smollm2_greedy_identity_per_method(smol):
+    loaded, specs = smol
+    ref, _ = _run(loaded, None)
+    for name, spec in specs.items():
+        got, st = _run(loaded, spec)
+        assert got == ref, name
+        assert st.num_drafts > 0, name
+        if name == "draft_model":    # the model's own first 8 of 30 layers: some drafts are taken
+            assert st.num_accepted_tokens > 0, name
