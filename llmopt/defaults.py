@@ -39,6 +39,9 @@ SPEC_CONFIG_FILE = "spec_config.json"   # what `llmopt spec-tune` writes and --s
 BENCH_SPEC_NUM_TOKENS = 4       # bench --spec METHOD without --num-speculative-tokens
 CPU_QUANT_KERNEL_MAX_ROWS = 32   # quantized CPU GEMMs: own kernel up to this many rows, else dequantized slices + BLAS
 LM_HEAD_DTYPE = "auto"           # auto: int8 head for quantized models on the CPU | float | int8
+ENFORCE_EAGER = True             # never compile the decode step unless --no-enforce-eager (docs/benchmarks.md: no gain measured)
+COMPILE_BATCH_BUCKETS = (1, 2, 4, 8, 16)  # decode steps of up to 16 sequences run a compiled graph, padded to these
+COMPILE_GEMV_MAX_ROWS = 2        # compiled step: float linears of at most this many rows as an inductor multiply-sum
 
 # serve
 SERVE_HOST = "127.0.0.1"

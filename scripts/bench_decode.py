@@ -77,7 +77,7 @@ def run_requests(engine, ps: list[list[int]], gen: int) -> tuple[float, float, i
 
 def bench_llmopt(name: str, model: str | None, quantization: str | None, single: int, batches: list[int],
                  gen_batched: int, extra: dict) -> dict:
-    res: dict = {"config": name}
+    res: dict = {"config": name, "load_1min": os.getloadavg()[0]}
     engine = make_engine(model, quantization, max(batches + [1]), extra)
     vocab = engine.loaded.config.vocab_size
     run_requests(engine, prompts(1, vocab, 99), 8)     # warm-up (kernel build, first-use caches)
@@ -92,11 +92,12 @@ def bench_llmopt(name: str, model: str | None, quantization: str | None, single:
 
 
 def bench_llamacpp(python: Path, gguf: Path, single: int, threads: int) -> dict:
+    load = os.getloadavg()[0]
     out = subprocess.run([str(python), "-c", LLAMACPP_SCRIPT, str(gguf), str(PROMPT_LEN), str(single), str(threads)],
                          capture_output=True, text=True, timeout=1800)
     if out.returncode:
         raise SystemExit(f"llama-cpp-python failed: {out.stderr.strip().splitlines()[-1:]}")
-    res = {"config": "llama.cpp Q4_1", **json.loads(out.stdout.strip().splitlines()[-1])}
+    res = {"config": "llama.cpp Q4_1", "load_1min": load, **json.loads(out.stdout.strip().splitlines()[-1])}
     print(json.dumps(res), flush=True)
     return res
 
@@ -105,7 +106,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="float checkpoint (default: the built-in smollm2-135m)")
     ap.add_argument("--config", action="append", default=[],
-                    help="float32 | int8 | fp8 | NAME=CHECKPOINT (a quantized folder); repeatable")
+                    help="float32 | int8 | fp8 | NAME=CHECKPOINT (a quantized folder), each with an optional "
+                    "@compiled suffix (the compiled decode step: enforce_eager=False); repeatable")
     ap.add_argument("--single", type=int, default=256, help="tokens generated single-stream (0: skip)")
     ap.add_argument("--batch", type=int, action="append", default=None, help="batched sizes (default 16, 64)")
     ap.add_argument("--gen-batched", type=int, default=256, help="tokens generated per sequence when batched")
@@ -127,13 +129,16 @@ def main() -> None:
     print(json.dumps({"llmopt": str(Path(llmopt.__file__).parent), "load": os.getloadavg()}), flush=True)
     results = []
     for cfg in a.config or ["float32"]:
+        cfg, compiled = (cfg[:-len("@compiled")], True) if cfg.endswith("@compiled") else (cfg, False)
+        kw = {**extra, "enforce_eager": False} if compiled else extra
         name, _, path = cfg.partition("=")
+        label = name + (" compiled" if compiled else "")
         if path:
-            results.append(bench_llmopt(name, path, None, a.single, batches, a.gen_batched, extra))
+            results.append(bench_llmopt(label, path, None, a.single, batches, a.gen_batched, kw))
         elif name == "float32":
-            results.append(bench_llmopt(name, a.model, None, a.single, batches, a.gen_batched, extra))
+            results.append(bench_llmopt(label, a.model, None, a.single, batches, a.gen_batched, kw))
         else:
-            results.append(bench_llmopt(name, a.model, name, a.single, batches, a.gen_batched, extra))
+            results.append(bench_llmopt(label, a.model, name, a.single, batches, a.gen_batched, kw))
     if a.llamacpp:
         from llmopt.models.config import builtin_gguf
         from llmopt import defaults

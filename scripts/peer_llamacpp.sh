@@ -16,9 +16,12 @@ LLAMACPP="llama-cpp-python==0.3.36"
 if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
-if ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null; then
-    CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF}" \
+# A library built with -march=native reports AVX512/AMX in its system info: rebuild that one too.
+if ! "$VENV/bin/python" -c "import llama_cpp, sys; sys.exit(b'AVX512 = 1' in llama_cpp.llama_print_system_info())" \
+        2>/dev/null; then
+    CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF}" \
     CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}" \
-        "$VENV/bin/python" -m pip install --quiet --no-cache-dir "$LLAMACPP"
+        "$VENV/bin/python" -m pip install --quiet --no-cache-dir --force-reinstall --no-deps \
+        --no-binary llama-cpp-python "$LLAMACPP"
 fi
-"$VENV/bin/python" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
+"$VENV/bin/python" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, llama_cpp.llama_print_system_info().decode())"

@@ -37,7 +37,8 @@ _ENGINE_DEFAULTS = dict(dtype=defaults.DTYPE, device=defaults.DEVICE, block_size
                         kv_cache_memory=None, gpu_memory_utilization=defaults.GPU_MEMORY_UTILIZATION,
                         kv_cache_dtype=defaults.KV_CACHE_DTYPE, max_model_len=None,
                         max_num_seqs=defaults.MAX_NUM_SEQS, max_num_batched_tokens=defaults.MAX_NUM_BATCHED_TOKENS,
-                        prefix_caching=defaults.ENABLE_PREFIX_CACHING, attention_backend=defaults.ATTENTION_BACKEND)
+                        prefix_caching=defaults.ENABLE_PREFIX_CACHING, attention_backend=defaults.ATTENTION_BACKEND,
+                        quantization=None, lm_head_dtype=defaults.LM_HEAD_DTYPE, enforce_eager=defaults.ENFORCE_EAGER)
 
 
 class _Bars:
@@ -286,6 +287,9 @@ def bench(
                                         help="Offline: reuse the KV blocks of prompt prefixes."),
     attention_backend: str = typer.Option(defaults.ATTENTION_BACKEND, "--attention-backend",
                                           help="Offline: auto, torch or triton."),
+    quantization: str = common.QuantizationOpt,
+    lm_head_dtype: str = common.LmHeadDtypeOpt,
+    enforce_eager: bool = common.EnforceEagerOpt,
     quiet: bool = common.QuietOpt,
 ) -> None:
     """Benchmark a server (online) or the engine (offline) with vLLM's metrics."""
@@ -307,7 +311,8 @@ def bench(
                         gpu_memory_utilization=gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype,
                         max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens, prefix_caching=prefix_caching,
-                        attention_backend=attention_backend)
+                        attention_backend=attention_backend, quantization=quantization,
+                        lm_head_dtype=lm_head_dtype, enforce_eager=enforce_eager)
     if base_url is not None:
         given = [k for k, v in engine_flags.items() if v != _ENGINE_DEFAULTS[k]]
         if given:
@@ -330,7 +335,8 @@ def bench(
                                  kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
                                  max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                  enable_prefix_caching=prefix_caching, attention_backend=attention_backend,
-                                 seed=seed, speculative_config=spec_config)
+                                 seed=seed, speculative_config=spec_config, quantization=quantization,
+                                 lm_head_dtype=lm_head_dtype, enforce_eager=enforce_eager)
     cfg = BenchConfig(
         workload=WorkloadSpec(dataset_name, dataset_path, num_prompts, seed, random_input_len, random_output_len,
                               random_range_ratio, random_prefix_len, sharegpt_output_len, spec_bench_output_len,

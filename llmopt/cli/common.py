@@ -20,3 +20,7 @@ QuantizationOpt = typer.Option(None, "--quantization", help="int8 or fp8: quanti
                                "linear layers per channel as they load (no calibration).")
 LmHeadDtypeOpt = typer.Option(defaults.LM_HEAD_DTYPE, "--lm-head-dtype", help="auto, float or int8 (auto: "
                               "int8 per row for a quantized model on the CPU, else float).")
+EnforceEagerOpt = typer.Option(defaults.ENFORCE_EAGER, "--enforce-eager/--no-enforce-eager",
+                               help="Never compile the decode step (vLLM's flag); else decode steps of up to "
+                               f"{max(defaults.COMPILE_BATCH_BUCKETS)} sequences on the CPU run a torch.compile "
+                               "graph, compiled on first use and cached.")

@@ -127,6 +127,7 @@ def generate(
                                           help="auto, torch or triton (auto: triton on CUDA, torch on the CPU)."),
     quantization: str = common.QuantizationOpt,
     lm_head_dtype: str = common.LmHeadDtypeOpt,
+    enforce_eager: bool = common.EnforceEagerOpt,
     speculative_config: str = typer.Option(None, "--speculative-config",
                                            help="vLLM's speculative decoding config: a JSON object (method ngram|"
                                            "draft_model|eagle|eagle3, model, num_speculative_tokens, prompt_lookup_min/max, "
@@ -151,7 +152,7 @@ def generate(
               kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=prefix_caching,
               attention_backend=attention_backend, seed=seed or 0, quantization=quantization,
-              lm_head_dtype=lm_head_dtype, speculative_config=speculative_config)
+              lm_head_dtype=lm_head_dtype, speculative_config=speculative_config, enforce_eager=enforce_eager)
     with output.progress("generate", len(texts), enabled=not quiet and len(texts) > 1) as advance:
         if chat:
             convs = [([{"role": "system", "content": system}] if system else []) +

@@ -69,6 +69,9 @@ def serve(
                                           help="fcfs|priority (a request's priority: lower runs first)."),
     attention_backend: str = typer.Option(defaults.ATTENTION_BACKEND, "--attention-backend", help="auto|torch|triton."),
     seed: int = typer.Option(0, "--seed", help="Seed of the engine's sampler."),
+    quantization: str = common.QuantizationOpt,
+    lm_head_dtype: str = common.LmHeadDtypeOpt,
+    enforce_eager: bool = common.EnforceEagerOpt,
     speculative_config: str = typer.Option(None, "--speculative-config",
                                            help="vLLM's speculative decoding config: a JSON object (method ngram|"
                                            "draft_model|eagle|eagle3, model, num_speculative_tokens, prompt_lookup_min/max, "
@@ -93,7 +96,8 @@ def serve(
 def run(*, model, config, host, port, api_key, served_model_name, dtype, device, block_size, kv_cache_memory,
         gpu_memory_utilization, kv_cache_dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
         max_num_queued_reqs, max_request_bytes, prefix_caching, scheduling_policy, attention_backend, seed,
-        shutdown_timeout, log_interval, disable_log_requests, log_level, speculative_config=None) -> None:
+        shutdown_timeout, log_interval, disable_log_requests, log_level, speculative_config=None,
+        quantization=None, lm_head_dtype=defaults.LM_HEAD_DTYPE, enforce_eager=defaults.ENFORCE_EAGER) -> None:
     kv_bytes = None if kv_cache_memory is None else parse_bytes(kv_cache_memory, "--kv-cache-memory-bytes")
     body_bytes = parse_bytes(max_request_bytes, "--max-request-bytes")
     if body_bytes < 1:
@@ -116,7 +120,8 @@ def run(*, model, config, host, port, api_key, served_model_name, dtype, device,
                       max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=prefix_caching,
                       attention_backend=attention_backend, seed=seed, scheduling_policy=scheduling_policy,
-                      speculative_config=speculative_config)
+                      speculative_config=speculative_config, quantization=quantization,
+                      lm_head_dtype=lm_head_dtype, enforce_eager=enforce_eager)
     engine = AsyncLLMEngine.from_engine_args(args)
     name = served_model_name or model or defaults.DEFAULT_MODEL
     app = build_app(engine, ServeConfig(model_name=name, api_key=api_key, max_num_queued_reqs=max_num_queued_reqs,

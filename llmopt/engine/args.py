@@ -29,6 +29,7 @@ class EngineArgs:
     detokenize: bool = True
     quantization: str | None = None               # int8 | fp8: a float checkpoint quantized per channel at load
     lm_head_dtype: str = defaults.LM_HEAD_DTYPE   # auto (int8 for quantized models on the CPU) | float | int8
+    enforce_eager: bool = defaults.ENFORCE_EAGER  # True: no compiled decode step (vLLM's --enforce-eager)
     speculative_config: "dict | str | None" = None  # vLLM's --speculative-config: a dict, JSON, or a spec_config.json
 
     def __post_init__(self) -> None:

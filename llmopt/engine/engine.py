@@ -108,7 +108,7 @@ class LLMEngine:
                                  "give at most that")
         self.runner = ModelRunner(loaded, args.block_size, args.kv_cache_dtype, args.kv_cache_memory,
                                   args.gpu_memory_utilization, args.max_num_batched_tokens,
-                                  args.attention_backend)
+                                  args.attention_backend, args.enforce_eager)
         info = self.runner.kv_cache_info()
         need = cdiv(self.max_model_len, args.block_size)
         if need > info.num_blocks:

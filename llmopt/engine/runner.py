@@ -62,7 +62,8 @@ class PagedAttention:
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, block_size: int, kv_cache_dtype: str = "auto",
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
-                 max_num_batched_tokens: int = 2048, attention_backend: str = "auto") -> None:
+                 max_num_batched_tokens: int = 2048, attention_backend: str = "auto",
+                 enforce_eager: bool = True) -> None:
         self.model = loaded.model
         self.cfg = loaded.config
         self.dtype = loaded.dtype
@@ -84,6 +85,11 @@ class ModelRunner:
                                  f"bytes (all layers): raise --kv-cache-memory or lower --block-size")
         self._allocate()
         self.attn = PagedAttention(self)
+        self.compiled = None   # llmopt.engine.compiled.CompiledDecode: decode-only steps of small batches
+        if not enforce_eager and self.device.type == "cpu":
+            from llmopt.engine.compiled import CompiledDecode
+            if CompiledDecode.supports(self.model):
+                self.compiled = CompiledDecode(self.model, self.backend, self.device)
 
     # -- KV memory -------------------------------------------------------------------------------
     def _kv_budget(self, kv_cache_memory, utilization, max_tokens) -> int:
@@ -178,5 +184,8 @@ class ModelRunner:
         a.seq_lens = (starts + n_new).to(torch.int32).to(dev, non_blocking=True)
         a.query_start_loc = qsl.to(dev, non_blocking=True)
         ids = torch.tensor(tokens, dtype=torch.long).to(dev, non_blocking=True)
+        c = self.compiled
+        if c is not None and len(tokens) == len(sched) <= c.max_batch and all(s.num_logits == 1 for s in sched):
+            return c.run(ids, positions.to(dev, non_blocking=True), a)   # decode only: the compiled step
         hidden = self.model(ids, positions.to(dev, non_blocking=True), a)
         return self.model.compute_logits(hidden[logit_rows.to(dev)]).float()

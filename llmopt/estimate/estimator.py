@@ -152,7 +152,7 @@ def estimate(spec: ModelSpec, *, device: str | None = None, dtype: str = default
     for x in layers:
         per_kind.setdefault((x.kind, x.window), []).append(x)
     summary = [LayerSummary(k, w, len(v), _num(v[0].token_bytes)) for (k, w), v in per_kind.items()]
-    weights = weight_memory(spec, weight_format, group_size, tp)
+    weights = weight_memory(spec, weight_format, group_size, tp, device=dev)
     note = spec.note
     if max_len > spec.max_position_embeddings:     # planning what-ifs; `llmopt kv-estimate` refuses it
         note = (note + "; " if note else "") + (f"max_model_len {max_len:,} exceeds the model's "

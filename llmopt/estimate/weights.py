@@ -12,6 +12,12 @@ in the base dtype, as AutoAWQ / GPTQ / llm-compressor checkpoints keep them):
   gguf's GGML_QUANT_SIZES (elements / block size * bytes per block); norms stay float32.
 - auto: what the checkpoint really holds: a .gguf's or a safetensors folder's tensors as stored,
   else the config's quantization_config, else the checkpoint dtype (float32 served as bfloat16).
+
+On the CPU (device "cpu") the figure is what llmopt's engine keeps resident: grouped int4/int8
+codes with a float32 scale and a float32 scaled zero per group (the layout of
+llmopt/kernels/cpu_quant), and for quantized weights the head, or the tied embedding it shares,
+as int8 per row + a float32 scale per row (--lm-head-dtype auto); a quantized checkpoint's folder
+is then counted from its config, not its stored tensors.
 """
 
 from __future__ import annotations
@@ -66,7 +72,9 @@ def _shard(p: Param, spec: ModelSpec, tp: int) -> tuple[int, ...]:
     return (ceil(p.shape[0] / tp), *p.shape[1:])          # col, vocab
 
 
-def _linear_bytes(out: int, inp: int, fmt: str, group: int) -> int:
+def _linear_bytes(out: int, inp: int, fmt: str, group: int, cpu: bool = False) -> int:
+    if fmt == "int4" and cpu:     # cpu_quant: nibbles, float32 scale and scaled zero per group
+        return ceil(out * inp / 2) + out * ceil(inp / (inp if group in (-1, 0) else group)) * 8
     if fmt in ("fp8", "int8"):
         return out * inp + out * 4
     if fmt == "fp8-block":
@@ -87,16 +95,19 @@ def _ggml_bytes(shape: tuple[int, ...], type_name: str) -> int:
     return rows * ggml_nbytes(ceil(shape[-1] / block) * block, type_name)   # rows padded to whole blocks
 
 
-def param_bytes(p: Param, shape: tuple[int, ...], fmt: str, group: int, base: int) -> int:
+def param_bytes(p: Param, shape: tuple[int, ...], fmt: str, group: int, base: int, cpu: bool = False,
+                int8_head: bool = False) -> int:
     numel = 1
     for s in shape:
         numel *= s
+    if int8_head and len(shape) == 2 and p.group in ("head", "embed"):
+        return numel + shape[0] * 4      # int8 per row + a float32 scale per row (quant/runtime.py Int8Head)
     if fmt in FLOAT_FORMATS:
         return numel * FLOAT_FORMATS[fmt]
     if fmt.upper() in ggml_type_names():
         return _ggml_bytes(shape, fmt.upper()) if len(shape) == 2 else numel * 4
     if p.is_linear:
-        return _linear_bytes(shape[0], shape[1], fmt, group)
+        return _linear_bytes(shape[0], shape[1], fmt, group, cpu)
     return numel * base
 
 
@@ -121,12 +132,16 @@ def _file_rank_bytes(t: TensorInfo, spec: ModelSpec, tp: int) -> int:
     return ceil(t.nbytes / tp)
 
 
-def weight_memory(spec: ModelSpec, fmt: str = "auto", group_size: int | None = None, tp: int = 1) -> WeightMemory:
+def weight_memory(spec: ModelSpec, fmt: str = "auto", group_size: int | None = None, tp: int = 1,
+                  device: str = "cuda", lm_head_dtype: str = defaults.LM_HEAD_DTYPE) -> WeightMemory:
+    """device cpu: what the engine holds on the CPU (the module docstring); lm_head_dtype as the
+    engine's --lm-head-dtype."""
     fmt = fmt.strip().lower()
     group = defaults.QUANT_GROUP_SIZE if group_size is None else group_size
     if group == 0 or group < -1:
         raise UserInputError(f"--group-size must be positive or -1 (per channel), got {group}")
-    if fmt == "auto" and spec.tensors:
+    cpu = device == "cpu"
+    if fmt == "auto" and spec.tensors and not (cpu and spec.quantization_config):
         tied_head = spec.tie_word_embeddings
         tensors = [t for t in spec.tensors if not (tied_head and t.name in ("lm_head.weight", "output.weight"))]
         by: dict[str, int] = {}
@@ -149,13 +164,19 @@ def weight_memory(spec: ModelSpec, fmt: str = "auto", group_size: int | None = N
                                  f"such as {next((g for g in defaults.QUANT_GROUP_SIZES if odd % g == 0), -1)} "
                                  "or -1 (per channel)")
     base = FLOAT_FORMATS.get(spec.serving_dtype, 2)
+    quantized = fmt not in FLOAT_FORMATS and fmt.upper() not in ggml_type_names()
+    if lm_head_dtype not in ("auto", "float", "int8"):
+        raise UserInputError(f"unknown --lm-head-dtype {lm_head_dtype!r}: use auto, float or int8")
+    int8_head = lm_head_dtype == "int8" or (lm_head_dtype == "auto" and quantized and cpu)
     by = {}
     total = rank = n = 0
     for p in model_params(spec):
-        b = param_bytes(p, p.shape, fmt, group, base)
+        # the int8 table: the head, or with a tied head the embedding it shares
+        q_head = int8_head and p.group == ("embed" if spec.tie_word_embeddings else "head")
+        b = param_bytes(p, p.shape, fmt, group, base, cpu, q_head)
         by[p.group] = by.get(p.group, 0) + b
         total += b
-        rank += param_bytes(p, _shard(p, spec, tp), fmt, group, base) if tp > 1 else b
+        rank += param_bytes(p, _shard(p, spec, tp), fmt, group, base, cpu, q_head) if tp > 1 else b
         n += p.numel
-    label = f"int4 (group {group})" if fmt == "int4" else fmt
+    label = (f"int4 (group {group})" if fmt == "int4" else fmt) + (", int8 head" if int8_head else "")
     return WeightMemory(label, "config", n, total, rank, by)

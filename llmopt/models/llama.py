@@ -124,8 +124,9 @@ class Attention(nn.Module):
         lins = (self.q_proj, self.k_proj, self.v_proj)
         if any(lin._forward_pre_hooks or lin._forward_hooks for lin in lins):
             return tuple(lin(x) for lin in lins)      # someone watches a projection: call each
-        if f is not None and all(type(lin) is nn.Linear for lin in lins) and _views_of(f[0], [lin.weight for lin in lins]) \
-                and (f[1] is None or _views_of(f[1], [lin.bias for lin in lins])):
+        if f is not None and all(type(lin) is nn.Linear for lin in lins) and (torch.compiler.is_compiling() or (
+                _views_of(f[0], [lin.weight for lin in lins])     # compiled: checked before (engine/compiled.py)
+                and (f[1] is None or _views_of(f[1], [lin.bias for lin in lins])))):
             return F.linear(x, *f).split([lin.out_features for lin in lins], dim=-1)
         self._qkv = None    # a projection was replaced (quantized, reloaded): back to three GEMMs
         return tuple(lin(x) for lin in lins)
