@@ -91,11 +91,10 @@ def test_modules_repack_every_format_for_the_kernel(fmt):
         mod = CTPackedLinear(n_in, out, False, 4, gs, sym=False)
     for name, t in pack_linear("m", qt, fmt).items():
         mod._buffers[name[2:]] = t
-    mod.finish_loading()
     x = torch.randn(3, n_in, generator=g)
-    want = mod(x)                                  # CPU path: cached dequantized weight
-    torch.testing.assert_close(want, x @ qt.dequantize().t(), rtol=1e-5, atol=1e-5)
-    mod._prepare_kernel()
+    want = x @ qt.dequantize().t()                 # (the modules' CPU path: tests/quant/test_cpu_kernels.py)
+    mod._check_loaded()
+    mod._prepare_kernel()                          # what finish_loading does on a GPU
     qweight, scales, zeros, perm, group = mod._kernel
     xk = x if perm is None else x[:, perm]
     for gemv in (True, False):
