@@ -127,6 +127,8 @@ class CompiledDecode:
         self.compiled: set[int] = set()       # buckets whose graph has run
         self.compile_seconds: dict[int, float] = {}
         use_cache_dir()
+        from llmopt.kernels import cpu_quant
+        cpu_quant.ops()          # build/load the quantized kernels now: graphs only read the result
         import torch._dynamo
         cfg = torch._dynamo.config
         # one graph per bucket for each model a process loads (the code objects are shared)

@@ -74,13 +74,19 @@ def _register_fakes() -> None:
         lambda ids, codes, s: s.new_empty((ids.numel(), codes.shape[1])))
 
 
-@functools.cache
+_OPS: list = []   # [torch.ops.llmopt_cpu or None] once resolved: a plain global that torch.compile reads
+
+
 def ops():
-    """torch.ops.llmopt_cpu, or None when the fallback runs."""
-    if not available():
-        return None
-    _register_fakes()
-    return torch.ops.llmopt_cpu
+    """torch.ops.llmopt_cpu, or None when the fallback runs. Resolved once, eagerly (a graph being
+    compiled only reads _OPS: dynamo cannot trace the build or the CPU capability query)."""
+    if not _OPS:
+        if available():
+            _register_fakes()
+            _OPS.append(torch.ops.llmopt_cpu)
+        else:
+            _OPS.append(None)
+    return _OPS[0]
 
 
 # -- layouts --------------------------------------------------------------------------------------

@@ -30,13 +30,14 @@ def inductor_dir(tmp_path_factory):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
 
 
-def _engine(path, eager: bool, **kw):
+def _engine(path, eager: bool, quantization=None, lm_head_dtype="auto", **kw):
     from llmopt.engine.args import EngineArgs
     from llmopt.engine.engine import LLMEngine
     from llmopt.models.loader import load_model
     args = EngineArgs(model=str(path), dtype="float32", device="cpu", detokenize=False, enforce_eager=eager,
                       kv_cache_memory=1 << 22, **kw)
-    return LLMEngine(args, loaded=load_model(str(path), "float32", "cpu", tokenizer=False))
+    return LLMEngine(args, loaded=load_model(str(path), "float32", "cpu", tokenizer=False,
+                                             quantization=quantization, lm_head_dtype=lm_head_dtype))
 
 
 def _stats() -> dict:
@@ -91,6 +92,18 @@ def test_compiled_matches_eager_and_never_recompiles_inside_buckets(tiny_llama, 
         r.compiled = keep
     assert got.shape == want.shape == (3, 96)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_matches_eager_with_int8_weights(tiny_llama, inductor_dir):
+    """--quantization int8: the graph calls the llmopt_cpu kernels (and the int8 head) as eager does."""
+    from llmopt.engine.sampling_params import SamplingParams
+    prompts = mixed_prompts(3, 96, lo=3, hi=12, seed=2)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    eager = _engine(tiny_llama, True, quantization="int8", lm_head_dtype="int8")
+    comp = _engine(tiny_llama, False, quantization="int8", lm_head_dtype="int8")
+    assert type(comp.loaded.model.lm_head).__name__ == "Int8Head"
+    assert run_engine(comp, prompts, params) == run_engine(eager, prompts, params)
+    assert comp.runner.compiled.compiled      # decode steps ran the graphs
 
 
 _CHILD = r"""
