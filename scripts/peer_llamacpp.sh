@@ -24,4 +24,10 @@ if ! "$VENV/bin/python" -c "import llama_cpp, sys; sys.exit(b'AVX512 = 1' in lla
         "$VENV/bin/python" -m pip install --quiet --no-cache-dir --force-reinstall --no-deps \
         --no-binary llama-cpp-python "$LLAMACPP"
 fi
+# llama.cpp's OpenAI server (python -m llama_cpp.server, the peer of scripts/bench_serve_peers.py):
+# the [server] extra's dependencies, pinned, installed beside the library (never rebuilding it).
+if ! "$VENV/bin/python" -c "import llama_cpp.server.app" 2>/dev/null; then
+    "$VENV/bin/python" -m pip install --quiet uvicorn==0.54.0 fastapi==0.165.0 pydantic-settings==2.16.3 \
+        sse-starlette==3.7.0 starlette-context==0.3.6 PyYAML==6.0.4
+fi
 "$VENV/bin/python" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, llama_cpp.llama_print_system_info().decode())"
