@@ -106,3 +106,39 @@ BENCH_FAIL_THRESHOLD = 10.0           # --compare-to: percent a metric may get w
 BENCH_KV_SAMPLE_INTERVAL = 1.0        # seconds between KV-usage samples (/metrics or the engine)
 BENCH_PREOPEN_CONNECTIONS = 64        # connections the online client opens before the clock starts
 BENCH_KEEPALIVE = 60.0                # seconds an idle client connection stays open
+
+# spec-tune (a smoke run of about 30 minutes on 2 idle cores for SmolLM2-135M; README: longer runs)
+SPEC_TUNE_METHOD = "eagle3"
+SPEC_TUNE_DATA = "../shared/data/wikitext-2/wiki.valid.tokens"   # never the Spec-Bench questions (evaluation)
+SPEC_TUNE_NUM_PROMPTS = 256        # training prompts (the target answers each; its answers are the training data)
+SPEC_TUNE_EVAL_PROMPTS = 8         # held-out prompts the acceptance length is measured on
+SPEC_TUNE_PROMPT_TOKENS = 96       # tokens of a data passage in each prompt
+SPEC_TUNE_MAX_NEW_TOKENS = 128     # the target's greedy answer per prompt, at most
+SPEC_TUNE_GEN_BATCH = 16           # prompts the engine answers at once (training data and acceptance)
+SPEC_TUNE_EPOCHS = 6
+SPEC_TUNE_LR = 5e-4                # AdamW, constant after a linear warmup
+SPEC_TUNE_WARMUP_STEPS = 20
+SPEC_TUNE_BATCH_SIZE = 4           # sequences per optimizer step
+SPEC_TUNE_GRAD_CLIP = 0.5          # EAGLE's
+SPEC_TUNE_TTT_STEPS = 3            # EAGLE-3 training-time test: steps the head runs on its own features
+SPEC_TUNE_TTT_DECAY = 0.8          # EAGLE-3: weight of step j's loss = decay ** j
+SPEC_TUNE_EAGLE1_CE_WEIGHT = 0.1   # EAGLE-1: SmoothL1(feature) + 0.1 x cross-entropy
+SPEC_TUNE_DRAFT_VOCAB = 8192       # EAGLE-3 draft vocabulary: the most frequent tokens of the target's answers
+SPEC_TUNE_CHECKPOINT_EVERY = 50    # optimizer steps between checkpoints (and at each epoch's end)
+SPEC_TUNE_SEED = 0
+SPEC_TUNE_BATCH_SIZES = (1, 8, 32)  # batch sizes K is tuned for
+SPEC_TUNE_MAX_K = 4                # num_speculative_tokens swept 1..this (0 = plain decoding)
+SPEC_TUNE_EVAL_K = 4               # num_speculative_tokens of the acceptance measurement
+SPEC_TUNE_TUNE_MAX_TOKENS = 64     # tokens per request while tuning (ignore_eos: the batch stays full)
+SPEC_TUNE_TUNE_MIN_PROMPTS = 4     # tuning runs at least this many prompts per point (batch 1: 4 in turn)
+SPEC_TUNE_TUNE_REPEATS = 2         # tuning: every K measured this many times, alternating (noise, drift)
+SPEC_TUNE_MIN_GAIN = 0.05          # tuning: a K is kept only above plain decoding x (1 + this)
+SPEC_TUNE_LOOKUP_GRID = ((1, 3), (2, 4), (3, 5), (5, 5))   # n-gram (prompt_lookup_min, max) tried at the smallest batch
+SPEC_TUNE_INSTRUCTIONS = (         # chat prompts: one of these, then a data passage
+    "Continue the following text.",
+    "Summarize the following text in a few sentences.",
+    "What is the following text about? Answer briefly.",
+    "Write three questions a reader might ask about the following text.",
+    "Explain the following text in simple words.",
+    "List the key facts in the following text.",
+)

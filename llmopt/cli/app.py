@@ -11,7 +11,7 @@ import os
 import typer
 
 from llmopt import __version__
-from llmopt.cli import bench, eval_ppl, generate, kv_estimate, output, quantize, serve
+from llmopt.cli import bench, eval_ppl, generate, kv_estimate, output, quantize, serve, spec_tune
 
 app = typer.Typer(name="llmopt", help="LLM inference optimization toolkit: quantize, estimate, serve, "
                   "benchmark and evaluate Llama-family models.", no_args_is_help=True,
@@ -41,6 +41,7 @@ COMMANDS = [
     ("generate", generate, generate.generate),
     ("serve", serve, serve.serve),
     ("bench", bench, bench.bench),
+    ("spec-tune", spec_tune, spec_tune.spec_tune),
 ]
 
 for _name, _module, _function in COMMANDS:

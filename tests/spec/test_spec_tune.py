@@ -1,0 +1,115 @@
+"""`llmopt spec-tune` on a tiny random Llama with SmolLM2's tokenizer: trains an EAGLE head on the
+target's own answers, stops at a step budget with a checkpoint, `--resume` continues it (the step
+count and the loss curve continue exactly where an uninterrupted run goes), saves a head the engine
+loads through --speculative-config (greedy outputs unchanged, drafts made), and writes a
+spec_config.json that SpeculativeConfig accepts; the training loss falls on a learnable target
+(the tiny target's own features), EAGLE-1 and EAGLE-3 with training-time test."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from llmopt.cli.app import app
+from llmopt.engine.args import EngineArgs
+from llmopt.engine.engine import LLMEngine
+from llmopt.engine.sampling_params import SamplingParams
+from llmopt.models.loader import load_model
+from llmopt.spec.config import SpeculativeConfig, parse_speculative_config
+from llmopt.spec.train import TrainSettings, capture, make_prompts, passages, train_head
+
+ARGS = ["--method", "eagle", "--num-prompts", "8", "--eval-prompts", "2", "--prompt-tokens", "16",
+        "--max-new-tokens", "12", "--epochs", "2", "--train-batch-size", "2", "--checkpoint-every", "2",
+        "--batch-sizes", "1,2", "--max-k", "2", "--eval-k", "2", "--tune-max-tokens", "4", "--quiet", "--json"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread: on a busy 2-core machine two threads contend (training runs 10x slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_factory):
+    return tiny_factory(tokenizer=True)
+
+
+def _run(tiny, out, *extra):
+    res = CliRunner().invoke(app, ["spec-tune", "-m", str(tiny), "-o", str(out), *ARGS, *extra])
+    return res.exit_code, json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_train_stop_resume_reload_and_config(tiny, tmp_path):
+    code, first = _run(tiny, tmp_path / "a", "--max-steps", "3")
+    assert code == 0 and first["finished"] is False and first["spec_config_path"] is None
+    assert first["train"]["steps"] == 3 and first["train"]["total_steps"] == 8
+    assert (tmp_path / "a" / "checkpoint.pt").is_file() and not (tmp_path / "a" / "spec_config.json").exists()
+    code, again = _run(tiny, tmp_path / "a")                      # without --resume: refused, nothing lost
+    assert code == 2 and "--resume" in again["error"]["message"]
+    code, done = _run(tiny, tmp_path / "a", "--resume")
+    assert code == 0 and done["finished"] is True
+    t = done["train"]
+    assert t["resumed_from_step"] == 3 and t["steps"] == 8 and done["data"]["reused_parts"] == 1
+    assert t["step_losses"][:3] == first["train"]["step_losses"]
+    # the same training never stopped (on the data parts the run wrote) takes the same steps
+    loaded = load_model(str(tiny), "float32", "cpu", tokenizer=False)
+    rows = torch.load(tmp_path / "a" / "data" / "part-00000.pt", weights_only=True)
+    _, whole = train_head(loaded, rows, tmp_path, TrainSettings("eagle", epochs=2, batch_size=2), resume=False)
+    torch.testing.assert_close(torch.tensor(t["step_losses"]), torch.tensor(whole.step_losses))
+
+    # spec_config.json: vLLM's keys + the per-batch-size K map, valid for SpeculativeConfig
+    raw = json.loads((tmp_path / "a" / "spec_config.json").read_text())
+    assert raw["method"] == "eagle" and raw["model"] == "head"
+    assert set(raw["num_speculative_tokens_by_batch_size"]) == {"1", "2"}
+    cfg = parse_speculative_config(str(tmp_path / "a"))
+    assert isinstance(cfg, SpeculativeConfig) and cfg.model == str(tmp_path / "a" / "head")
+    assert cfg.num_speculative_tokens_by_batch_size == {int(b): k for b, k in done["choice"].items()}
+    assert len(done["tune"]) == 2 * 3 and done["acceptance"]["acceptance_length"] >= 1.0
+
+    # the head reloads through the engine: drafts are made and greedy outputs stay the target's
+    spec = {"method": "eagle", "model": cfg.model, "num_speculative_tokens": 2}
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5], [7, 7, 7, 7, 7, 7, 9]]
+
+    def run(spec):
+        loaded.model.capture_hidden = None
+        eng = LLMEngine(EngineArgs(model=str(tiny), detokenize=False, kv_cache_memory=1 << 22, block_size=4,
+                                   speculative_config=spec), loaded=loaded)
+        ids = [eng.add_request(None, p, params) for p in prompts]
+        done = {}
+        while eng.has_unfinished_requests():
+            done.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
+        return [done[i] for i in ids], eng.stats().spec_decoding
+
+    plain, _ = run(None)
+    spec_out, st = run(spec)
+    assert spec_out == plain and st.num_drafts > 0
+
+
+@pytest.mark.parametrize("method,layers", [("eagle", 2), ("eagle3", 4)])
+def test_loss_falls_on_the_targets_own_features(tiny_factory, tmp_path, method, layers):
+    path = tiny_factory(tokenizer=True) if layers == 2 else tiny_factory(tokenizer=True, num_hidden_layers=layers)
+    loaded = load_model(str(path), "float32", "cpu")
+    from llmopt.data import read_dataset
+    text = read_dataset("../shared/data/wikitext-2/wiki.valid.tokens", "text", "train").text
+    prompts = make_prompts(loaded.tokenizer, passages(text, loaded.tokenizer, 4, 24, 0), chat=False)
+    from llmopt.engine.llm import LLM
+    outs = LLM(loaded=loaded, model=str(path), detokenize=False, kv_cache_memory=1 << 22).generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
+    from llmopt.spec.train import feature_layers
+    rows = capture(loaded, seqs, feature_layers(method, layers))
+    for r, p in zip(rows, prompts):
+        r["prompt_len"] = len(p)
+    settings = TrainSettings(method, epochs=30, lr=5e-3, batch_size=4, warmup_steps=1, draft_vocab_size=256,
+                             checkpoint_every=1000)
+    _, s = train_head(loaded, rows, tmp_path, settings, resume=False)
+    assert s.finished and len(s.epoch_losses) == 30
+    assert s.epoch_losses[-1] < 0.7 * s.epoch_losses[0], s.epoch_losses
+    if method == "eagle3":      # every training-time-test step learns, not only the first
+        first, last = s.step_parts[0], s.step_parts[-1]
+        assert len(first) == settings.ttt_steps and all(b < a for a, b in zip(first, last))
