@@ -217,11 +217,11 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-
         # Speculative decoding (llmopt.spec, EAGLE): None = off; a tuple of layer indices = after each
         # forward, `captured` holds (final hidden [*, hidden], [the hidden state entering each listed layer])
         self.capture_hidden: tuple[int, ...] | None = None
         self.captured: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
