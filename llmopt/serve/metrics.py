@@ -36,32 +36,27 @@ class _EngineCollector:
     def collect(self):
         s = self.stats()
         names, values = list(self.labels), list(self.labels.values())
-        for name, doc, value in [
-            ("num_requests_running", "Requests in the running batch.", s.num_running),
-            ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
-            ("kv_cache_usage_perc", "KV-cache usage: 1 = every block in use.", s.kv_cache_usage),
-        ]:
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=names)
-            g.add_metric(values, float(value))
-            yield g
-        for name, doc, value in [
-            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
-            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
-            ("num_preemptions", "Requests preempted for lack of KV blocks.", s.num_preemptions),
-        ]:
-            c = CounterMetricFamily(PREFIX + name, doc, labels=names)
-            c.add_metric(values, float(value))
-            yield c
+        G, C = GaugeMetricFamily, CounterMetricFamily
+        rows = [
+            (G, "num_requests_running", "Requests in the running batch.", s.num_running),
+            (G, "num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+            (G, "kv_cache_usage_perc", "KV-cache usage: 1 = every block in use.", s.kv_cache_usage),
+            (C, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
+            (C, "prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
+            (C, "num_preemptions", "Requests preempted for lack of KV blocks.", s.num_preemptions),
+        ]
         spec = getattr(s, "spec_decoding", None)
         if spec is not None:   # vLLM's spec_decode_* counters; per position with a `position` label
-            for name, doc, value in [
-                ("spec_decode_num_drafts", "Verifying steps of requests with drafts.", spec.num_drafts),
-                ("spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.num_draft_tokens),
-                ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens),
-            ]:
-                c = CounterMetricFamily(PREFIX + name, doc, labels=names)
-                c.add_metric(values, float(value))
-                yield c
+            rows += [
+                (C, "spec_decode_num_drafts", "Verifying steps of requests with drafts.", spec.num_drafts),
+                (C, "spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.num_draft_tokens),
+                (C, "spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens),
+            ]
+        for family, name, doc, value in rows:
+            m = family(PREFIX + name, doc, labels=names)
+            m.add_metric(values, float(value))
+            yield m
+        if spec is not None:
             c = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
                                     "Draft tokens accepted at each draft position.", labels=names + ["position"])
             for pos, value in enumerate(spec.num_accepted_tokens_per_pos):
