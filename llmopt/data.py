@@ -90,17 +90,21 @@ def read_text_file(p: Path) -> str:
     return text
 
 
-def _jsonl_rows(p: Path, text_field: str) -> list[str]:
-    texts = []
+def read_jsonl(p: Path) -> list[tuple[str, object]]:
+    """(where, value) for each non-empty line of a strict UTF-8 `.jsonl` file; `where` is `file:line`."""
+    rows = []
     for n, line in enumerate(_decode(p).split("\n"), 1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            rows.append((f"{p}:{n}", json.loads(line)))
         except json.JSONDecodeError as e:
             raise DataError(f"{p}:{n} is not valid JSON: {e.msg}") from e
-        texts.append(_field(row, text_field, f"{p}:{n}"))
-    return texts
+    return rows
+
+
+def _jsonl_rows(p: Path, text_field: str) -> list[str]:
+    return [_field(row, text_field, where) for where, row in read_jsonl(p)]
 
 
 def _field(row, text_field: str, where: str) -> str:

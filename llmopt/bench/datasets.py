@@ -195,16 +195,11 @@ def _read_text(path: Path) -> str:
 
 
 def _jsonl(path: Path) -> list[dict]:
+    from llmopt.data import read_jsonl
     rows = []
-    for i, line in enumerate(_read_text(path).splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{i}: not JSON ({e.msg})") from None
+    for where, row in read_jsonl(path):
         if not isinstance(row, dict):
-            raise DataError(f"{path}:{i}: expected a JSON object")
+            raise DataError(f"{where}: expected a JSON object")
         rows.append(row)
     return rows
 
