@@ -404,6 +404,55 @@ def _usage(finals: list[RequestOutput | None]) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+async def _stream_events(job: "_Job", num_prompts: int, state: dict, hold: int, make_choice, chunk,
+                         include_usage: bool, rid: str, first: tuple = ()):
+    """SSE events of one streamed request: each choice's new text (the last `hold` characters held
+    back until no stop string can still cut them, so streamed text never shrinks) and logprobs, then
+    the usage when asked; an error after the stream started is reported in-band."""
+    finals: list[RequestOutput | None] = [None] * num_prompts
+    try:
+        for event in first:
+            yield _sse(event)
+        async for i, out in job.outputs():
+            if out.finished:
+                finals[i] = out
+            for c in out.outputs:
+                st = state[(i, c.index)]
+                if st.finished:
+                    continue
+                done = c.finish_reason is not None
+                upto = len(c.text) if done else max(st.sent, len(c.text) - hold)
+                delta = c.text[st.sent:upto]
+                new_lps = (c.logprobs or [])[st.tokens_sent:]
+                if not delta and not done and not new_lps and not st.prefix:
+                    continue
+                choice = make_choice(st, c, delta, new_lps, done)
+                st.sent, st.tokens_sent, st.prefix, st.finished = upto, len(c.token_ids), "", done
+                yield _sse(chunk([choice]))
+        if include_usage:
+            yield _sse({**chunk([]), "usage": _usage(finals)})
+    except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
+        yield _stream_error(e, rid)
+    finally:
+        await job.aclose()
+    yield "data: [DONE]\n\n"
+
+
+async def _collect(request: Request, job: "_Job", num_prompts: int) -> list[RequestOutput | None] | None:
+    """The final output of each prompt of a non-streamed request; None when the client left."""
+    async def collect():
+        finals: list[RequestOutput | None] = [None] * num_prompts
+        async for i, out in job.outputs():
+            if out.finished:
+                finals[i] = out
+        return finals
+
+    try:
+        return await _unless_disconnected(request, collect())
+    finally:
+        await job.aclose()
+
+
 async def _until_disconnect(request: Request) -> None:
     while True:
         message = await request.receive()
@@ -639,52 +688,19 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig) -> FastAPI:
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            state = {(i, j): _Choice(i * n + j, echo[i]) for i in range(len(prompts)) for j in range(n)}
 
-            async def events():
-                finals: list[RequestOutput | None] = [None] * len(prompts)
-                state = {(i, j): _Choice(i * n + j, echo[i]) for i in range(len(prompts)) for j in range(n)}
-                try:
-                    async for i, out in job.outputs():
-                        if out.finished:
-                            finals[i] = out
-                        for c in out.outputs:
-                            st = state[(i, c.index)]
-                            if st.finished:
-                                continue
-                            done = c.finish_reason is not None
-                            upto = len(c.text) if done else max(st.sent, len(c.text) - hold)
-                            delta = c.text[st.sent:upto]
-                            new_lps = (c.logprobs or [])[st.tokens_sent:]
-                            if not delta and not done and not new_lps and not st.prefix:
-                                continue
-                            choice = {"index": st.index, "text": st.prefix + delta, "logprobs": None,
-                                      "finish_reason": c.finish_reason if done else None,
-                                      "stop_reason": c.stop_reason if done else None}
-                            if body.logprobs is not None:
-                                choice["logprobs"] = server.logprobs_completion(new_lps, st.sent)
-                            st.sent, st.tokens_sent, st.prefix, st.finished = upto, len(c.token_ids), "", done
-                            yield _sse(chunk([choice]))
-                    if include_usage:
-                        yield _sse({**chunk([]), "usage": _usage(finals)})
-                except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
-                    yield _stream_error(e, rid)
-                finally:
-                    await job.aclose()
-                yield "data: [DONE]\n\n"
+            def make_choice(st, c, delta, new_lps, done):
+                choice = {"index": st.index, "text": st.prefix + delta, "logprobs": None,
+                          "finish_reason": c.finish_reason if done else None,
+                          "stop_reason": c.stop_reason if done else None}
+                if body.logprobs is not None:
+                    choice["logprobs"] = server.logprobs_completion(new_lps, st.sent)
+                return choice
 
-            return _Stream(events(), job)
+            return _Stream(_stream_events(job, len(prompts), state, hold, make_choice, chunk, include_usage, rid), job)
 
-        async def collect():
-            finals: list[RequestOutput | None] = [None] * len(prompts)
-            async for i, out in job.outputs():
-                if out.finished:
-                    finals[i] = out
-            return finals
-
-        try:
-            finals = await _unless_disconnected(request, collect())
-        finally:
-            await job.aclose()
+        finals = await _collect(request, job, len(prompts))
         if finals is None:
             return Response(status_code=499)
         choices = []
@@ -723,57 +739,24 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig) -> FastAPI:
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            state = {(0, j): _Choice(j) for j in range(params.n)}
+            first = tuple(chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}]) for j in range(params.n))
 
-            async def events():
-                final = None
-                state = {j: _Choice(j) for j in range(params.n)}
-                try:
-                    for j in range(params.n):
-                        yield _sse(chunk([{"index": j, "delta": {"role": "assistant", "content": ""},
-                                           "logprobs": None, "finish_reason": None}]))
-                    async for _, out in job.outputs():
-                        if out.finished:
-                            final = out
-                        for c in out.outputs:
-                            st = state[c.index]
-                            if st.finished:
-                                continue
-                            done = c.finish_reason is not None
-                            upto = len(c.text) if done else max(st.sent, len(c.text) - hold)
-                            delta = c.text[st.sent:upto]
-                            new_lps = (c.logprobs or [])[st.tokens_sent:]
-                            if not delta and not done and not new_lps:
-                                continue
-                            choice = {"index": c.index, "delta": {"content": delta} if delta else {},
-                                      "logprobs": server.logprobs_chat(new_lps) if logprobs is not None else None,
-                                      "finish_reason": c.finish_reason if done else None}
-                            if done:
-                                choice["stop_reason"] = c.stop_reason
-                            st.sent, st.tokens_sent, st.finished = upto, len(c.token_ids), done
-                            yield _sse(chunk([choice]))
-                    if include_usage:
-                        yield _sse({**chunk([]), "usage": _usage([final])})
-                except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
-                    yield _stream_error(e, rid)
-                finally:
-                    await job.aclose()
-                yield "data: [DONE]\n\n"
+            def make_choice(st, c, delta, new_lps, done):
+                choice = {"index": c.index, "delta": {"content": delta} if delta else {},
+                          "logprobs": server.logprobs_chat(new_lps) if logprobs is not None else None,
+                          "finish_reason": c.finish_reason if done else None}
+                if done:
+                    choice["stop_reason"] = c.stop_reason
+                return choice
 
-            return _Stream(events(), job)
+            return _Stream(_stream_events(job, 1, state, hold, make_choice, chunk, include_usage, rid, first), job)
 
-        async def collect():
-            final = None
-            async for _, out in job.outputs():
-                if out.finished:
-                    final = out
-            return final
-
-        try:
-            final = await _unless_disconnected(request, collect())
-        finally:
-            await job.aclose()
-        if final is None:
+        finals = await _collect(request, job, 1)
+        if finals is None:
             return Response(status_code=499)
+        final = finals[0]
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "logprobs": server.logprobs_chat(c.logprobs or []) if logprobs is not None else None,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in final.outputs]
