@@ -19,7 +19,6 @@ from llmopt import defaults
 from llmopt.cli import common, output
 from llmopt.cli.ranges import in_range
 from llmopt.errors import UserInputError
-from llmopt.units import SIZE_HELP, parse_bytes
 from llmopt.validate import SEED_MAX, SEED_MIN
 
 INF = float("inf")
@@ -32,14 +31,6 @@ EXAMPLES = [
     "llmopt bench --base-url URL --sweep --plot sweep.png -o sweep.json",
     "llmopt bench --base-url URL -o new.json --compare-to old.json",
 ]
-
-_ENGINE_DEFAULTS = dict(dtype=defaults.DTYPE, device=defaults.DEVICE, block_size=defaults.BLOCK_SIZE,
-                        kv_cache_memory=None, gpu_memory_utilization=defaults.GPU_MEMORY_UTILIZATION,
-                        kv_cache_dtype=defaults.KV_CACHE_DTYPE, max_model_len=None,
-                        max_num_seqs=defaults.MAX_NUM_SEQS, max_num_batched_tokens=defaults.MAX_NUM_BATCHED_TOKENS,
-                        prefix_caching=defaults.ENABLE_PREFIX_CACHING, attention_backend=defaults.ATTENTION_BACKEND,
-                        quantization=None, lm_head_dtype=defaults.LM_HEAD_DTYPE, enforce_eager=defaults.ENFORCE_EAGER)
-
 
 class _Bars:
     """A rich progress bar on stderr per stage (warm-up, each benchmark of a sweep)."""
@@ -176,6 +167,7 @@ def _tables(d: dict[str, Any]) -> list[Table]:
     return tables
 
 
+@common.engine_options(exclude=("speculative_config",), before="quiet")
 def bench(
     base_url: str = typer.Option(None, "--base-url", help="Server root (or ending in /v1) of an OpenAI-compatible "
                                  "server: an online run. Without it: offline, the engine in-process."),
@@ -265,21 +257,8 @@ def bench(
     speculative_config: str = typer.Option(None, "--speculative-config",
                                            help="vLLM's JSON or a spec_config.json from llmopt spec-tune "
                                            "(instead of --spec ...)."),
-    dtype: str = common.DtypeOpt,
-    device: str = common.DeviceOpt,
-    block_size: int = common.BlockSizeOpt,
-    kv_cache_memory: str = common.KvCacheMemoryOpt,
-    gpu_memory_utilization: float = common.GpuMemoryUtilizationOpt,
-    kv_cache_dtype: str = common.KvCacheDtypeOpt,
-    max_model_len: int = common.MaxModelLenOpt,
-    max_num_seqs: int = common.MaxNumSeqsOpt,
-    max_num_batched_tokens: int = common.MaxNumBatchedTokensOpt,
-    prefix_caching: bool = common.PrefixCachingOpt,
-    attention_backend: str = common.AttentionBackendOpt,
-    quantization: str = common.QuantizationOpt,
-    lm_head_dtype: str = common.LmHeadDtypeOpt,
-    enforce_eager: bool = common.EnforceEagerOpt,
     quiet: bool = common.QuietOpt,
+    **engine: Any,
 ) -> None:
     """Benchmark a server (online) or the engine (offline) with vLLM's metrics."""
     from llmopt.bench.config import BenchConfig, Hooks, SamplingSpec
@@ -296,16 +275,10 @@ def bench(
     spec = spec_config.method if spec_config is not None else "none"
     if compare not in (None, "hf"):
         raise UserInputError(f"--compare {compare}: the one comparison is hf (transformers generate)")
-    engine_flags = dict(dtype=dtype, device=device, block_size=block_size, kv_cache_memory=kv_cache_memory,
-                        gpu_memory_utilization=gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype,
-                        max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=max_num_batched_tokens, prefix_caching=prefix_caching,
-                        attention_backend=attention_backend, quantization=quantization,
-                        lm_head_dtype=lm_head_dtype, enforce_eager=enforce_eager)
     if base_url is not None:
-        given = [k for k, v in engine_flags.items() if v != _ENGINE_DEFAULTS[k]]
+        given = common.engine_flags_given(engine)
         if given:
-            flags = ", ".join("--" + k.replace("_", "-") for k in given)
+            flags = ", ".join(given)
             raise UserInputError(f"{flags}: engine flags are for offline runs; with --base-url the server's own "
                                  "settings apply")
     for path, flag in ((output_file, "--output"), (csv_file, "--csv"), (plot_file, "--plot")):
@@ -318,14 +291,8 @@ def bench(
     engine_args = None
     if base_url is None:
         from llmopt.engine.args import EngineArgs
-        kv_bytes = None if kv_cache_memory is None else parse_bytes(kv_cache_memory, "--kv-cache-memory")
-        engine_args = EngineArgs(model=model, dtype=dtype, device=device, block_size=block_size,
-                                 kv_cache_memory=kv_bytes, gpu_memory_utilization=gpu_memory_utilization,
-                                 kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
-                                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                 enable_prefix_caching=prefix_caching, attention_backend=attention_backend,
-                                 seed=seed, speculative_config=spec_config, quantization=quantization,
-                                 lm_head_dtype=lm_head_dtype, enforce_eager=enforce_eager)
+        engine_args = EngineArgs(**common.engine_args_from_flags(engine, model=model, seed=seed,
+                                                                 speculative_config=spec_config))
     cfg = BenchConfig(
         workload=WorkloadSpec(dataset_name, dataset_path, num_prompts, seed, random_input_len, random_output_len,
                               random_range_ratio, random_prefix_len, sharegpt_output_len, spec_bench_output_len,

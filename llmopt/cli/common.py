@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import inspect
+from typing import Any, Callable, TypeVar
+
 import typer
 
 from llmopt import defaults
 from llmopt.cli.ranges import in_range
-from llmopt.units import SIZE_HELP
+from llmopt.units import SIZE_HELP, parse_bytes
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 ModelOpt = typer.Option(None, "--model", "-m", help="Checkpoint folder, .gguf file, Hugging Face id in the local "
                         f"cache, or a built-in name (default: {defaults.DEFAULT_MODEL}).")
@@ -52,3 +57,59 @@ SpeculativeConfigOpt = typer.Option(None, "--speculative-config",
                                     help="vLLM's speculative decoding config: a JSON object (method ngram|draft_model|"
                                     "eagle|eagle3, model, num_speculative_tokens, prompt_lookup_min/max, "
                                     "disable_by_batch_size) or a spec_config.json from llmopt spec-tune.")
+
+# name -> (type, option): the one declaration of the engine's flags. A command takes them with
+# @engine_options(...) as **engine and turns them into EngineArgs with engine_args_from_flags.
+ENGINE_FLAGS: dict[str, tuple[type, Any]] = {
+    "dtype": (str, DtypeOpt),
+    "device": (str, DeviceOpt),
+    "block_size": (int, BlockSizeOpt),
+    "kv_cache_memory": (str, KvCacheMemoryOpt),
+    "gpu_memory_utilization": (float, GpuMemoryUtilizationOpt),
+    "kv_cache_dtype": (str, KvCacheDtypeOpt),
+    "max_model_len": (int, MaxModelLenOpt),
+    "max_num_seqs": (int, MaxNumSeqsOpt),
+    "max_num_batched_tokens": (int, MaxNumBatchedTokensOpt),
+    "prefix_caching": (bool, PrefixCachingOpt),
+    "attention_backend": (str, AttentionBackendOpt),
+    "quantization": (str, QuantizationOpt),
+    "lm_head_dtype": (str, LmHeadDtypeOpt),
+    "enforce_eager": (bool, EnforceEagerOpt),
+    "speculative_config": (str, SpeculativeConfigOpt),
+}
+# flag name -> EngineArgs field, where they differ
+_ENGINE_FIELDS = {"prefix_caching": "enable_prefix_caching"}
+
+
+def engine_options(*, exclude: tuple[str, ...] = (), before: str | None = None) -> Callable[[F], F]:
+    """Add the engine's flags (ENGINE_FLAGS less `exclude`) to a command function that takes them
+    as **engine: keyword-only parameters in its __signature__ (which Typer reads), placed before the
+    parameter `before` (default: last), so --help lists them there."""
+    names = [n for n in ENGINE_FLAGS if n not in exclude]
+
+    def decorate(fn: F) -> F:
+        sig = inspect.signature(fn, eval_str=True)
+        params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+        added = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=ENGINE_FLAGS[n][0],
+                                   default=ENGINE_FLAGS[n][1]) for n in names]
+        at = next(i for i, p in enumerate(params) if p.name == before) if before else len(params)
+        # keyword-only from there on: the order of a signature's kinds must not go down
+        tail = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in params[at:]]
+        fn.__signature__ = sig.replace(parameters=params[:at] + added + tail)   # type: ignore[attr-defined]
+        return fn
+    return decorate
+
+
+def engine_flags_given(engine: dict[str, Any]) -> list[str]:
+    """The flags of `engine` (the **engine of a command) set to other than their defaults."""
+    return [ENGINE_FLAGS[k][1].param_decls[0].split("/")[0] for k, v in engine.items()
+            if v != ENGINE_FLAGS[k][1].default]
+
+
+def engine_args_from_flags(engine: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """EngineArgs' keyword arguments from the engine's flags (sizes parsed, vLLM's field names) and
+    `extra` (model, seed, ...)."""
+    out = {_ENGINE_FIELDS.get(k, k): v for k, v in engine.items()}
+    if out.get("kv_cache_memory") is not None:
+        out["kv_cache_memory"] = parse_bytes(out["kv_cache_memory"], "--kv-cache-memory")
+    return out | extra

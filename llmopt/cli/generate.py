@@ -6,13 +6,13 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 import typer
 
 from llmopt import defaults
 from llmopt.cli import common, output
 from llmopt.errors import UserInputError
-from llmopt.units import SIZE_HELP, parse_bytes
 from llmopt.cli.ranges import in_range
 from llmopt.validate import SEED_MAX, SEED_MIN, decode_utf8
 
@@ -64,14 +64,13 @@ EXAMPLES = [
 ]
 
 
+@common.engine_options(before="json_out")
 def generate(
     prompts: list[str] = typer.Argument(None, help="Prompts (default: one per line from --file or stdin)."),
     file: str = typer.Option(None, "--file", "-f", help="Read prompts from this UTF-8 file, one per line."),
     chat: bool = typer.Option(False, "--chat", help="Wrap each prompt as a user message in the chat template."),
     system: str = typer.Option(None, "--system", help="System message for --chat."),
     model: str = common.ModelOpt,
-    dtype: str = common.DtypeOpt,
-    device: str = common.DeviceOpt,
     max_tokens: int = typer.Option(defaults.GENERATE_MAX_TOKENS, "--max-tokens", "-n", callback=in_range(1),
                                    help="Tokens to generate per completion, >= 1 (stops earlier at "
                                    "--max-model-len)."),
@@ -102,40 +101,23 @@ def generate(
     logprobs: int = typer.Option(None, "--logprobs", callback=in_range(0, defaults.MAX_LOGPROBS),
                                  help=f"Also return the top-N logprobs per token (--json), 0 to "
                                  f"{defaults.MAX_LOGPROBS} (vLLM's max_logprobs)."),
-    block_size: int = common.BlockSizeOpt,
-    kv_cache_memory: str = common.KvCacheMemoryOpt,
-    gpu_memory_utilization: float = common.GpuMemoryUtilizationOpt,
-    kv_cache_dtype: str = common.KvCacheDtypeOpt,
-    max_model_len: int = common.MaxModelLenOpt,
-    max_num_seqs: int = common.MaxNumSeqsOpt,
-    max_num_batched_tokens: int = common.MaxNumBatchedTokensOpt,
-    prefix_caching: bool = common.PrefixCachingOpt,
-    attention_backend: str = common.AttentionBackendOpt,
-    quantization: str = common.QuantizationOpt,
-    lm_head_dtype: str = common.LmHeadDtypeOpt,
-    enforce_eager: bool = common.EnforceEagerOpt,
-    speculative_config: str = common.SpeculativeConfigOpt,
     json_out: bool = common.JsonLinesOpt,
     quiet: bool = common.QuietOpt,
+    **engine: Any,
 ) -> None:
     """Complete prompts with the paged-KV, continuous-batching engine."""
     from llmopt.engine.llm import LLM
     from llmopt.engine.sampling_params import SamplingParams
 
     texts = read_prompts(prompts or [], file)
-    kv_bytes = None if kv_cache_memory is None else parse_bytes(kv_cache_memory, "--kv-cache-memory")
+    engine_args = common.engine_args_from_flags(engine, seed=seed or 0)
     params = SamplingParams(
         n=num, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
         presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
         repetition_penalty=repetition_penalty, stop=list(stop or []), stop_token_ids=list(stop_token_ids or []),
         max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos, logprobs=logprobs)
     log_to_stderr(logging.WARNING if quiet else logging.INFO)
-    llm = LLM(model, dtype=dtype, device=device, block_size=block_size,
-              kv_cache_memory=kv_bytes, gpu_memory_utilization=gpu_memory_utilization,
-              kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-              max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=prefix_caching,
-              attention_backend=attention_backend, seed=seed or 0, quantization=quantization,
-              lm_head_dtype=lm_head_dtype, speculative_config=speculative_config, enforce_eager=enforce_eager)
+    llm = LLM(model, **engine_args)
     with output.progress("generate", len(texts), enabled=not quiet and len(texts) > 1) as advance:
         if chat:
             convs = [([{"role": "system", "content": system}] if system else []) +

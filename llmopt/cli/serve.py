@@ -31,6 +31,7 @@ EXAMPLES = [
 MAX_REQUEST_BYTES = f"{defaults.SERVE_MAX_REQUEST_BYTES >> 20}MiB"   # the default of --max-request-bytes, as text
 
 
+@common.engine_options(before="max_num_queued_reqs")
 def serve(
     ctx: typer.Context,
     model: str = common.ModelOpt,
@@ -42,28 +43,13 @@ def serve(
                                 help="Require `Authorization: Bearer KEY` on /v1/* (or LLMOPT_API_KEY)."),
     served_model_name: str = typer.Option(None, "--served-model-name",
                                           help="The model name clients send (default: --model)."),
-    dtype: str = common.DtypeOpt,
-    device: str = common.DeviceOpt,
-    block_size: int = common.BlockSizeOpt,
-    kv_cache_memory: str = common.KvCacheMemoryOpt,
-    gpu_memory_utilization: float = common.GpuMemoryUtilizationOpt,
-    kv_cache_dtype: str = common.KvCacheDtypeOpt,
-    max_model_len: int = common.MaxModelLenOpt,
-    max_num_seqs: int = common.MaxNumSeqsOpt,
-    max_num_batched_tokens: int = common.MaxNumBatchedTokensOpt,
     max_num_queued_reqs: int = typer.Option(None, "--max-num-queued-reqs", callback=in_range(1),
                                             help="Answer 503 above this many queued sequences (default: no cap)."),
     max_request_bytes: str = typer.Option(MAX_REQUEST_BYTES, "--max-request-bytes",
                                           help=f"Largest request body; a larger one gets 413. {SIZE_HELP}."),
-    prefix_caching: bool = common.PrefixCachingOpt,
     scheduling_policy: str = typer.Option(defaults.SCHEDULING_POLICY, "--scheduling-policy",
                                           help="fcfs|priority (a request's priority: lower runs first)."),
-    attention_backend: str = common.AttentionBackendOpt,
     seed: int = typer.Option(0, "--seed", help="Seed of the engine's sampler."),
-    quantization: str = common.QuantizationOpt,
-    lm_head_dtype: str = common.LmHeadDtypeOpt,
-    enforce_eager: bool = common.EnforceEagerOpt,
-    speculative_config: str = common.SpeculativeConfigOpt,
     shutdown_timeout: float = typer.Option(defaults.SERVE_SHUTDOWN_TIMEOUT, "--shutdown-timeout", callback=in_range(0),
                                            help="On SIGTERM, let requests in flight finish for up to this many "
                                            "seconds (0: abort them at once, as vLLM), then exit 0."),
@@ -73,20 +59,18 @@ def serve(
                                               help="No log line per finished request."),
     log_level: str = typer.Option("info", "--uvicorn-log-level",
                                   help="uvicorn's log level: critical|error|warning|info|debug|trace."),
+    **engine: Any,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (completions, chat, models, metrics)."""
-    opts = {k: v for k, v in locals().items() if k != "ctx"}
+    opts = {k: v for k, v in locals().items() if k not in ("ctx", "engine")} | engine
     if config is not None:
         opts.update(config_values(ctx, config))
     run(**opts)
 
 
-def run(*, model, config, host, port, api_key, served_model_name, dtype, device, block_size, kv_cache_memory,
-        gpu_memory_utilization, kv_cache_dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
-        max_num_queued_reqs, max_request_bytes, prefix_caching, scheduling_policy, attention_backend, seed,
-        shutdown_timeout, log_interval, disable_log_requests, log_level, speculative_config=None,
-        quantization=None, lm_head_dtype=defaults.LM_HEAD_DTYPE, enforce_eager=defaults.ENFORCE_EAGER) -> None:
-    kv_bytes = None if kv_cache_memory is None else parse_bytes(kv_cache_memory, "--kv-cache-memory-bytes")
+def run(*, model, config, host, port, api_key, served_model_name, max_num_queued_reqs, max_request_bytes,
+        scheduling_policy, seed, shutdown_timeout, log_interval, disable_log_requests, log_level, **engine) -> None:
+    engine_args = common.engine_args_from_flags(engine, model=model, seed=seed, scheduling_policy=scheduling_policy)
     body_bytes = parse_bytes(max_request_bytes, "--max-request-bytes")
     if body_bytes < 1:
         raise UserInputError(f"--max-request-bytes {max_request_bytes}: give at least 1 byte")
@@ -103,16 +87,9 @@ def run(*, model, config, host, port, api_key, served_model_name, dtype, device,
     from llmopt.engine.async_engine import AsyncLLMEngine
     from llmopt.serve.app import ServeConfig, build_app
 
-    args = EngineArgs(model=model, dtype=dtype, device=device, block_size=block_size, kv_cache_memory=kv_bytes,
-                      gpu_memory_utilization=gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype,
-                      max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                      max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=prefix_caching,
-                      attention_backend=attention_backend, seed=seed, scheduling_policy=scheduling_policy,
-                      speculative_config=speculative_config, quantization=quantization,
-                      lm_head_dtype=lm_head_dtype, enforce_eager=enforce_eager)
-    engine = AsyncLLMEngine.from_engine_args(args)
+    async_engine = AsyncLLMEngine.from_engine_args(EngineArgs(**engine_args))
     name = served_model_name or model or defaults.DEFAULT_MODEL
-    app = build_app(engine, ServeConfig(model_name=name, api_key=api_key, max_num_queued_reqs=max_num_queued_reqs,
+    app = build_app(async_engine, ServeConfig(model_name=name, api_key=api_key, max_num_queued_reqs=max_num_queued_reqs,
                                         max_request_bytes=body_bytes, log_interval=log_interval,
                                         log_requests=not disable_log_requests))
     log = logging.getLogger("llmopt.serve")
