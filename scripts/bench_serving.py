@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -33,12 +32,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def loadavg() -> str:
@@ -55,7 +48,6 @@ def main() -> None:
     ap.add_argument("--out", default="docs/bench-serving", help="writes OUT.json and OUT.png")
     args = ap.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    import httpx
     import torch
 
     from llmopt.bench.config import BenchConfig, SamplingSpec
@@ -65,6 +57,7 @@ def main() -> None:
     from llmopt.bench.runner import result_of
     from llmopt.bench.schedule import Load
     from llmopt.engine.args import EngineArgs
+    from llmopt.serve.launch import free_port, serve_command, stop, wait_ready
 
     torch.set_num_threads(args.threads)
     levels = [int(x) for x in args.concurrency.split(",")]
@@ -74,25 +67,13 @@ def main() -> None:
     port = free_port()
     log_path = REPO / f".bench-serve-{port}.log"
     log = open(log_path, "wb")
-    server = subprocess.Popen([sys.executable, "-m", "llmopt", "serve", "--port", str(port),
-                               "--uvicorn-log-level", "warning"], stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+    server = subprocess.Popen(serve_command(["--uvicorn-log-level", "warning"], port), stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
                               env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
     url = f"http://127.0.0.1:{port}"
     runs: dict[str, dict[int, list[dict]]] = {"online": {c: [] for c in levels}, "offline": {c: [] for c in levels}}
     try:
         engine = build_engine(BenchConfig(engine_args=EngineArgs()))
-        deadline = time.monotonic() + 300
-        while True:
-            if server.poll() is not None:
-                raise SystemExit(f"llmopt serve exited: see {log_path}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit("llmopt serve did not come up")
-            time.sleep(0.5)
+        wait_ready(server, url, 300, log_path)   # the server loaded its model while the engine here loaded
         for c in levels:
             n = max(c, 2)
             workload = WorkloadSpec("random", num_prompts=n, random_input_len=args.input_len,
@@ -115,8 +96,7 @@ def main() -> None:
                     print(f"c={c} {mode:7s} repeat {rep}: {d['output_throughput']:.1f} tok/s, "
                           f"TPOT {d['mean_tpot_ms']:.0f} ms, load {loadavg()}", file=sys.stderr)
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        stop(server, grace=60)
         log.close()
         log_path.unlink(missing_ok=True)
     load_after = loadavg()

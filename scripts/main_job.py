@@ -11,13 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from rich.console import Console
@@ -45,49 +41,31 @@ def llmopt(*args: str) -> tuple[dict, float]:
 def serve_and_query(model: str, question: str, max_tokens: int = 48) -> tuple[dict, float]:
     """Start `llmopt serve` on `model` (the ENGINE flags) on a free port, ask one chat completion
     over HTTP, stop it with SIGTERM; returns the answer and the server's timings."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    args = ["serve", "--model", model, *ENGINE, "--port", str(port), "--served-model-name", "main-job",
-            "--uvicorn-log-level", "warning", "--log-interval", "0"]
-    Console(stderr=True).print(f"[bold cyan]$ llmopt {' '.join(args)}")
+    import httpx
+
+    from llmopt.errors import LLMOptError
+    from llmopt.serve.launch import free_port, launch, serve_command, stop
+    port = free_port()
+    args = ["--model", model, *ENGINE, "--served-model-name", "main-job", "--uvicorn-log-level", "warning",
+            "--log-interval", "0"]
+    Console(stderr=True).print(f"[bold cyan]$ llmopt serve {' '.join(args)} --port {port}")
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "llmopt", *args], cwd=ROOT)
     try:
-        while True:
-            if proc.poll() is not None:
-                sys.exit(f"main job: `llmopt serve` exited with code {proc.returncode} before it was ready")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.perf_counter() - t0 > 600:
-                sys.exit("main job: `llmopt serve` was not ready after 10 minutes")
-            time.sleep(0.25)
-        ready = time.perf_counter() - t0
+        server = launch(serve_command(args, port), f"http://127.0.0.1:{port}", port, cwd=ROOT, timeout=600)
+    except LLMOptError as e:
+        sys.exit(f"main job: `llmopt serve` did not come up: {e}")
+    try:
         body = {"model": "main-job", "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
                 "temperature": 0}
-        req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"content-type": "application/json"})
         t1 = time.perf_counter()
-        with urllib.request.urlopen(req, timeout=600) as r:
-            answer = json.loads(r.read())
+        answer = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=600).raise_for_status().json()
         query = time.perf_counter() - t1
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            sys.exit("main job: `llmopt serve` did not stop within 60 s of SIGTERM")
+        code = stop(server.proc, grace=60)
     if code != 0:
         sys.exit(f"main job: `llmopt serve` exited with code {code} after SIGTERM (expected 0)")
     return {"text": answer["choices"][0]["message"]["content"], "usage": answer["usage"],
-            "seconds_to_ready": ready, "seconds_query": query}, time.perf_counter() - t0
+            "seconds_to_ready": server.seconds_to_ready, "seconds_query": query}, time.perf_counter() - t0
 
 
 def main() -> None:

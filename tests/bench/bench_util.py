@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import socket
 import subprocess
 import sys
 import threading
@@ -26,11 +24,7 @@ from pathlib import Path
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from llmopt.serve.launch import free_port, serving
 
 
 @dataclass
@@ -233,34 +227,9 @@ SERVE_ARGS = ["--max-model-len", "256", "--kv-cache-memory-bytes", "16MiB", "--b
 def start_llmopt_serve(model: Path, log: Path, name: str = "tiny"):
     """Yields the base URL of `llmopt serve` on `model` (a subprocess) until the generator is closed."""
     repo = Path(__file__).resolve().parents[2]
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
-    cmd = [sys.executable, "-m", "llmopt", "serve", "--model", str(model), "--port", str(port),
-           "--served-model-name", name, *SERVE_ARGS, "--uvicorn-log-level", "warning"]
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=repo)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"llmopt serve exited {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"llmopt serve did not come up:\n{log.read_text()[-3000:]}")
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with serving(["--model", str(model), "--served-model-name", name, *SERVE_ARGS, "--uvicorn-log-level", "warning"],
+                 log=log, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}, cwd=repo) as server:
+        yield server.url
 
 
 if __name__ == "__main__":

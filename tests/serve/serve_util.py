@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import os
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +18,8 @@ from pathlib import Path
 import httpx
 from conftest import REPO
 from prometheus_client.parser import text_string_to_metric_families
+
+from llmopt.serve.launch import free_port, launch, stop  # noqa: F401 (re-exported to the tests)
 
 API_KEY = "test-key"
 MODEL_NAME = "tiny"
@@ -47,12 +47,6 @@ class Server:
         return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve_cmd(model: Path, port: int, *extra: str) -> list[str]:
     return [sys.executable, "-m", "llmopt", "serve", "--model", str(model), "--port", str(port),
             "--served-model-name", MODEL_NAME, "--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN),
@@ -62,32 +56,9 @@ def serve_cmd(model: Path, port: int, *extra: str) -> list[str]:
 
 def spawn(cmd: list[str], log: Path, url: str, timeout: float = 120) -> subprocess.Popen:
     """Start a server command (stdout and stderr to `log`) and wait until /health answers 200."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llmopt serve exited {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"llmopt serve did not come up:\n{log.read_text()[-3000:]}")
-        time.sleep(0.1)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    port = int(url.rsplit(":", 1)[1])
+    return launch(cmd, url, port, log=log, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}, cwd=REPO,
+                  timeout=timeout).proc
 
 
 _SHARED: dict[Path, Server] = {}
