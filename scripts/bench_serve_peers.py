@@ -28,6 +28,9 @@ torch.profiler, and the same step with 1 and 2 torch threads.
     python scripts/bench_serve_peers.py --systems llmopt,plain --concurrency 8
     python scripts/bench_serve_peers.py --only-profile         # the per-step profile alone
     python scripts/bench_serve_peers.py --plain-server --port 8001   # the plain server alone
+    python scripts/bench_serve_peers.py --engine-root /tmp/snapshot --llamacpp-lib DIR
+        # serve a `git archive` of a commit (a COMMIT file in it names it); load llama.cpp's libraries
+        # from DIR (LLAMA_CPP_LIB_PATH) instead of the ones installed in .venv-llamacpp
 
 One row is what these print (PORT: that server's; N = 2C requests, the plain server's at most 32):
 
@@ -411,12 +414,15 @@ def profile_engine(requests, batch: int, steps: int, thread_counts: list[int]) -
         originals[name] = getattr(obj, attr)
         setattr(obj, attr, timed(name, originals[name]))
 
-    def fill() -> None:
-        for i in range(batch):
+    def fill(n: int = batch) -> float:
+        """Add n requests and step until each has its first token; the seconds it took."""
+        t = time.perf_counter()
+        for i in range(n):
             engine.add_request(f"p{i}", requests[i % len(requests)].prompt, params)
         while any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running) \
                 or engine.scheduler.waiting:
             engine.step()
+        return time.perf_counter() - t
 
     def decode_steps(k: int) -> float:
         for key in spent:
@@ -433,7 +439,11 @@ def profile_engine(requests, batch: int, steps: int, thread_counts: list[int]) -
             torch.set_num_threads(th)
             engine.abort_request([f"p{i}" for i in range(batch)])
             engine.step()
-            fill()
+            took = fill()
+            if "prefill_ms_per_token" not in out:   # the first fill: no prefix-cache hits yet
+                n_tokens = sum(requests[i % len(requests)].prompt_len for i in range(batch))
+                out["prefill_ms_per_token"] = took * 1000 / n_tokens
+                out["prefill_tokens"] = n_tokens
             engine.step()   # settle
             by_threads[th] = decode_steps(steps) * 1000
         out["step_ms_by_threads"] = by_threads
@@ -456,6 +466,10 @@ def profile_engine(requests, batch: int, steps: int, thread_counts: list[int]) -
         total = sum(e.self_cpu_time_total for e in rows) or 1
         out["top_ops"] = [{"op": e.key, "shapes": str(e.input_shapes)[:80], "self_ms": e.self_cpu_time_total / 1000,
                            "calls": e.count, "share": e.self_cpu_time_total / total} for e in rows[:14]]
+        engine.abort_request([f"p{i}" for i in range(batch)])
+        engine.step()
+        fill(1)
+        out["step_ms_batch_1"] = decode_steps(steps) * 1000
     finally:
         torch.set_num_threads(old_threads)
         for name, (obj, attr) in phases.items():
@@ -589,6 +603,8 @@ def main() -> None:
               f"({p['batch'] * 1000 / p['step_ms']:.1f} tok/s); by threads: "
               + ", ".join(f"{k}: {v:.1f} ms" for k, v in p["step_ms_by_threads"].items()))
         print("phases (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in p["phases_ms"].items()))
+        print(f"prefill: {p['prefill_ms_per_token']:.2f} ms per prompt token ({p['prefill_tokens']} tokens); "
+              f"decode step at batch 1: {p['step_ms_batch_1']:.1f} ms")
         for op in p["top_ops"]:
             print(f"  {op['op']:40s} {op['self_ms']:8.1f} ms  {100 * op['share']:5.1f}%  x{op['calls']:<4d} "
                   f"{op['shapes']}")
