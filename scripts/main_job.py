@@ -2,8 +2,8 @@
 
 eval-ppl (base) -> quantize (AWQ w4 g64) -> eval-ppl (quantized, KL against base) -> kv-estimate
 -> generate (a chat prompt through the paged-KV engine on the quantized model) -> serve (the same
-checkpoint behind `llmopt serve` on a free port, asked one chat completion over HTTP, then stopped
-with SIGTERM, which must exit 0). Each step is the real CLI with --json; progress bars go to
+checkpoint behind `llmopt serve` on a free port, asked one chat completion over HTTP and measured
+by a short `llmopt bench` (8 requests, concurrency 4), then stopped with SIGTERM, which must exit 0). Each step is the real CLI with --json; progress bars go to
 stderr. Exits non-zero on the first failing step.
 """
 
@@ -60,12 +60,17 @@ def serve_and_query(model: str, question: str, max_tokens: int = 48) -> tuple[di
         t1 = time.perf_counter()
         answer = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=600).raise_for_status().json()
         query = time.perf_counter() - t1
+        bench, _ = llmopt("bench", "--base-url", server.url, "--model", "main-job", "--tokenizer", model,
+                          "--num-prompts", "8", "--max-concurrency", "4", "--random-input-len", "64",
+                          "--random-output-len", "16", "--ignore-eos", "--quiet")
     finally:
         code = stop(server.proc, grace=60)
     if code != 0:
         sys.exit(f"main job: `llmopt serve` exited with code {code} after SIGTERM (expected 0)")
     return {"text": answer["choices"][0]["message"]["content"], "usage": answer["usage"],
-            "seconds_to_ready": server.seconds_to_ready, "seconds_query": query}, time.perf_counter() - t0
+            "seconds_to_ready": server.seconds_to_ready, "seconds_query": query,
+            "bench": {k: bench[k] for k in ("completed", "failed", "output_throughput", "mean_ttft_ms", "mean_tpot_ms")}}, \
+        time.perf_counter() - t0
 
 
 def main() -> None:
@@ -107,6 +112,10 @@ def main() -> None:
     t.add_row("serve", f"{served['text'][:120]!r} (HTTP chat completion, {served['usage']['completion_tokens']} "
               f"tokens in {served['seconds_query']:.1f} s; ready after {served['seconds_to_ready']:.0f} s; "
               "SIGTERM: exit 0)", f"{t_serve:.0f} s")
+    b = served["bench"]
+    t.add_row("bench", f"llmopt bench against the server: {b['completed']} of 8 requests (random 64 in / 16 out, "
+              f"concurrency 4), {b['output_throughput']:.1f} output tok/s, mean TTFT {b['mean_ttft_ms']:.0f} ms, "
+              f"mean TPOT {b['mean_tpot_ms']:.0f} ms", "")
     Console().print(t)
 
 
