@@ -65,10 +65,9 @@ def test_cli_unknown_recipe_key_is_one_red_line(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def tiny_tok(tmp_path_factory):
-    """A 2-layer random Llama with the default model's tokenizer, and a calibration text."""
-    if not WIKI_TEST.is_file():
-        pytest.skip(f"{WIKI_TEST} missing")
+def tiny_tok(tmp_path_factory, shared_data):
+    """A 2-layer random Llama with the default model's tokenizer, and a calibration text (the eval
+    reads WIKI_TEST: `shared_data` fails, not skips, when ../shared/data is missing)."""
     folder = make_tiny(tmp_path_factory.mktemp("tiny") / "model", tokenizer=True, weight_std=0.05,
                        max_position_embeddings=2048)
     calib = folder.parent / "calib.txt"
