@@ -51,17 +51,11 @@ def dumps(obj: Any) -> str:
     return json.dumps(to_jsonable(obj), ensure_ascii=False)
 
 
-def write_atomic(path: str | Path, text: str) -> None:
-    """Write through `.NAME.tmp<PID>` and a rename (llmopt.fsutil.write_atomic): never a
-    half-written file, and no parent folders created (a mistyped folder is an error)."""
-    fsutil.write_atomic(path, text)
-
-
 def emit(result: Any, *, as_json: bool, table: Callable[[Any], Table | Iterable[Table]] | None = None,
          output: str | Path | None = None) -> None:
     """Render a result: JSON (one object on stdout) or the rich table(s); `output` saves the JSON."""
     if output:
-        write_atomic(output, json.dumps(to_jsonable(result), indent=2, ensure_ascii=False) + "\n")
+        fsutil.write_atomic(output, json.dumps(to_jsonable(result), indent=2, ensure_ascii=False) + "\n")
     if as_json or table is None:
         sys.stdout.write(dumps(result) + "\n")
         sys.stdout.flush()

@@ -45,9 +45,9 @@ def test_check_output_file_refusals(tmp_path, monkeypatch):
 
 def test_output_write_atomic_does_not_create_folders(tmp_path):
     with pytest.raises(UserInputError, match="does not exist"):
-        output.write_atomic(tmp_path / "typo" / "r.json", "{}")
+        output.emit({"a": 1}, as_json=True, output=tmp_path / "typo" / "r.json")
     assert list(tmp_path.iterdir()) == []
-    output.write_atomic(tmp_path / "r.json", "{\"a\": 1}\n")
+    output.emit({"a": 1}, as_json=True, output=tmp_path / "r.json")
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
 
 
