@@ -56,6 +56,10 @@ def resolve_backend(name: str, device: torch.device | str) -> str:
 
 
 def _impl(backend: str, t: torch.Tensor, module: str):
+    if backend == "torch":       # what the runner passes on the CPU (resolved once by resolve_backend): no checks
+        return reference
+    if backend == "triton" and t.is_cuda:
+        return importlib.import_module(f"llmopt.kernels.{module}")
     return importlib.import_module(f"llmopt.kernels.{module}") if _triton_for(backend, t.device) else reference
 
 
