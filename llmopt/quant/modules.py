@@ -103,7 +103,7 @@ class PackedIntLinear(QuantLinear):
                 perm = None
             else:
                 codes, g = codes[:, perm], g[perm]
-        if gs % 8 or k % gs or not torch.equal(g, torch.arange(k) // gs):
+        if gs % 8 or k % gs or not torch.equal(g, torch.arange(k) // gs) or qt.scales.shape[1] != k // gs:
             return   # unequal groups or odd widths: dequantized per call (slow, rare)
         scales = qt.scales.float().contiguous()
         zeros = qt.zeros.float()
@@ -160,8 +160,8 @@ class PackedIntLinear(QuantLinear):
             codes, g = codes[:, perm], g[perm]
             if not torch.equal(g, torch.arange(qt.in_features, device=g.device) // gs):
                 return   # unequal groups: stay on the dequantized path
-        if qt.in_features % self.per:
-            return
+        if qt.in_features % self.per or qt.scales.shape[1] != -(-qt.in_features // gs):
+            return   # odd widths, or an act-order row shard's groups (llmopt.dist.shard_quant)
         scales = qt.scales.t().contiguous()
         self._kernel = (pack_codes(codes.t(), qt.bits, dim=0), scales, qt.zeros.t().to(scales.dtype).contiguous(),
                         perm, gs)
@@ -208,8 +208,11 @@ class AWQLinear(PackedIntLinear):
 class GPTQLinear(PackedIntLinear):
     """GPTQ v1 (or v2): qweight [in/8, out], qzeros [G, out/8] (minus one in v1), scales [G, out], g_idx [in]."""
 
-    def __init__(self, in_features, out_features, bias, bits, group_size, sym, checkpoint_format="gptq"):
+    def __init__(self, in_features, out_features, bias, bits, group_size, sym, checkpoint_format="gptq",
+                 n_groups: int | None = None):
         super().__init__(in_features, out_features, bias, bits, group_size, sym)
+        if n_groups is not None:   # an act-order row shard keeps every group (llmopt.dist.shard_quant)
+            self.n_groups = n_groups
         if in_features % self.per or out_features % self.per:
             raise ModelLoadError(f"a GPTQ layer of {out_features}x{in_features} does not fit {bits}-bit packing")
         self.checkpoint_format = checkpoint_format

@@ -56,7 +56,8 @@ def unpack(tensors: dict[str, torch.Tensor], bits: int, group_size: int, sym: bo
     if g_idx is not None:
         g_idx = g_idx.to(torch.int32)
         gs = in_features if group_size == -1 else group_size
-        if torch.equal(g_idx.cpu(), torch.arange(in_features, dtype=torch.int32) // gs):
+        if scales.shape[0] == -(-in_features // gs) and \
+                torch.equal(g_idx.cpu(), torch.arange(in_features, dtype=torch.int32) // gs):
             g_idx = None
     return IntQuantized(qweight=codes, scales=scales.t().contiguous(), zeros=zeros.to(torch.int32), bits=bits,
                         group_size=group_size, sym=sym, g_idx=g_idx, bias=tensors.get("bias"))

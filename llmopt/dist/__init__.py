@@ -1,0 +1,1 @@
+"""Tensor parallelism over torch.distributed: plans, sharded weights and the rank workers."""
