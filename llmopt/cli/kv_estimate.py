@@ -38,8 +38,9 @@ def kv_estimate(
                                                  help="Share of GPU memory the server may use, (0, 1] (vLLM's "
                                                  "meaning)."),
     tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", callback=in_range(1),
-                                             help="GPUs per replica, >= 1 (dividing the KV heads, or a multiple "
-                                             "of them)."),
+                                             help="GPUs per replica, >= 1: as the engine takes it, dividing the "
+                                             "attention heads and the MLP width, and dividing the KV heads or a "
+                                             "multiple of them."),
     device: str = typer.Option(defaults.DEVICE, "--device", help="auto|cpu|cuda: where the plan runs (auto: a GPU "
                                "with --gpu/--gpu-memory, else what the engine picks on this machine)."),
     dtype: str = typer.Option(defaults.DTYPE, "--dtype", help="auto|float32|bfloat16|float16: the model's dtype, as "

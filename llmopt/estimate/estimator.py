@@ -9,7 +9,8 @@ from fractions import Fraction
 from llmopt import defaults
 from llmopt.errors import UserInputError
 from llmopt.estimate import naive as naive_mod
-from llmopt.estimate.kv import FLOAT_BYTES, canonical_kv_dtype, kv_heads_per_rank, layer_kv_specs
+from llmopt.dist.plan import quant_group_size
+from llmopt.estimate.kv import FLOAT_BYTES, canonical_kv_dtype, layer_kv_specs, tp_split
 from llmopt.estimate.model_spec import ModelSpec
 from llmopt.estimate.plan import GridCell, KVLayout, build_layout, grid
 from llmopt.estimate.presets import find_gpu
@@ -93,6 +94,18 @@ def _num(x: Fraction) -> float | int:
     return int(x) if x.denominator == 1 else float(x)
 
 
+def _tp_group_size(spec: ModelSpec, weight_format: str, group_size: int | None) -> int | None:
+    """The quantization group a row-parallel shard must hold whole: the checkpoint's (weight format
+    auto), or int4's --group-size; None for float and per-channel weights."""
+    fmt = weight_format.strip().lower()
+    if fmt == "auto":
+        return quant_group_size(spec.quantization_config)
+    if fmt == "int4":
+        g = defaults.QUANT_GROUP_SIZE if group_size is None else group_size
+        return g if g > 0 else None
+    return None
+
+
 def reserve_estimate(spec: ModelSpec, tp: int, max_num_batched_tokens: int, max_num_seqs: int) -> dict[str, int]:
     """Non-KV memory besides weights: the forward's peak activations over a max_num_batched_tokens
     step (a few hidden-wide buffers and the MLP's gate/up/act intermediates), float32 sampler
@@ -130,18 +143,13 @@ def estimate(spec: ModelSpec, *, device: str | None = None, dtype: str = default
                   gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory=kv_cache_memory,
                   reserve_bytes=reserve_bytes, weight_format=weight_format, group_size=group_size, hybrid=hybrid)
     tp = tensor_parallel_size
-    if tp < 1:
-        raise UserInputError(f"--tensor-parallel-size must be at least 1, got {tp}")
+    plan = tp_split(spec, tp, _tp_group_size(spec, weight_format, group_size))   # the engine's check, the engine's split
     if not 0 < gpu_memory_utilization <= 1:
         raise UserInputError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
     if max_num_seqs < 1:
         raise UserInputError(f"--max-num-seqs must be positive, got {max_num_seqs}")
     if max_num_batched_tokens < 1:
         raise UserInputError(f"--max-num-batched-tokens must be positive, got {max_num_batched_tokens}")
-    if not spec.mla and spec.num_kv_heads >= tp and spec.num_kv_heads % tp:
-        raise UserInputError(f"--tensor-parallel-size {tp} does not divide {spec.num_kv_heads} KV heads")
-    if not spec.mla and spec.num_kv_heads < tp and tp % spec.num_kv_heads:
-        raise UserInputError(f"{spec.num_kv_heads} KV heads cannot be replicated evenly over {tp} ranks")
     kv_dtype = canonical_kv_dtype(kv_cache_dtype, spec)
     max_len = max_model_len or spec.max_position_embeddings
     if max_len < 1:
@@ -160,7 +168,7 @@ def estimate(spec: ModelSpec, *, device: str | None = None, dtype: str = default
     est = KVEstimate(
         model=spec.name, source=spec.source, origin=spec.origin, attention=spec.attention, num_layers=spec.num_layers,
         num_kv_heads=1 if spec.mla else spec.num_kv_heads,
-        kv_heads_per_rank=1 if spec.mla else kv_heads_per_rank(spec.num_kv_heads, tp),
+        kv_heads_per_rank=1 if spec.mla else plan.kv_heads_per_rank,
         head_dim=layers[0].head_size, max_position_embeddings=spec.max_position_embeddings,
         device=dev, dtype=spec.dtype, kv_cache_dtype=kv_dtype,
         tensor_parallel_size=tp, block_size=block_size, max_model_len=max_len,

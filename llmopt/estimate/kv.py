@@ -27,6 +27,7 @@ from fractions import Fraction
 from math import ceil
 
 from llmopt import defaults
+from llmopt.dist.plan import TPPlan, tp_plan
 from llmopt.errors import UserInputError
 from llmopt.estimate.model_spec import ModelSpec
 
@@ -99,22 +100,27 @@ def _mla_token_bytes(dtype: str, width: int) -> Fraction:
                          "separately; MLA stores one latent)")
 
 
-def kv_heads_per_rank(total_kv_heads: int, tp: int) -> int:
-    """vLLM: KV heads split across ranks; replicated (one per rank) when there are fewer than ranks."""
-    return max(1, total_kv_heads // tp)
+def tp_split(spec: ModelSpec, tp: int, group_size: int | None = None) -> TPPlan:
+    """The engine's own tensor-parallel check and split (llmopt/dist/plan.py: tp_plan), so kv-estimate
+    refuses exactly the sizes the engine refuses and plans the KV heads each rank allocates (split
+    across ranks; one replicated per rank when there are fewer than ranks, as vLLM). MLA splits its
+    heads and replicates the latent; a MoE model splits each expert's width as well."""
+    kv = spec.num_attention_heads if spec.mla else spec.num_kv_heads
+    plan = tp_plan(spec.num_attention_heads, kv, spec.intermediate_size, spec.vocab_size, tp, group_size,
+                   spec.head_dim)
+    if spec.moe and spec.moe.intermediate_size != spec.intermediate_size:
+        tp_plan(spec.num_attention_heads, kv, spec.moe.intermediate_size, spec.vocab_size, tp, group_size, spec.head_dim)
+    return plan
 
 
 def layer_kv_specs(spec: ModelSpec, kv_dtype: str, tp: int = 1) -> list[LayerKV]:
-    if tp < 1:
-        raise UserInputError(f"--tensor-parallel-size must be at least 1, got {tp}")
+    plan = tp_split(spec, tp)
     dtype = canonical_kv_dtype(kv_dtype, spec)
     if spec.mla:
         width = spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim
         tb = _mla_token_bytes(dtype, width)
         return [LayerKV(i, "mla", None, 1, width, tb) for i in range(spec.num_layers)]
-    if not spec.mla and spec.num_attention_heads % tp and tp > 1:
-        raise UserInputError(f"--tensor-parallel-size {tp} does not divide {spec.num_attention_heads} attention heads")
-    heads = kv_heads_per_rank(spec.num_kv_heads, tp)
+    heads = plan.kv_heads_per_rank
     fp_bytes = FLOAT_BYTES.get(canonical_kv_dtype("auto", spec), 2)
     per_head, res_tokens, res_bytes = _head_token_bytes(dtype, spec.head_dim, fp_bytes)
     return [LayerKV(i, "sliding" if w else "full", w, heads, spec.head_dim, per_head * heads, res_tokens, res_bytes * heads)

@@ -27,7 +27,7 @@ from math import ceil
 
 from llmopt import defaults
 from llmopt.errors import UserInputError
-from llmopt.estimate.kv import kv_heads_per_rank
+from llmopt.estimate.kv import tp_split
 from llmopt.estimate.model_spec import ModelSpec
 from llmopt.estimate.params import Param, count_params, model_params
 from llmopt.estimate.tensors import TensorInfo, ggml_nbytes, ggml_type_names
@@ -66,7 +66,7 @@ def _shard(p: Param, spec: ModelSpec, tp: int) -> tuple[int, ...]:
     if tp == 1 or p.tp == "rep":
         return p.shape
     if p.tp == "kv":
-        return (kv_heads_per_rank(spec.num_kv_heads, tp) * spec.head_dim, *p.shape[1:])
+        return (tp_split(spec, tp).kv_heads_per_rank * spec.head_dim, *p.shape[1:])
     if p.tp == "row":
         return (p.shape[0], ceil(p.shape[1] / tp))
     return (ceil(p.shape[0] / tp), *p.shape[1:])          # col, vocab
@@ -128,7 +128,7 @@ def _file_rank_bytes(t: TensorInfo, spec: ModelSpec, tp: int) -> int:
     if tp == 1 or "norm" in t.name or len(t.shape) < 2:
         return t.nbytes
     if any(k in t.name for k in ("k_proj", "v_proj", "attn_k.", "attn_v.")):
-        return ceil(t.nbytes * kv_heads_per_rank(spec.num_kv_heads, tp) / spec.num_kv_heads)
+        return ceil(t.nbytes * tp_split(spec, tp).kv_heads_per_rank / spec.num_kv_heads)
     return ceil(t.nbytes / tp)
 
 
