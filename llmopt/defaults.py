@@ -42,6 +42,11 @@ LM_HEAD_DTYPE = "auto"           # auto: int8 head for quantized models on the C
 ENFORCE_EAGER = True             # never compile the decode step unless --no-enforce-eager (docs/benchmarks.md: no gain measured)
 COMPILE_BATCH_BUCKETS = (1, 2, 4, 8, 16)  # decode steps of up to 16 sequences run a compiled graph, padded to these
 COMPILE_GEMV_MAX_ROWS = 2        # compiled step: float linears of at most this many rows as an inductor multiply-sum
+TENSOR_PARALLEL_SIZE = 1          # ranks a model is split over (--tensor-parallel-size; docs/parallel.md)
+TP_TIMEOUT_S = 30.0               # a step's collectives: a rank that does not answer within this is an error
+TP_START_TIMEOUT_S = 600.0        # ranks starting and loading their shards (the default process group)
+TP_HEARTBEAT_S = 5.0              # rank 0 pings idle workers this often (they give up after TP_TIMEOUT_S)
+TP_WATCHDOG_S = 0.5               # how often rank 0 checks that its worker processes are alive
 
 # serve
 SERVE_HOST = "127.0.0.1"

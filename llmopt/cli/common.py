@@ -57,6 +57,12 @@ SpeculativeConfigOpt = typer.Option(None, "--speculative-config",
                                     help="vLLM's speculative decoding config: a JSON object (method ngram|draft_model|"
                                     "eagle|eagle3, model, num_speculative_tokens, prompt_lookup_min/max, "
                                     "disable_by_batch_size) or a spec_config.json from llmopt spec-tune.")
+TensorParallelSizeOpt = typer.Option(defaults.TENSOR_PARALLEL_SIZE, "--tensor-parallel-size", "-tp",
+                                     callback=in_range(1),
+                                     help="Ranks to split the model over, >= 1 (vLLM's flag): dividing the attention "
+                                     "heads and the MLP width, and dividing the KV heads or a multiple of them. The "
+                                     "engine starts one process per extra rank (gloo on the CPU, NCCL on GPUs), or "
+                                     "runs under torchrun (docs/parallel.md).")
 
 # name -> (type, option): the one declaration of the engine's flags. A command takes them with
 # @engine_options(...) as **engine and turns them into EngineArgs with engine_args_from_flags.
@@ -76,6 +82,7 @@ ENGINE_FLAGS: dict[str, tuple[type, Any]] = {
     "lm_head_dtype": (str, LmHeadDtypeOpt),
     "enforce_eager": (bool, EnforceEagerOpt),
     "speculative_config": (str, SpeculativeConfigOpt),
+    "tensor_parallel_size": (int, TensorParallelSizeOpt),
 }
 # flag name -> EngineArgs field, where they differ
 _ENGINE_FIELDS = {"prefix_caching": "enable_prefix_caching"}

@@ -80,14 +80,20 @@ def run(*, model, config, host, port, api_key, served_model_name, max_num_queued
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%m-%d %H:%M:%S", stream=sys.stderr)
 
+    from llmopt.engine.args import EngineArgs
+    args = EngineArgs(**engine_args)
+    if args.tensor_parallel_size > 1:
+        from llmopt.dist.worker import run_torchrun_worker
+        if run_torchrun_worker(args):   # under torchrun, a rank other than 0: rank 0 serves
+            return
+
     from llmopt.serve.run import bind, run_server
     sock = bind(host, port)   # a busy port fails now, not after the model has loaded
 
-    from llmopt.engine.args import EngineArgs
     from llmopt.engine.async_engine import AsyncLLMEngine
     from llmopt.serve.app import ServeConfig, build_app
 
-    async_engine = AsyncLLMEngine.from_engine_args(EngineArgs(**engine_args))
+    async_engine = AsyncLLMEngine.from_engine_args(args)
     name = served_model_name or model or defaults.DEFAULT_MODEL
     app = build_app(async_engine, ServeConfig(model_name=name, api_key=api_key, max_num_queued_reqs=max_num_queued_reqs,
                                         max_request_bytes=body_bytes, log_interval=log_interval,

@@ -31,10 +31,13 @@ class EngineArgs:
     lm_head_dtype: str = defaults.LM_HEAD_DTYPE   # auto (int8 for quantized models on the CPU) | float | int8
     enforce_eager: bool = defaults.ENFORCE_EAGER  # True: no compiled decode step (vLLM's --enforce-eager)
     speculative_config: "dict | str | None" = None  # vLLM's --speculative-config: a dict, JSON, or a spec_config.json
+    tensor_parallel_size: int = defaults.TENSOR_PARALLEL_SIZE  # ranks the model is split over (llmopt/dist)
 
     def __post_init__(self) -> None:
         from llmopt.spec.config import parse_speculative_config
         self.speculative_config = parse_speculative_config(self.speculative_config)
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise UserInputError(f"--tensor-parallel-size {self.tensor_parallel_size}: give at least 1")
         if self.block_size < 1:
             raise UserInputError("--block-size must be at least 1")
         if self.max_num_seqs < 1:

@@ -99,13 +99,24 @@ class AsyncLLMEngine:
         self._task: asyncio.Task | None = None
         self._ids = itertools.count()
         self._seen: dict[str, int] = {}             # request id -> output tokens counted so far
-        self.dead: EngineDeadError | None = None    # set once a step failed for no request's reason
+        self._dead: EngineDeadError | None = None   # set once a step failed for no request's reason
         self.num_steps = 0                          # steps run (a loop that waits runs none)
         self.throughput = Throughput()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kwargs) -> "AsyncLLMEngine":
         return cls(LLMEngine(args, **kwargs))
+
+    @property
+    def dead(self) -> EngineDeadError | None:
+        """Why the engine serves nothing more: a step failed for no request's reason, or (looked at
+        each time) the engine reports itself dead while idle (a tensor-parallel worker exited)."""
+        if self._dead is None:
+            try:
+                self.engine.check_health()
+            except EngineDeadError as e:
+                self._die(e)
+        return self._dead
 
     @property
     def num_open(self) -> int:
@@ -210,7 +221,7 @@ class AsyncLLMEngine:
         message = str(error) if isinstance(error, EngineDeadError) else \
             f"the engine failed: {type(error).__name__}: {error}"
         log.error("%s; failing %d open requests", message, len(self._streams))
-        self.dead = EngineDeadError(message)
+        self._dead = EngineDeadError(message)
         for stream in self._streams.values():
             stream.queue.put_nowait(EngineDeadError(message))
         self._streams.clear()

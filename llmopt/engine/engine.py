@@ -95,6 +95,18 @@ class LLMEngine:
                  **kwargs) -> None:
         args = args or EngineArgs(**kwargs)
         self.args = args
+        self.runner = None
+        if args.tensor_parallel_size > 1:   # this process is rank 0; the other ranks run its steps (llmopt/dist)
+            from llmopt.dist.executor import start_tensor_parallel
+            self.runner = start_tensor_parallel(args, loaded, progress)
+            loaded = self.runner.loaded
+        try:
+            self._setup(args, loaded, progress)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _setup(self, args: EngineArgs, loaded: LoadedModel | None, progress) -> None:
         if loaded is None:
             loaded = load_model(args.model, args.dtype, args.device, progress, quantization=args.quantization,
                                 lm_head_dtype=args.lm_head_dtype)
@@ -106,9 +118,10 @@ class LLMEngine:
             raise UserInputError(f"--max-model-len {self.max_model_len:,} is longer than the model's context of "
                                  f"{loaded.config.max_position_embeddings:,} tokens (max_position_embeddings): "
                                  "give at most that")
-        self.runner = ModelRunner(loaded, args.block_size, args.kv_cache_dtype, args.kv_cache_memory,
-                                  args.gpu_memory_utilization, args.max_num_batched_tokens,
-                                  args.attention_backend, args.enforce_eager)
+        if self.runner is None:
+            self.runner = ModelRunner(loaded, args.block_size, args.kv_cache_dtype, args.kv_cache_memory,
+                                      args.gpu_memory_utilization, args.max_num_batched_tokens,
+                                      args.attention_backend, args.enforce_eager)
         info = self.runner.kv_cache_info()
         need = cdiv(self.max_model_len, args.block_size)
         if need > info.num_blocks:
@@ -228,6 +241,19 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def check_health(self) -> None:
+        """Raise EngineDeadError when the engine can run no more steps (a tensor-parallel worker
+        exited, even while idle); return quietly otherwise."""
+        dead = getattr(self.runner, "dead", None)
+        if dead is not None:
+            raise EngineDeadError(dead)
+
+    def shutdown(self) -> None:
+        """Release what outlives the engine object: tensor-parallel worker processes and the process
+        group (also done at exit). A no-op on one rank."""
+        if hasattr(self.runner, "shutdown"):
+            self.runner.shutdown()
+
     def kv_cache_info(self) -> KVCacheInfo:
         return self.runner.kv_cache_info()
 
@@ -268,6 +294,8 @@ class LLMEngine:
         try:
             logits = self.runner.execute(sched)
             sampled = self.sampler.sample_scheduled(logits, sched.scheduled, self.scheduler.requests)
+        except EngineDeadError:    # no request's fault (a tensor-parallel worker exited)
+            raise
         except Exception as e:  # noqa: BLE001 - find whose failure it is
             sampled, failed = self._isolate(sched, e)
         if hasattr(self.drafter, "record"):

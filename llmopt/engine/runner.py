@@ -76,17 +76,23 @@ class ModelRunner:
         self.k_scale = self.v_scale = 1.0
         self.scale = self.cfg.head_dim ** -0.5
         self.num_layers = self.cfg.num_hidden_layers
-        self.bytes_per_block = kernels.kv_block_bytes(block_size, self.cfg.num_key_value_heads, self.cfg.head_dim,
+        self.tp = getattr(self.model, "tp", None)    # tensor parallel: this rank's KV heads (llmopt/dist/plan.py)
+        self.num_kv_heads = self.tp.plan.kv_heads_per_rank if self.tp is not None else self.cfg.num_key_value_heads
+        self.bytes_per_block = kernels.kv_block_bytes(block_size, self.num_kv_heads, self.cfg.head_dim,
                                                       kv_cache_dtype, self.dtype)
         budget = self._kv_budget(kv_cache_memory, gpu_memory_utilization, max_num_batched_tokens)
         self.num_blocks = budget // (self.num_layers * self.bytes_per_block)
+        if self.tp is not None:   # every rank holds the same blocks: the fewest any rank has room for
+            self.num_blocks = self.tp.min_int(self.num_blocks)
         if self.num_blocks < 1:
             raise UserInputError(f"{budget:,} bytes of KV cache hold no block of {self.bytes_per_block * self.num_layers:,} "
                                  f"bytes (all layers): raise --kv-cache-memory or lower --block-size")
         self._allocate()
         self.attn = PagedAttention(self)
         self.compiled = None   # llmopt.engine.compiled.CompiledDecode: decode-only steps of small batches
-        if not enforce_eager and self.device.type == "cpu":
+        if not enforce_eager and self.tp is not None:
+            log.info("tensor parallel: the compiled decode step is off (eager steps)")
+        elif not enforce_eager and self.device.type == "cpu":
             from llmopt.engine.compiled import CompiledDecode
             if CompiledDecode.supports(self.model):
                 self.compiled = CompiledDecode(self.model, self.backend, self.device)
@@ -125,7 +131,7 @@ class ModelRunner:
         return budget
 
     def _allocate(self) -> None:
-        shape = (self.num_blocks, self.block_size, self.cfg.num_key_value_heads, self.cfg.head_dim)
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.cfg.head_dim)
         cache_dtype = kernels.kv_cache_torch_dtype(self.kv_dtype, self.dtype)
 
         def alloc(s, dt):

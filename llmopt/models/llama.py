@@ -186,8 +186,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp=None) -> None:
         super().__init__()
+        self.tp = tp   # tensor parallel: o_proj and down_proj give partial sums, all-reduced here
         self.self_attn = Attention(cfg, layer_idx)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -196,24 +197,31 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, attn: AttentionFn, q_from: int = 0) -> torch.Tensor:
         backend = _backend(attn)
         h = self.self_attn(self.input_layernorm(x, backend), cos, sin, attn, q_from)
+        if self.tp is not None:
+            h = self.tp.all_reduce(h)
         x = (x[..., q_from:, :] if q_from else x) + h
-        return x + self.mlp(self.post_attention_layernorm(x, backend))
+        m = self.mlp(self.post_attention_layernorm(x, backend))
+        return x + (self.tp.all_reduce(m) if self.tp is not None else m)
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp=None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp=None) -> None:
+        """tp: a llmopt.dist.parallel.TPGroup: build this rank's shard (its heads, MLP width and
+        vocabulary rows, llmopt/dist/plan.py); `config` stays the whole model's."""
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = tp
+        local = tp.plan.local_config(cfg) if tp is not None else cfg
+        self.model = LlamaModel(local, tp)
+        self.lm_head = nn.Linear(cfg.hidden_size, local.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
@@ -223,6 +231,8 @@ class LlamaForCausalLM(nn.Module):
         self.captured: tuple[torch.Tensor, list[torch.Tensor]] | None = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is not None:   # vocabulary-parallel: each rank holds a slice of the rows
+            return self.tp.embed(self.model.embed_tokens, input_ids)
         return self.model.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn,
@@ -249,11 +259,14 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.tp is not None:   # each rank's vocabulary slice, gathered on every rank
+            return self.tp.gather_logits(self.lm_head(hidden))
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, device) -> set[str]:
         """Fill parameters (on meta or real storage) from (HF name, tensor) pairs; returns the names
-        it set. This is the one place a tensor-parallel rank would slice its shard."""
+        it set. This is the one place a tensor-parallel rank slices its shard (`self.tp`; the
+        tensors may then be safetensors slices, of which only the rank's part is read)."""
         params = dict(self.named_parameters(remove_duplicate=False))
         buffers = dict(self.named_buffers())
         loaded: set[str] = set()
@@ -265,6 +278,8 @@ class LlamaForCausalLM(nn.Module):
                     continue
                 raise KeyError(name)
             target = params.get(name, buffers.get(name))
+            if self.tp is not None:
+                tensor = self.tp.shard(name, tensor, self.config.quantization_config)
             keep_dtype = target.dtype if not target.is_floating_point() else dtype
             if name in buffers and getattr(self.get_submodule(name.rpartition(".")[0]), "keep_checkpoint_dtype", False):
                 keep_dtype = tensor.dtype   # quantized modules (llmopt.quant.modules): fp16 scales, fp8 codes as stored

@@ -101,34 +101,50 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs read lazily from memory-mapped safetensors files."""
+def iter_safetensors(folder: Path, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs read lazily from memory-mapped safetensors files. lazy: (name, slice)
+    pairs instead, safetensors' slice objects (`get_shape()`, `[rows, cols]` reads only that part),
+    valid while the pair is being handled, each from its own mapping of the file: a tensor-parallel
+    rank that copies its part out maps one tensor at a time, never the whole file."""
     from safetensors import SafetensorError, safe_open
     for f in safetensors_files(folder):
         try:
             with safe_open(str(f), framework="pt") as fh:
-                for name in fh.keys():
-                    yield name, fh.get_tensor(name)
+                names = list(fh.keys())
+                if not lazy:
+                    for name in names:
+                        yield name, fh.get_tensor(name)
+                    continue
+            for name in names:
+                with safe_open(str(f), framework="pt") as fh:
+                    yield name, fh.get_slice(name)
         except SafetensorError as e:     # what the header check cannot see (an unknown dtype...)
             raise ModelLoadError(f"{f} cannot be read as safetensors: {e}") from None
 
 
 def build_model(cfg: ModelConfig, folder: Path, dtype: torch.dtype, device: torch.device,
-                quantization: str | None = None, lm_head_dtype: str = defaults.LM_HEAD_DTYPE) -> LlamaForCausalLM:
+                quantization: str | None = None, lm_head_dtype: str = defaults.LM_HEAD_DTYPE,
+                tp=None) -> LlamaForCausalLM:
     """`quantization` int8|fp8: a float checkpoint's decoder Linears quantized per channel as they
-    load; `lm_head_dtype` auto|float|int8 (quant/runtime.py: resolve_lm_head_dtype)."""
+    load; `lm_head_dtype` auto|float|int8 (quant/runtime.py: resolve_lm_head_dtype). `tp` (a
+    llmopt.dist.parallel.TPGroup): build and load this rank's shard only."""
     from llmopt.quant import runtime
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    weights = iter_safetensors(folder)
+        model = LlamaForCausalLM(cfg, tp)
+    weights = iter_safetensors(folder, lazy=tp is not None)
     if quantization:
         if cfg.quantization_config:
             raise UserInputError(f"--quantization {quantization}: {folder} is already quantized "
                                  f"({cfg.quantization_config.get('quant_method')})")
         names = runtime.convert_for_load_quantization(model, quantization)
+        if tp is not None:   # per-row scales of the whole weight, then the rank's part (TP=1's numbers)
+            weights = ((n, t[:] if n.removesuffix(".weight") in names else t) for n, t in weights)
         weights = runtime.quantize_as_loaded(weights, names, quantization)
     elif cfg.quantization_config:
         runtime.convert_for_runtime(model, cfg.quantization_config)  # swaps Linear for quantized modules
+        if tp is not None:
+            from llmopt.dist.shard import fit_quantized_modules
+            fit_quantized_modules(model, tp.plan)
     head = runtime.resolve_lm_head_dtype(lm_head_dtype, bool(quantization or cfg.quantization_config), device)
     loaded = model.load_weights(weights, dtype, device)
     missing = [n for n, _ in model.named_parameters(remove_duplicate=False) if n not in loaded]
@@ -157,12 +173,13 @@ def load_tokenizer(folder: Path):
 
 def load_model(model: str | None = None, dtype: str | None = "auto", device: str | None = "auto",
                progress=None, tokenizer: bool = True, quantization: str | None = None,
-               lm_head_dtype: str = defaults.LM_HEAD_DTYPE) -> LoadedModel:
+               lm_head_dtype: str = defaults.LM_HEAD_DTYPE, tp=None) -> LoadedModel:
+    """tp: a llmopt.dist.parallel.TPGroup: this rank's shard, on its device (`tp.device`)."""
     folder = resolve_checkpoint(model, progress)
     cfg = ModelConfig.from_path(folder)
-    dev = resolve_device(device)
+    dev = tp.device if tp is not None else resolve_device(device)
     dt = resolve_dtype(dtype, dev, cfg.torch_dtype)
     with torch.inference_mode(False), torch.no_grad():
-        m = build_model(cfg, folder, dt, dev, quantization, lm_head_dtype)
+        m = build_model(cfg, folder, dt, dev, quantization, lm_head_dtype, tp)
     tok = load_tokenizer(folder) if tokenizer else None
     return LoadedModel(m, tok, cfg, folder, model or defaults.DEFAULT_MODEL, dt, dev)

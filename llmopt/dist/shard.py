@@ -1,0 +1,121 @@
+"""A rank's slice of each checkpoint tensor, cut as the tensor is read (`LlamaForCausalLM.load_weights`
+calls this through `TPGroup.shard`): from a memory-mapped safetensors slice only the rank's rows or
+columns are read, so a rank never holds a whole weight.
+
+- column-parallel (q/k/v, gate/up): output rows; k/v by KV heads (a replicated KV head: the rank's one);
+- row-parallel (o_proj, down_proj): input columns of the weight; the bias is added once, by rank 0;
+- embedding and LM head: vocabulary rows, the last rank's padded with zeros to vocab_per_rank;
+- everything else (norms): whole on every rank.
+Packed tensors of quantized checkpoints (AWQ, GPTQ, compressed-tensors) are cut by
+`llmopt.dist.shard_quant.shard_quantized`, which keeps codes, scales, zeros and g_idx together.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmopt.dist.plan import TPPlan
+from llmopt.errors import ModelLoadError, UserInputError
+
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW = ("o_proj", "down_proj")
+VOCAB = ("embed_tokens", "lm_head")
+
+
+def layout(name: str) -> str:
+    """column | row | vocab | replicated: how tensor `name` (an HF name) is split."""
+    parts = name.split(".")
+    module = parts[-2] if len(parts) > 1 else ""
+    if module in COLUMN:
+        return "column"
+    if module in ROW:
+        return "row"
+    if module in VOCAB:
+        return "vocab"
+    return "replicated"
+
+
+def _part(name: str, plan: TPPlan, rank: int) -> tuple[int, int]:
+    """(index, parts): the slice of the output rows this rank holds, as one of `parts` equal parts."""
+    if name.split(".")[-2] in ("k_proj", "v_proj") and plan.kv_replicated:
+        return plan.kv_head_start(rank), plan.num_kv_heads
+    return rank, plan.world_size
+
+
+def _shape(tensor) -> tuple[int, ...]:
+    return tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else tuple(tensor.get_shape())
+
+
+def _cut(tensor, dim: int, index: int, parts: int, name: str) -> torch.Tensor:
+    size = _shape(tensor)[dim]
+    if size % parts:
+        raise ModelLoadError(f"{name}: {size} rows along dim {dim} do not split into {parts} equal parts")
+    step = size // parts
+    key = (slice(None),) * dim + (slice(index * step, (index + 1) * step),)
+    return tensor[key]
+
+
+def _whole(tensor) -> torch.Tensor:
+    return tensor if isinstance(tensor, torch.Tensor) else tensor[:]
+
+
+def shard_tensor(name: str, tensor, plan: TPPlan, rank: int, quantization_config: dict | None = None) -> torch.Tensor:
+    """This rank's part of checkpoint tensor `name`; `tensor` is a tensor or a safetensors slice.
+    The part is the rank's own memory: no view keeps the file's mapping (and its pages) alive."""
+    part = _shard(name, tensor, plan, rank, quantization_config)
+    if part.untyped_storage().nbytes() != part.nbytes:    # a view into something larger (a mapping)
+        part = part.clone()
+    return part
+
+
+def _shard(name: str, tensor, plan: TPPlan, rank: int, quantization_config: dict | None) -> torch.Tensor:
+    how = layout(name)
+    if how == "replicated" or plan.world_size == 1:
+        return _whole(tensor)
+    if quantization_config:
+        from llmopt.dist.shard_quant import is_quantized_tensor, shard_quantized
+        if is_quantized_tensor(name, quantization_config):
+            if how == "vocab":
+                if plan.vocab_size % plan.world_size:
+                    raise UserInputError(f"{name}: a quantized LM head of {plan.vocab_size:,} rows does not split "
+                                         f"over {plan.world_size} ranks")
+                how = "column"
+            index, parts = _part(name, plan, rank)
+            return shard_quantized(name, tensor, how, index, parts, quantization_config)
+    leaf = name.rsplit(".", 1)[-1]
+    if how == "column":
+        return _cut(tensor, 0, *_part(name, plan, rank), name)
+    if how == "row":
+        if leaf == "weight":
+            return _cut(tensor, 1, rank, plan.world_size, name)
+        if leaf == "bias":      # the partial sums are added up: the bias once
+            t = _whole(tensor)
+            return t if rank == 0 else torch.zeros_like(t)
+        return _whole(tensor)   # per-output-row scales (--quantization int8|fp8): every rank's rows
+    start, stop = plan.vocab_range(rank)
+    rows = tensor[start:stop]
+    if stop - start < plan.vocab_per_rank:
+        pad = rows.new_zeros((plan.vocab_per_rank - (stop - start), *rows.shape[1:]))
+        rows = torch.cat([rows, pad])
+    return rows
+
+
+def fit_quantized_modules(model, plan: TPPlan) -> int:
+    """After convert_for_runtime on a rank's shard: an act-order GPTQ row-parallel shard keeps every
+    group's scales and zeros (shard_quant), so its module is rebuilt with the whole Linear's group
+    count. Returns how many modules were rebuilt."""
+    qcfg = model.config.quantization_config or {}
+    if plan.world_size == 1 or not qcfg.get("desc_act"):
+        return 0
+    from llmopt.dist.shard_quant import row_groups
+    from llmopt.quant.modules import GPTQLinear
+    rebuilt = 0
+    for name, mod in list(model.named_modules()):
+        if type(mod) is not GPTQLinear or layout(f"{name}.qweight") != "row":
+            continue
+        groups = row_groups(name, qcfg, mod.in_features * plan.world_size, plan.world_size)
+        if groups != mod.n_groups:
+            model.set_submodule(name, GPTQLinear(mod.in_features, mod.out_features, mod.bias is not None, mod.bits,
+                                                 mod.group_size, mod.sym, mod.checkpoint_format, n_groups=groups))
+            rebuilt += 1
+    return rebuilt

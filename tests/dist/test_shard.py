@@ -1,0 +1,95 @@
+"""A rank's shard, loaded in this process (no other rank needed: loading runs no collective): each
+parameter is the right slice of the whole model's, and from the memory-mapped safetensors a rank
+reads only its part of every split tensor (norms, replicated, whole)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmopt.dist.parallel import TPGroup
+from llmopt.dist.plan import plan_for_config
+from llmopt.dist.shard import layout
+from llmopt.models import loader
+from llmopt.models.config import ModelConfig
+
+
+class Recorder:
+    """A safetensors slice that counts the elements read through it."""
+
+    def __init__(self, name, inner, reads):
+        self.name, self.inner, self.reads = name, inner, reads
+
+    def get_shape(self):
+        return self.inner.get_shape()
+
+    def __getitem__(self, key):
+        t = self.inner[key]
+        self.reads[self.name] = self.reads.get(self.name, 0) + t.numel()
+        return t
+
+
+def load_shard(folder, rank, world, monkeypatch):
+    cfg = ModelConfig.from_path(folder)
+    tp = TPGroup(plan_for_config(cfg, world), rank, torch.device("cpu"))
+    reads: dict[str, int] = {}
+    real = loader.iter_safetensors
+
+    def recording(folder, lazy=False):
+        assert lazy, "a rank reads slices, never whole tensors"
+        for name, s in real(folder, lazy=True):
+            yield name, Recorder(name, s, reads)
+
+    monkeypatch.setattr(loader, "iter_safetensors", recording)
+    model = loader.build_model(cfg, folder, torch.float32, torch.device("cpu"), tp=tp)
+    return model, tp, reads
+
+
+@pytest.mark.parametrize("kw,world", [
+    (dict(model_type="llama", attention_bias=True, mlp_bias=True, vocab_size=97), 2),
+    (dict(model_type="qwen2", num_key_value_heads=1, tie_word_embeddings=True), 2),
+    (dict(model_type="llama", hidden_size=48, num_attention_heads=6, num_key_value_heads=3, head_dim=8,
+          intermediate_size=96,
+          vocab_size=100), 3),
+])
+def test_each_rank_holds_its_slice_and_reads_only_it(tiny_factory, monkeypatch, kw, world):
+    folder = tiny_factory(**kw)
+    full = loader.load_model(str(folder), "float32", "cpu", tokenizer=False).model
+    whole = {n: p for n, p in full.named_parameters(remove_duplicate=False)}
+    sizes = {n: p.numel() for n, p in whole.items()}
+    for rank in range(world):
+        model, tp, reads = load_shard(folder, rank, world, monkeypatch)
+        plan = tp.plan
+        hd = full.config.head_dim
+        for name, p in model.named_parameters(remove_duplicate=False):
+            w = whole[name]
+            mod = name.split(".")[-2]
+            if mod == "q_proj":
+                want = w[rank * plan.heads_per_rank * hd:(rank + 1) * plan.heads_per_rank * hd]
+            elif mod in ("k_proj", "v_proj"):
+                k0 = plan.kv_head_start(rank) * hd
+                want = w[k0:k0 + plan.kv_heads_per_rank * hd]
+            elif mod in ("gate_proj", "up_proj"):
+                n = plan.intermediate_per_rank
+                want = w[rank * n:(rank + 1) * n]
+            elif mod in ("o_proj", "down_proj") and name.endswith("weight"):
+                n = w.shape[1] // world
+                want = w[:, rank * n:(rank + 1) * n]
+            elif mod in ("o_proj", "down_proj"):       # the bias: added once
+                want = w if rank == 0 else torch.zeros_like(w)
+            elif mod in ("embed_tokens", "lm_head"):
+                a, b = plan.vocab_range(rank)
+                want = torch.cat([w[a:b], w.new_zeros(plan.vocab_per_rank - (b - a), w.shape[1])])
+            else:
+                want = w
+            assert torch.equal(p, want), name
+        held = {n: p.numel() for n, p in model.named_parameters(remove_duplicate=False)}
+        for name, n in reads.items():
+            if name not in sizes:
+                continue
+            if layout(name) == "replicated":
+                assert n == sizes[name], name
+            elif not name.endswith("bias"):    # a split tensor: no more than the rank holds
+                assert n <= held[name], f"{name}: read {n} of {sizes[name]}, holds {held[name]}"
+        kv_rows = model.model.layers[0].self_attn.k_proj.weight.shape[0]
+        assert kv_rows == plan.kv_heads_per_rank * hd
