@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from llmopt import defaults
+from llmopt.quant.fuse import drop_stale
 
 log = logging.getLogger("llmopt.engine")
 
@@ -165,17 +166,6 @@ class CompiledDecode:
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
-    def _check_fused_qkv(self) -> None:
-        """The eager forward checks that a fused [q; k; v] weight still backs the three projections
-        (models/llama.py `_views_of`), which a graph cannot trace: check it here before compiling."""
-        from llmopt.models.llama import _views_of
-        for layer in getattr(getattr(self.model, "model", None), "layers", ()):
-            a = layer.self_attn
-            f, lins = a._qkv, (a.q_proj, a.k_proj, a.v_proj)
-            if f is not None and not (_views_of(f[0], [lin.weight for lin in lins])
-                                      and (f[1] is None or _views_of(f[1], [lin.bias for lin in lins]))):
-                a._qkv = None
-
     def run(self, ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """Logits [B, vocab] float32 of a decode step of B = len(ids) sequences, one token each;
         `attn` is the runner's paged attention context with this step's metadata set."""
@@ -189,7 +179,7 @@ class CompiledDecode:
         try:
             if p in self.compiled:
                 return self._forward(ids, positions)[:n]
-            self._check_fused_qkv()
+            drop_stale(self.model)   # the eager forward checks each call that fused q/k/v, gate/up are current
             t = time.perf_counter()
             out = self._forward(ids, positions)[:n]
             dt = time.perf_counter() - t

@@ -123,7 +123,7 @@ def test_fused_qkv_follows_its_projections(tmp_path):
     or a reload does) must fall back to the three projections, never use the stale fused copy."""
     hf, lm, ids, ref = _check(tmp_path)
     at = lm.model.model.layers[0].self_attn
-    assert at._qkv is not None and at._qkv[0].data_ptr() == at.q_proj.weight.data_ptr()
+    assert at._qkv is not None and at._qkv.run[0].data_ptr() == at.q_proj.weight.data_ptr()
     seen = []
     h = at.k_proj.register_forward_pre_hook(lambda _m, a: seen.append(a[0].shape))
     assert _rel(_ours_logits(lm, ids), ref) <= TOL
