@@ -4,8 +4,8 @@ Their weights are concatenated along the output dim (float weights and biases; o
 format's packed codes, scales and scale * zero rows, for the CPU kernels) and each module's
 tensors are replaced by views into the fused storage, so memory does not grow. `call_fused` runs
 the one GEMM (one kernel call instead of three or two) while the fused storage still backs every
-module: a module replaced or reloaded (new tensor objects) makes its owner fall back to
-separate calls for good; a hooked one is called on its own while the hook is there.
+module: a module replaced or reloaded (new tensor objects, or new memory under them) makes its
+owner fall back to separate calls for good; a hooked one is called on its own while the hook is there.
 
 Quantized modules fuse when they share a layout: PackedIntLinear (AWQ, GPTQ, compressed-tensors
 pack-quantized, repacked for llmopt.kernels.cpu_quant: int4 grouped nibbles or int8 codes) with
@@ -24,7 +24,8 @@ from llmopt.quant.modules import PackedIntLinear
 from llmopt.quant.modules_w8a8 import W8Linear
 
 def _tensors(lin: nn.Module) -> tuple:
-    return tuple((n, t) for d in (lin._parameters, lin._buffers) for n, t in d.items() if t is not None)
+    return tuple((n, t, t.data_ptr()) for d in (lin._parameters, lin._buffers) for n, t in d.items()
+                 if t is not None)
 
 
 class Fused:
@@ -39,14 +40,14 @@ class Fused:
         self.parts = [(lin, _tensors(lin)) for lin in lins]
 
     def backs(self, owner: nn.Module) -> bool:
-        """Whether each Linear is still the module fused and holds the same tensor objects (cheap:
-        identity checks only; called on every eager forward)."""
+        """Whether each Linear is still the module fused and holds the same tensor objects over the
+        same memory (a `.data =` swap keeps the object); cheap: called on every eager forward."""
         mods = owner._modules
         for name, (lin, tensors) in zip(self.names, self.parts):
             if mods.get(name) is not lin:
                 return False
-            for n, t in tensors:
-                if lin._parameters.get(n, lin._buffers.get(n)) is not t:
+            for n, t, ptr in tensors:
+                if lin._parameters.get(n, lin._buffers.get(n)) is not t or t.data_ptr() != ptr:
                     return False
         return True
 

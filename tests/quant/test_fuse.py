@@ -138,6 +138,13 @@ def test_replaced_or_hooked_projection_falls_back():
     owner._f = fuse(owner, ("q", "k", "v"))
     owner.v._buffers["cpu_codes"] = owner.v.cpu_codes.clone()      # reloaded into new storage
     assert drop_stale(owner) == 1 and owner._f is None
+    floats = Owner([nn.Linear(IN, n) for n in SIZES])
+    floats._f = fuse(floats, ("q", "k", "v"))
+    assert isinstance(floats._f.run, tuple)
+    floats.q.weight.data = floats.q.weight.detach() * 2              # same Parameter, new memory
+    with torch.no_grad():
+        got = call_fused(floats, "_f", x)
+        assert floats._f is None and torch.equal(got[0], floats.q(x))
 
 
 def test_engine_greedy_tokens_unchanged_by_fusion(tiny_llama, tmp_path):
