@@ -41,7 +41,7 @@ def available() -> bool:
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         log.warning("quantized CPU kernels need AVX2: running the PyTorch fallback (slower)")
         return False
-    src = SOURCE.read_bytes()
+    src = SOURCE.read_bytes() + SOURCE.with_name("cpu_quant_tiles.h").read_bytes()
     name = "llmopt_cpu_quant_" + hashlib.sha256(src + torch.__version__.encode()).hexdigest()[:12]
     build = _build_dir() / name
     try:

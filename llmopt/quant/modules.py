@@ -107,7 +107,7 @@ class PackedIntLinear(QuantLinear):
             return   # unequal groups or odd widths: dequantized per call (slow, rare)
         scales = qt.scales.float().contiguous()
         zeros = qt.zeros.float()
-        if qt.bits == 4 and k % 64 == 0:
+        if qt.bits == 4 and k % 64 == 0 and (gs == 32 or gs % 64 == 0):
             kind, packed = "w4", pack_int4(codes)
         else:                      # any width up to 8 bits as int8 codes; 8-bit codes shifted by -128
             shift = 128 if qt.bits == 8 else 0

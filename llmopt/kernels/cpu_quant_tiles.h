@@ -1,0 +1,195 @@
+// The tiles of llmopt/kernels/cpu_quant.cpp (see its header): decoders, one tile per format, and
+// the loop that splits output rows over OpenMP threads. Included by cpu_quant.cpp only.
+#pragma once
+#include <immintrin.h>
+#include <algorithm>
+#include <cstdint>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace llmopt_cpu_tiles {
+
+inline float hsum(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+// 8 codes at column c of a row, as floats (before scale and zero)
+struct I8 {
+    static inline __m256 at(const uint8_t* row, int64_t c) {
+        __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c));
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    }
+};
+
+struct F8 {   // e4m3fn bits -> float32 exactly: sign/exponent/mantissa moved into place, times 2^120
+    static inline __m256 at(const uint8_t* row, int64_t c) {
+        __m256i i = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c)));
+        __m256i sign = _mm256_slli_epi32(_mm256_and_si256(i, _mm256_set1_epi32(0x80)), 24);
+        __m256i em = _mm256_slli_epi32(_mm256_and_si256(i, _mm256_set1_epi32(0x7F)), 20);
+        __m256 f = _mm256_castsi256_ps(_mm256_or_si256(em, sign));
+        return _mm256_mul_ps(f, _mm256_set1_ps(1.329227995784916e36f));   // 2^120
+    }
+};
+
+struct Args {
+    const float* x; int64_t M, K, N, gs, G;
+    const float* s; int64_t s_stride;   // scales: row n, group g at s[n * s_stride + g]
+    const float* sz;                    // scale * zero [N, G] or nullptr
+    const float* xsum;                  // per-group sums of x [M, G] (with sz)
+    float* y;
+};
+
+// y[m0 + i, n0 + r] = acc[r][i] summed, minus the zero-point term sum_g sz[n, g] * xsum[m, g]
+template <int NR, int MT>
+inline void store(const Args& a, __m256 (&acc)[NR][MT], int64_t n0, int64_t m0) {
+    for (int r = 0; r < NR; ++r)
+        for (int i = 0; i < MT; ++i) {
+            float corr = 0.f;
+            if (a.sz != nullptr)
+                for (int64_t g = 0; g < a.G; ++g) corr += a.sz[(n0 + r) * a.G + g] * a.xsum[(m0 + i) * a.G + g];
+            a.y[(m0 + i) * a.N + n0 + r] = hsum(acc[r][i]) - corr;
+        }
+}
+
+template <int NR, int MT>
+inline void zero(__m256 (&v)[NR][MT]) {
+    for (int r = 0; r < NR; ++r)
+        for (int i = 0; i < MT; ++i) v[r][i] = _mm256_setzero_ps();
+}
+
+// Rows n0..n0+NR of the output for x rows m0..m0+MT; int8 / fp8 codes, K a multiple of 8.
+template <class D, int NR, int MT>
+inline void tile8(const Args& a, const uint8_t* w, int64_t n0, int64_t m0) {
+    const int64_t K = a.K;
+    const uint8_t* row[NR];
+    for (int r = 0; r < NR; ++r) row[r] = w + (n0 + r) * K;
+    const float* x = a.x + m0 * K;
+    __m256 acc[NR][MT];
+    zero(acc);
+    for (int64_t g = 0, c0 = 0; c0 < K; ++g, c0 += a.gs) {
+        __m256 d[NR][MT];
+        zero(d);
+        for (int64_t c = c0; c < c0 + a.gs; c += 8) {
+            __m256 xv[MT];
+            for (int i = 0; i < MT; ++i) xv[i] = _mm256_loadu_ps(x + i * K + c);
+            for (int r = 0; r < NR; ++r) {
+                __m256 wv = D::at(row[r], c);
+                for (int i = 0; i < MT; ++i) d[r][i] = _mm256_fmadd_ps(wv, xv[i], d[r][i]);
+            }
+        }
+        for (int r = 0; r < NR; ++r) {
+            __m256 sv = _mm256_set1_ps(a.s[(n0 + r) * a.s_stride + g]);
+            for (int i = 0; i < MT; ++i) acc[r][i] = _mm256_fmadd_ps(sv, d[r][i], acc[r][i]);
+        }
+    }
+    store<NR, MT>(a, acc, n0, m0);
+}
+
+// int4, grouped nibble layout: per 64-column block b, byte 32b + j holds column 64b + j (low nibble)
+// and 64b + 32 + j (high). Group size a multiple of 32: with 32, the halves belong to two groups.
+template <int NR, int MT>
+inline void tile4(const Args& a, const uint8_t* w, int64_t n0, int64_t m0) {
+    const int64_t K = a.K, B = K / 64;
+    const uint8_t* row[NR];
+    for (int r = 0; r < NR; ++r) row[r] = w + (n0 + r) * (K / 2);
+    const float* x = a.x + m0 * K;
+    const bool two = a.gs == 32;
+    const int64_t bpg = two ? 1 : a.gs / 64;   // blocks per group (two groups per block when gs == 32)
+    const __m256i mask = _mm256_set1_epi32(0xF);
+    __m256 acc[NR][MT];
+    zero(acc);
+    for (int64_t b0 = 0; b0 < B; b0 += bpg) {
+        __m256 lo[NR][MT], hi[NR][MT];
+        zero(lo);
+        zero(hi);
+        for (int64_t b = b0; b < b0 + bpg; ++b)
+            for (int j = 0; j < 32; j += 8) {
+                __m256 xl[MT], xh[MT];
+                for (int i = 0; i < MT; ++i) {
+                    xl[i] = _mm256_loadu_ps(x + i * K + 64 * b + j);
+                    xh[i] = _mm256_loadu_ps(x + i * K + 64 * b + 32 + j);
+                }
+                for (int r = 0; r < NR; ++r) {
+                    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row[r] + 32 * b + j)));
+                    __m256 wl = _mm256_cvtepi32_ps(_mm256_and_si256(v, mask));
+                    __m256 wh = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+                    for (int i = 0; i < MT; ++i) {
+                        lo[r][i] = _mm256_fmadd_ps(wl, xl[i], lo[r][i]);
+                        hi[r][i] = _mm256_fmadd_ps(wh, xh[i], hi[r][i]);
+                    }
+                }
+            }
+        for (int r = 0; r < NR; ++r) {
+            const float* s = a.s + (n0 + r) * a.s_stride;
+            if (two) {
+                __m256 sl = _mm256_set1_ps(s[2 * b0]), sh = _mm256_set1_ps(s[2 * b0 + 1]);
+                for (int i = 0; i < MT; ++i)
+                    acc[r][i] = _mm256_fmadd_ps(sh, hi[r][i], _mm256_fmadd_ps(sl, lo[r][i], acc[r][i]));
+            } else {
+                __m256 sv = _mm256_set1_ps(s[b0 / bpg]);
+                for (int i = 0; i < MT; ++i)
+                    acc[r][i] = _mm256_fmadd_ps(sv, _mm256_add_ps(lo[r][i], hi[r][i]), acc[r][i]);
+            }
+        }
+    }
+    store<NR, MT>(a, acc, n0, m0);
+}
+
+// One kernel over all rows: KERNEL<NR, MT>(args, w, n0, m0). M == 1 (decode) takes 4 output rows at a
+// time (4 independent FMA chains share each x load); M == 2 two rows by two; else 1 row by up to 4.
+template <int NR, int MT, class Fn>
+inline void rows(const Args& a, int64_t n0, int64_t n1, int64_t m0, Fn fn) {
+    int64_t n = n0;
+    for (; n + NR <= n1; n += NR) fn.template operator()<NR, MT>(a, n, m0);
+    for (; n < n1; ++n) fn.template operator()<1, MT>(a, n, m0);
+}
+
+template <class Fn>
+void run(const Args& a, Fn fn) {
+    // contiguous row ranges per thread, aligned to 4 rows
+    int64_t N = a.N;
+#pragma omp parallel
+    {
+#ifdef _OPENMP
+        int t = omp_get_thread_num(), T = omp_get_num_threads();
+#else
+        int t = 0, T = 1;
+#endif
+        int64_t per = ((N + T - 1) / T + 3) / 4 * 4;
+        int64_t n0 = std::min<int64_t>(N, t * per), n1 = std::min<int64_t>(N, n0 + per);
+        if (n0 < n1) {
+            if (a.M == 1) {
+                rows<4, 1>(a, n0, n1, 0, fn);
+            } else {
+                int64_t m = 0;
+                for (; m + 4 <= a.M; m += 4) rows<1, 4>(a, n0, n1, m, fn);
+                switch (a.M - m) {
+                    case 3: rows<1, 3>(a, n0, n1, m, fn); break;
+                    case 2: rows<2, 2>(a, n0, n1, m, fn); break;
+                    case 1: rows<4, 1>(a, n0, n1, m, fn); break;
+                    default: break;
+                }
+            }
+        }
+    }
+}
+
+template <class D>
+struct Fn8 {
+    const uint8_t* w;
+    template <int NR, int MT>
+    void operator()(const Args& a, int64_t n, int64_t m) const { tile8<D, NR, MT>(a, w, n, m); }
+};
+
+struct Fn4 {
+    const uint8_t* w;
+    template <int NR, int MT>
+    void operator()(const Args& a, int64_t n, int64_t m) const { tile4<NR, MT>(a, w, n, m); }
+};
+
+}  // namespace llmopt_cpu_tiles

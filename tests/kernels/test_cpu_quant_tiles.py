@@ -1,0 +1,86 @@
+"""The C++ quantized CPU kernels' tiling (llmopt/kernels/cpu_quant_tiles.h) called directly: ragged
+row counts (not a multiple of the 4-row tile) and every M tile (1, 2, 3, 4 and mixes) against a
+float64 reference, and each output element independent of the tiling, bit for bit: a slice of the
+weight's rows, or one row of x, gives the same numbers as the whole call (what fused q/k/v rely on)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmopt.kernels import cpu_quant
+from llmopt.quant.formats import pack_linear
+from llmopt.quant.modules import GPTQLinear
+from llmopt.quant.types import IntQuantized
+
+K = 384
+NS = (1, 5, 7, 193)
+MS = (1, 2, 3, 5, 9)
+
+
+
+@pytest.fixture(scope="module")
+def ops():
+    o = cpu_quant.ops()
+    assert o is not None, "the quantized CPU kernels did not build (g++ and AVX2 are expected here)"
+    return o
+
+
+def _case(ops, fmt: str, n: int, gs: int, seed: int):
+    """(call(x, rows) -> y for the weight's rows `rows`, float64 weight [n, K])."""
+    g = torch.Generator().manual_seed(seed)
+    G = K // gs
+    s = torch.rand(n, G, generator=g) + 0.1
+    sz = torch.randn(n, G, generator=g)
+    if fmt == "w4":
+        q = torch.randint(0, 16, (n, K), generator=g)
+        packed = cpu_quant.pack_int4(q)
+        w = (q.double().view(n, G, gs) * s.double()[..., None] - sz.double()[..., None]).view(n, K)
+        return (lambda x, r: ops.w4_gemm(x, packed[r], s[r], sz[r], gs)), w
+    if fmt == "f8":
+        f = torch.randn(n, K, generator=g).to(torch.float8_e4m3fn)
+        sf = s[:, 0].contiguous()
+        return (lambda x, r: ops.f8_gemm(x, f.view(torch.uint8)[r], sf[r])), f.double() * sf.double()[:, None]
+    c = torch.randint(-128, 128, (n, K), generator=g, dtype=torch.int8)
+    z = sz if fmt == "w8z" else torch.empty(0)
+    w = c.double().view(n, G, gs) * s.double()[..., None]
+    if z.numel():
+        w = w - z.double()[..., None]
+    return (lambda x, r: ops.w8_gemm(x, c[r], s[r], z[r] if z.numel() else z, gs)), w.view(n, K)
+
+
+@pytest.mark.parametrize("fmt,gs", [("w8", K), ("w8z", 32), ("w8z", 128), ("w4", 32), ("w4", 64), ("w4", 128),
+                                    ("f8", K)])
+def test_ragged_rows_and_every_m_tile(ops, fmt, gs):
+    for n in NS:
+        call, w = _case(ops, fmt, n, gs, seed=n)
+        everything = slice(0, n)
+        for m in MS:
+            x = torch.randn(m, K, generator=torch.Generator().manual_seed(m))
+            y = call(x, everything)
+            ref = x.double() @ w.t()
+            bound = 1e-5 * (x.double().abs() @ w.abs().t()) + 1e-6
+            assert bool(((y.double() - ref).abs() <= bound).all()), (fmt, gs, n, m)
+            if n > 3:       # a slice of rows off the 4-row grid, and one row of x: the same bits
+                assert torch.equal(call(x, slice(1, n - 1)), y[:, 1:n - 1])
+            assert torch.equal(call(x[m - 1:].contiguous(), everything), y[m - 1:])
+
+
+def test_int4_group_off_the_64_column_blocks_uses_int8_codes(ops):
+    """4-bit groups of 96 columns straddle the nibble layout's 64-column blocks: the module keeps
+    int8 codes instead (w8 kernel), with the same numbers."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (32, K), generator=g, dtype=torch.int32)
+    s = (torch.rand(32, K // 96, generator=g) * 0.1 + 0.01).half().float()
+    qt = IntQuantized(qweight=q, scales=s, zeros=torch.full((32, K // 96), 8, dtype=torch.int32), bits=4,
+                      group_size=96, sym=True)
+    mod = GPTQLinear(K, 32, False, bits=4, group_size=96, sym=True)
+    for name, t in pack_linear("m", qt, "gptq").items():
+        mod._buffers[name.rpartition(".")[2]] = t
+    mod.finish_loading()
+    assert mod._cpu == ("w8", 96)
+    x = torch.randn(3, K, generator=g)
+    w = qt.dequantize(torch.float64)
+    assert torch.allclose(mod(x).double(), x.double() @ w.t(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="int4 group size"):
+        ops.w4_gemm(x, cpu_quant.pack_int4(q.remainder(16)), s, torch.empty(0), 96)
