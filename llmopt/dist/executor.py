@@ -100,8 +100,8 @@ class TPExecutor:
                                     timeout=timedelta(seconds=defaults.TP_START_TIMEOUT_S))
         ctx = torch.multiprocessing.get_context("spawn")
         for rank in range(1, n):
-            p = ctx.Process(target=worker_main, args=(args, plan, rank, addr, port, threads), daemon=True,
-                            name=f"llmopt-tp-rank{rank}")
+            p = ctx.Process(target=worker_main, daemon=True, name=f"llmopt-tp-rank{rank}",
+                            args=(args, plan, rank, addr, port, threads, defaults.TP_TIMEOUT_S))
             p.start()
             self.workers.append(p)
         deadline = time.monotonic() + defaults.TP_START_TIMEOUT_S

@@ -115,9 +115,11 @@ class TPGroup:
 
 
 def init_group(plan: TPPlan, rank: int, device: torch.device, *, store=None, init_method: str | None = None,
-               start_timeout_s: float = defaults.TP_START_TIMEOUT_S,
-               timeout_s: float = defaults.TP_TIMEOUT_S) -> TPGroup:
-    """Join the world (a TCPStore the engine made, or torchrun's env://) and make the step group."""
+               timeout_s: float | None = None) -> TPGroup:
+    """Join the world (a TCPStore the engine made, or torchrun's env://) and make the step group
+    (its timeout: `timeout_s`, default TP_TIMEOUT_S; the default group's: TP_START_TIMEOUT_S)."""
+    timeout_s = defaults.TP_TIMEOUT_S if timeout_s is None else timeout_s
+    start_timeout_s = defaults.TP_START_TIMEOUT_S
     backend = backend_for(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)

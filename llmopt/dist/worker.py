@@ -125,8 +125,9 @@ def _exit_with_parent(interval: float = 1.0) -> None:
     threading.Thread(target=watch, name="llmopt-tp-parent", daemon=True).start()
 
 
-def worker_main(args, plan: TPPlan, rank: int, addr: str, port: int, threads: int) -> None:
-    """The body of a worker process the engine spawned (torch.multiprocessing, spawn)."""
+def worker_main(args, plan: TPPlan, rank: int, addr: str, port: int, threads: int, timeout_s: float) -> None:
+    """The body of a worker process the engine spawned (torch.multiprocessing, spawn); `timeout_s`:
+    the step group's timeout, rank 0's (TP_TIMEOUT_S when it started the worker)."""
     _exit_with_parent()
     torch.set_num_threads(threads)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
@@ -138,7 +139,7 @@ def worker_main(args, plan: TPPlan, rank: int, addr: str, port: int, threads: in
     try:
         store.set(JOINED_KEY.format(rank), str(os.getpid()))
         from llmopt.models.loader import resolve_device
-        tp = init_group(plan, rank, rank_device(resolve_device(args.device), rank), store=store)
+        tp = init_group(plan, rank, rank_device(resolve_device(args.device), rank), store=store, timeout_s=timeout_s)
         _, runner, rss_start = load_rank(args, tp)
         serve_steps(runner, tp, rss_start)
     except BaseException as e:  # noqa: BLE001 - reported to rank 0, then the process ends

@@ -1,15 +1,18 @@
 """The engine over 2 and 3 ranks (gloo on the CPU; rank 0 here, the others spawned, one thread each)
 against one rank: logits within float32 rounding, the same greedy tokens, the KV cache each rank
-allocates as kv-estimate plans it; a worker that dies is one clear error and nothing hangs."""
+allocates as kv-estimate plans it; idle workers stay (rank 0 pings them within their step timeout),
+a worker that dies is one clear error and nothing hangs."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
 import pytest
 
+from llmopt import defaults
 from llmopt.engine.engine import EngineDeadError
 from llmopt.estimate import estimate, resolve_model_spec
 from llmopt.engine.runner import ModelRunner
@@ -69,12 +72,16 @@ def test_tp3_default_model_generates_as_tp1():
     assert (est.paged.num_blocks, est.paged.kv_cache_bytes) == (info.num_blocks, info.bytes_allocated)
 
 
-def test_a_killed_worker_is_a_clear_error_and_nothing_hangs(tiny_factory):
+def test_idle_workers_stay_and_a_killed_one_is_a_clear_error(tiny_factory, monkeypatch):
     t0 = time.monotonic()
     folder = tiny_factory(tokenizer=True, vocab_size=96)
+    monkeypatch.setattr(defaults, "TP_TIMEOUT_S", 3.0)      # a worker gives up after 3 s without a step...
+    monkeypatch.setattr(defaults, "TP_HEARTBEAT_S", 0.5)    # ...so rank 0 pings it while idle
     with tp_engine(folder, 2) as engine:
         assert greedy(engine, [[1, 2, 3]], max_tokens=2)
+        time.sleep(4)
         engine.check_health()
+        assert greedy(engine, [[1, 2, 3]], max_tokens=2)
         victim = engine.runner.workers[0]
         os.kill(victim.pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
@@ -85,7 +92,7 @@ def test_a_killed_worker_is_a_clear_error_and_nothing_hangs(tiny_factory):
                 break
             time.sleep(0.1)
         want = f"tensor-parallel worker rank 1 (pid {victim.pid}) exited with code -9"
-        with pytest.raises(EngineDeadError, match=want.replace("(", r"\(").replace(")", r"\)")):
+        with pytest.raises(EngineDeadError, match=re.escape(want)):
             engine.check_health()
         engine.add_request("after", [4, 5, 6])
         with pytest.raises(EngineDeadError, match="exited with code -9"):
