@@ -143,7 +143,7 @@ def estimate(spec: ModelSpec, *, device: str | None = None, dtype: str = default
                   gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory=kv_cache_memory,
                   reserve_bytes=reserve_bytes, weight_format=weight_format, group_size=group_size, hybrid=hybrid)
     tp = tensor_parallel_size
-    plan = tp_split(spec, tp, _tp_group_size(spec, weight_format, group_size))   # the engine's check, the engine's split
+    plan = tp_split(spec, tp, _tp_group_size(spec, weight_format, group_size))   # the engine's check and split
     if not 0 < gpu_memory_utilization <= 1:
         raise UserInputError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
     if max_num_seqs < 1:

@@ -109,7 +109,8 @@ def tp_split(spec: ModelSpec, tp: int, group_size: int | None = None) -> TPPlan:
     plan = tp_plan(spec.num_attention_heads, kv, spec.intermediate_size, spec.vocab_size, tp, group_size,
                    spec.head_dim)
     if spec.moe and spec.moe.intermediate_size != spec.intermediate_size:
-        tp_plan(spec.num_attention_heads, kv, spec.moe.intermediate_size, spec.vocab_size, tp, group_size, spec.head_dim)
+        tp_plan(spec.num_attention_heads, kv, spec.moe.intermediate_size, spec.vocab_size, tp, group_size,
+                spec.head_dim)
     return plan
 
 
