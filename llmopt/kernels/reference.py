@@ -75,10 +75,9 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor
              k_scale_cache: torch.Tensor | None = None, v_scale_cache: torch.Tensor | None = None) -> None:
     """Store k, v [N, Hkv, D] at `slot_mapping` [N] (negative slots are skipped, as padding)."""
     _check_int8_scales(kv_dtype, k_scale_cache, v_scale_cache)
-    slots = slot_mapping.long()
-    if slots.numel() and bool((slots < 0).any()):
-        keep = slots >= 0
-        slots, k, v = slots[keep], k[keep], v[keep]
+    slots, keep = _per_step(("slots",), (slot_mapping,), lambda: _real_slots(slot_mapping))
+    if keep is not None:
+        k, v = k[keep], v[keep]
     if slots.numel() == 0:
         return
     nb, bs, hkv, d = key_cache.shape
@@ -89,6 +88,37 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor
         _bytes(cache).view(nb * bs, hkv * d).index_copy_(0, slots, _bytes(stored).reshape(-1, hkv * d))
         if row_scales is not None:
             scache.view(nb * bs, hkv).index_copy_(0, slots, row_scales.to(scache.dtype))
+
+
+def _real_slots(slot_mapping: torch.Tensor):
+    """(slots as int64 without the padding ones, the mask of kept rows or None)."""
+    slots = slot_mapping.long()
+    if slots.numel() and bool((slots < 0).any()):
+        keep = slots >= 0
+        return slots[keep], keep
+    return slots, None
+
+
+_LAST: dict = {}   # what a step's metadata gives, per purpose: every layer of a step reuses it
+
+
+def _per_step(key: tuple, tensors: tuple, make):
+    """make() once for the same metadata tensors (the same objects, not modified in place since):
+    the 30 layers of a step attend with one block table, so their bucketing, index tensors and
+    masks are built once, not 30 times."""
+    hit = _LAST.get(key)
+    if hit is not None and len(hit[0]) == len(tensors) and all(
+            a is b and v == _version(b) for (a, v), b in zip(hit[0], tensors)):
+        return hit[1]
+    value = make()
+    _LAST[key] = (tuple((t, _version(t)) for t in tensors), value)
+    return value
+
+
+def _version(t: torch.Tensor) -> int:
+    """In-place writes bump it; inference-mode tensors (the engine's) keep none: the runner builds
+    new metadata tensors every step, and the entry holds them, so `is` cannot match a new one."""
+    return -1 if t.is_inference() else t._version
 
 
 def _bytes(x: torch.Tensor) -> torch.Tensor:
@@ -128,21 +158,38 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         return out
     cdt = _compute_dtype(q)
     bs = key_cache.shape[1]
+    kv = (key_cache, value_cache, kv_dtype, k_scale, v_scale, k_scale_cache, v_scale_cache)
+    buckets, longer = _per_step(("plan", bs, window, q.device), (block_tables, seq_lens, query_start_loc),
+                                lambda: _plan(block_tables, seq_lens, query_start_loc, bs, window, q.device))
+    for rows, blocks, mask in buckets:
+        _decode_batch(q, out, kv, rows, blocks, mask, scale, cdt)
+    for s, start, n, length in longer:
+        _one_sequence(q, out, kv, block_tables[s], start, n, length, bs, scale, window, cdt)
+    return out
+
+
+def _plan(block_tables, seq_lens, query_start_loc, bs, window, dev):
+    """Decode rows (one query) in buckets of lengths within a factor of two of the bucket's longest
+    (little padding): (query rows, block ids [S, nb], mask [S, nb * bs]) each; longer queries one by
+    one: (sequence, first query row, queries, length)."""
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    kv = (key_cache, value_cache, kv_dtype, k_scale, v_scale, k_scale_cache, v_scale_cache)
     decode = sorted((s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1), key=lambda s: -lens[s])
-    while decode:  # buckets: lengths within a factor of two of the bucket's longest (little padding)
+    buckets = []
+    while decode:
         n = 1
         while n < len(decode) and 2 * lens[decode[n]] > lens[decode[0]]:
             n += 1
-        _decode_batch(q, out, kv, block_tables, decode[:n], starts, lens, bs, scale, window, cdt)
-        decode = decode[n:]
-    for s in range(len(lens)):
-        n = starts[s + 1] - starts[s]
-        if n > 1:
-            _one_sequence(q, out, kv, block_tables[s], starts[s], n, lens[s], bs, scale, window, cdt)
-    return out
+        seqs, decode = decode[:n], decode[n:]
+        nblocks = -(-max(lens[s] for s in seqs) // bs)
+        blocks = block_tables[torch.tensor(seqs, device=dev), :nblocks].long().clamp_min(0)  # padding entries
+        d = (torch.tensor([lens[s] for s in seqs], device=dev) - 1)[:, None] - torch.arange(nblocks * bs, device=dev)
+        mask = d >= 0
+        if window is not None:
+            mask &= d < window
+        buckets.append((torch.tensor([starts[s] for s in seqs], device=dev), blocks, mask[:, None, None, :]))
+    longer = [(s, starts[s], starts[s + 1] - starts[s], lens[s]) for s in range(len(lens)) if starts[s + 1] - starts[s] > 1]
+    return buckets, longer
 
 
 def _keys_values(kv, blocks, cdt):
@@ -169,22 +216,11 @@ def _one_sequence(q, out, kv, table, start, n, length, bs, scale, window, cdt):
     out[start:start + n] = o.transpose(0, 1).to(out.dtype)
 
 
-def _decode_batch(q, out, kv, block_tables, seqs, starts, lens, bs, scale, window, cdt):
-    dev = q.device
-    idx = torch.tensor(seqs, device=dev)
-    rows = torch.tensor([starts[s] for s in seqs], device=dev)
-    lens_t = torch.tensor([lens[s] for s in seqs], device=dev)
-    nblocks = -(-max(lens[s] for s in seqs) // bs)
-    blocks = block_tables[idx, :nblocks].long().clamp_min(0)  # unused table entries may be padding
+def _decode_batch(q, out, kv, rows, blocks, mask, scale, cdt):
     k, v = _keys_values(kv, blocks, cdt)  # [S, L, Hkv, D]
-    d = (lens_t - 1)[:, None] - torch.arange(k.shape[1], device=dev)
-    mask = d >= 0
-    if window is not None:
-        mask &= d < window
-    ns, hkv = len(seqs), k.shape[2]
+    ns, hkv = rows.shape[0], k.shape[2]
     qs = q[rows].to(cdt).view(ns, hkv, -1, q.shape[-1])  # the head group as query rows of its kv head
-    o = F.scaled_dot_product_attention(qs, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :],
-                                       scale=scale)
+    o = F.scaled_dot_product_attention(qs, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
     out.index_copy_(0, rows, o.reshape(ns, -1, q.shape[-1]).to(out.dtype))  # (index_put_ is slow on the CPU)
 
 

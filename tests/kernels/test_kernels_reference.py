@@ -54,6 +54,27 @@ def test_paged_attention_matches_dense_float64(hq, hkv, block_size, window):
     torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=2e-6)
 
 
+def test_per_step_plan_follows_its_metadata():
+    """The decode plan (buckets, index tensors, masks) is built once per metadata tensors and reused
+    by every layer of a step: alternating windows keep their own plans, and metadata modified in
+    place (or new tensors, in inference mode too) are planned afresh."""
+    from dataclasses import replace
+    b = _batch([(37, 1), (16, 1), (9, 1), (23, 4)], 6, 2, 8, 4, seed=11)
+
+    def fresh(window):                         # new metadata tensors: never a cached plan
+        return run_paged(ref.paged_attention, replace(b, block_tables=b.block_tables.clone(),
+                         seq_lens=b.seq_lens.clone(), query_start_loc=b.query_start_loc.clone()), 0.3, window)
+    for window in (None, 5, None, 5):          # the same tensors: one plan per window, reused
+        assert torch.equal(run_paged(ref.paged_attention, b, 0.3, window), fresh(window))
+    before = run_paged(ref.paged_attention, b, 0.3, None)
+    b.seq_lens[0] -= 20                        # in place: sequence 0 attends its first 17 tokens now
+    got = run_paged(ref.paged_attention, b, 0.3, None)
+    assert torch.equal(got, fresh(None)) and not torch.equal(got[0], before[0])
+    with torch.inference_mode():
+        b = replace(b, seq_lens=b.seq_lens + 0)
+        assert torch.equal(run_paged(ref.paged_attention, b, 0.3, None), got)
+
+
 @pytest.mark.parametrize("kv_dtype", ["fp8", "fp8_e5m2", "int8"])
 def test_quantized_cache_attention_matches_dense(kv_dtype):
     b = _batch(SPECS, 6, 2, 8, 16, kv_dtype=kv_dtype, seed=7, k_scale=0.5, v_scale=0.25)
