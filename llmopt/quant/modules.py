@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from llmopt.errors import ModelLoadError
+from llmopt.kernels import cpu_quant
 from llmopt.quant.formats import awq, compressed_tensors, gptq
 from llmopt.quant.formats.packing import codes_per_word, pack_codes
 from llmopt.quant.types import IntQuantized
@@ -122,7 +123,6 @@ class PackedIntLinear(QuantLinear):
         self._cpu = (kind, gs)
 
     def _cpu_matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        from llmopt.kernels import cpu_quant
         kind, gs = self._cpu
         if self.cpu_perm is not None:
             x2 = x2[:, self.cpu_perm]
@@ -170,8 +170,7 @@ class PackedIntLinear(QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._cpu is not None and not x.is_cuda:
-            from llmopt.kernels.cpu_quant import linear_2d
-            return linear_2d(x, self._cpu_matmul, self.out_features, self.bias)
+            return cpu_quant.linear_2d(x, self._cpu_matmul, self.out_features, self.bias)
         if self._kernel is not None and x.is_cuda:
             from llmopt.kernels.w4a16 import w4a16_matmul
             qweight, scales, zeros, perm, gs = self._kernel

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from llmopt.kernels import cpu_quant
 from llmopt.quant.activations import quantize_tokens, quantize_tokens_fp8, quantize_tokens_int8
 from llmopt.quant.modules import QuantLinear
 from llmopt.quant.types import FloatQuantized, Int8Quantized
@@ -42,14 +43,15 @@ class W8Linear(QuantLinear):
     def _cpu_matmul(self, x2: torch.Tensor, unit: bool = False) -> torch.Tensor:
         """x2 [M, K] float32 @ (w8 * s)^T on the CPU; unit: @ w8^T (int8 codes times integer
         activations sum exactly in float32, so W8A8 rounds as the reference does)."""
-        from llmopt.kernels import cpu_quant
-        scales = self.weight_scale.float().reshape(-1)
+        s = self.weight_scale
         if unit:
-            scales = torch.ones(1)
+            s = torch.ones(self.out_features, 1)
+        elif not (s.dtype == torch.float32 and s.dim() == 2 and s.is_contiguous()):   # else [out, 1] as is
+            s = s.float().reshape(-1, 1)
+            s = (s.expand(self.out_features, 1) if s.shape[0] == 1 else s).contiguous()
         if self.kind == "fp8":
-            return cpu_quant.f8_gemm(x2, self.weight.view(torch.uint8), scales)
-        s = scales.expand(self.out_features).reshape(-1, 1).contiguous() if scales.numel() == 1 else scales[:, None]
-        return cpu_quant.w8_gemm(x2, self.weight, s.contiguous(), _EMPTY, self.in_features)
+            return cpu_quant.f8_gemm(x2, self.weight.view(torch.uint8), s)
+        return cpu_quant.w8_gemm(x2, self.weight, s, _EMPTY, self.in_features)
 
     def canonical(self):
         if self.kind == "fp8":
@@ -81,8 +83,7 @@ class W8Linear(QuantLinear):
         if x.is_cuda:   # no cached copy on a GPU: memory is what the 8-bit weight saves
             w = (self.weight.to(x.dtype) * self.weight_scale.to(x.dtype))
             return F.linear(x, w, self._bias(x.dtype))
-        from llmopt.kernels.cpu_quant import linear_2d
-        return linear_2d(x, self._cpu_matmul, self.out_features, self.bias)
+        return cpu_quant.linear_2d(x, self._cpu_matmul, self.out_features, self.bias)
 
     def _emulated_w8a8(self, x2: torch.Tensor) -> torch.Tensor:
         xq, sx = quantize_tokens(x2, self.kind)
@@ -138,7 +139,6 @@ class Int8Head(nn.Module):
         self.register_buffer("scales_col", scales[:, None].contiguous(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from llmopt.kernels import cpu_quant
         if x.is_cuda:
             w = self.codes.to(x.dtype) * self.scales_col.to(x.dtype)
             return F.linear(x, w)
