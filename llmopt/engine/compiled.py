@@ -110,8 +110,12 @@ def _head_step(model, x: torch.Tensor, attn: _OpAttention) -> torch.Tensor:
 
 
 def use_cache_dir() -> str:
-    """Point inductor's caches at CACHE_DIR/inductor unless TORCHINDUCTOR_CACHE_DIR is set; the path."""
-    path = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(defaults.CACHE_DIR / "inductor"))
+    """Point inductor's caches at CACHE_DIR/inductor unless TORCHINDUCTOR_CACHE_DIR is set; the path.
+    Importing inductor writes its /tmp default into the environment: that value is not the user's."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    path = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if path is None or os.path.abspath(path) == os.path.abspath(default_cache_dir()):
+        path = os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(defaults.CACHE_DIR / "inductor")
     os.makedirs(path, exist_ok=True)
     return path
 

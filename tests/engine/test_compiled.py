@@ -140,3 +140,16 @@ def test_second_process_reuses_the_inductor_cache(tiny_llama, inductor_dir):
     child = json.loads(out.stdout.strip().splitlines()[-1])
     assert child["tokens"] == want and child["buckets"] == [1]
     assert child["hit"] >= 2 and child["miss"] == 0    # the layer graph and the head graph, both from the cache
+
+
+def test_inductor_cache_goes_to_llmopt_cache_unless_the_user_sets_one(monkeypatch, tmp_path):
+    """Importing inductor writes its /tmp default into the environment; that is not a user's choice."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    from llmopt import defaults
+    from llmopt.engine.compiled import use_cache_dir
+    monkeypatch.setattr(defaults, "CACHE_DIR", tmp_path)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    cache_dir()                                   # inductor's own lookup: sets its default
+    assert use_cache_dir() == str(tmp_path / "inductor") == os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert use_cache_dir() == str(tmp_path / "mine")
