@@ -73,8 +73,8 @@ def no_float_weight(module):
             f"{name} is a float tensor of {tuple(b.shape)}"
 
 
-def int_module(fmt, qt):
-    dims = (IN, OUT, False)
+def int_module(fmt, qt, out=OUT):
+    dims = (IN, out, False)
     if fmt == "awq":
         return AWQLinear(*dims, bits=qt.bits, group_size=qt.group_size)
     if fmt == "gptq":

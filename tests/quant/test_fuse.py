@@ -11,20 +11,10 @@ import torch.nn as nn
 
 from llmopt.quant.formats import pack_linear
 from llmopt.quant.fuse import call_fused, drop_stale, fuse, fuse_quantized
-from llmopt.quant.modules import AWQLinear, CTPackedLinear, GPTQLinear
 from llmopt.quant.modules_w8a8 import W8Linear
-from tests.quant.test_cpu_kernels import CASES, IN, MS, close, kernel_for_every_m, load, random_int  # noqa: F401
+from tests.quant.test_cpu_kernels import CASES, IN, MS, close, int_module, kernel_for_every_m, load, random_int  # noqa: F401
 
 SIZES = (96, 32, 32)      # q, k, v rows (k/v narrower, as with GQA)
-
-
-def _int_module(fmt, qt, out):
-    dims = (IN, out, False)
-    if fmt == "awq":
-        return AWQLinear(*dims, bits=qt.bits, group_size=qt.group_size)
-    if fmt == "gptq":
-        return GPTQLinear(*dims, bits=qt.bits, group_size=qt.group_size, sym=qt.sym)
-    return CTPackedLinear(*dims, bits=qt.bits, group_size=qt.group_size, sym=qt.sym)
 
 
 def _int_modules(fmt, bits, sym, act_order, gs, sizes=SIZES, seed=0):
@@ -35,7 +25,7 @@ def _int_modules(fmt, bits, sym, act_order, gs, sizes=SIZES, seed=0):
         qt.qweight, qt.scales, qt.zeros = qt.qweight[:out], qt.scales[:out], qt.zeros[:out]
         if act_order and qts:
             qt.g_idx = qts[0].g_idx
-        mods.append(load(_int_module(fmt, qt, out), pack_linear("m", qt, fmt)))
+        mods.append(load(int_module(fmt, qt, out), pack_linear("m", qt, fmt)))
         qts.append(qt)
     return mods, qts
 
