@@ -6,7 +6,14 @@ that needs a small random checkpoint builds it with `make_tiny` (or the `tiny_fa
 checkpoint is an independent reference for our loader and model."""
 
 import os
+import signal
 from pathlib import Path
+
+# A suite started in the background by a non-interactive shell (`make test &`, nohup) inherits
+# SIGINT ignored, and so would every process the signal tests start (an ignored signal stays
+# ignored across exec): give SIGINT its default meaning, as in a terminal or CI.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
