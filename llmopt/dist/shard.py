@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from llmopt.dist.plan import TPPlan
+from llmopt.dist.shard_quant import is_quantized_tensor, read_whole, row_groups, shard_quantized, tensor_shape
 from llmopt.errors import ModelLoadError, UserInputError
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -42,21 +43,13 @@ def _part(name: str, plan: TPPlan, rank: int) -> tuple[int, int]:
     return rank, plan.world_size
 
 
-def _shape(tensor) -> tuple[int, ...]:
-    return tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else tuple(tensor.get_shape())
-
-
 def _cut(tensor, dim: int, index: int, parts: int, name: str) -> torch.Tensor:
-    size = _shape(tensor)[dim]
+    size = tensor_shape(tensor)[dim]
     if size % parts:
         raise ModelLoadError(f"{name}: {size} rows along dim {dim} do not split into {parts} equal parts")
     step = size // parts
     key = (slice(None),) * dim + (slice(index * step, (index + 1) * step),)
     return tensor[key]
-
-
-def _whole(tensor) -> torch.Tensor:
-    return tensor if isinstance(tensor, torch.Tensor) else tensor[:]
 
 
 def shard_tensor(name: str, tensor, plan: TPPlan, rank: int, quantization_config: dict | None = None) -> torch.Tensor:
@@ -71,9 +64,8 @@ def shard_tensor(name: str, tensor, plan: TPPlan, rank: int, quantization_config
 def _shard(name: str, tensor, plan: TPPlan, rank: int, quantization_config: dict | None) -> torch.Tensor:
     how = layout(name)
     if how == "replicated" or plan.world_size == 1:
-        return _whole(tensor)
+        return read_whole(tensor)
     if quantization_config:
-        from llmopt.dist.shard_quant import is_quantized_tensor, shard_quantized
         if is_quantized_tensor(name, quantization_config):
             if how == "vocab":
                 if plan.vocab_size % plan.world_size:
@@ -89,9 +81,9 @@ def _shard(name: str, tensor, plan: TPPlan, rank: int, quantization_config: dict
         if leaf == "weight":
             return _cut(tensor, 1, rank, plan.world_size, name)
         if leaf == "bias":      # the partial sums are added up: the bias once
-            t = _whole(tensor)
+            t = read_whole(tensor)
             return t if rank == 0 else torch.zeros_like(t)
-        return _whole(tensor)   # per-output-row scales (--quantization int8|fp8): every rank's rows
+        return read_whole(tensor)   # per-output-row scales (--quantization int8|fp8): every rank's rows
     start, stop = plan.vocab_range(rank)
     rows = tensor[start:stop]
     if stop - start < plan.vocab_per_rank:
@@ -107,7 +99,6 @@ def fit_quantized_modules(model, plan: TPPlan) -> int:
     qcfg = model.config.quantization_config or {}
     if plan.world_size == 1 or not qcfg.get("desc_act"):
         return 0
-    from llmopt.dist.shard_quant import row_groups
     from llmopt.quant.modules import GPTQLinear
     rebuilt = 0
     for name, mod in list(model.named_modules()):

@@ -147,11 +147,13 @@ def _check(name: str, s: _Scheme, side: str, features: int, world: int) -> int:
     return width
 
 
-def _shape(tensor) -> tuple[int, ...]:
+def tensor_shape(tensor) -> tuple[int, ...]:
+    """The shape of a tensor or a safetensors slice (read without reading the data)."""
     return tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else tuple(tensor.get_shape())
 
 
-def _whole(tensor) -> torch.Tensor:
+def read_whole(tensor) -> torch.Tensor:
+    """A tensor, or all of a safetensors slice (0-d ones too: `[...]`, not `[:]`)."""
     return tensor if isinstance(tensor, torch.Tensor) else tensor[...]
 
 
@@ -176,9 +178,9 @@ def shard_quantized(name: str, tensor, parallel: Literal["column", "row"], rank:
     s = _scheme(name, quant_config)
     suffix = name.rpartition(".")[2]
     side = "out" if parallel == "column" else "in"
-    shape = _shape(tensor)
+    shape = tensor_shape(tensor)
     if s.fmt == "ct" and suffix == "weight_shape":
-        out, n_in = (int(v) for v in _whole(tensor).tolist())
+        out, n_in = (int(v) for v in read_whole(tensor).tolist())
         width = _check(name, s, side, out if side == "out" else n_in, world)
         return torch.tensor([width, n_in] if side == "out" else [out, width], dtype=torch.int64)
     layout = _LAYOUTS[s.fmt].get(suffix)
@@ -191,7 +193,7 @@ def shard_quantized(name: str, tensor, parallel: Literal["column", "row"], rank:
     if axis is not None and axis[1] == "g" and (s.group_size == -1 or (s.fmt == "gptq" and s.act_order)):
         axis = None                                      # one group per row, or act-order: every group
     if axis is None:
-        return _whole(tensor)
+        return read_whole(tensor)
     dim, unit = axis[0], units[axis[1]]
     width = _check(name, s, side, shape[dim] * unit, world)
     part = _slice(tensor, dim, rank * width // unit, width // unit)

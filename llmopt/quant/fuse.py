@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from llmopt.quant.modules import PackedIntLinear
 from llmopt.quant.modules_w8a8 import W8Linear
 
+
 def _tensors(lin: nn.Module) -> tuple:
     return tuple((n, t, t.data_ptr()) for d in (lin._parameters, lin._buffers) for n, t in d.items()
                  if t is not None)
