@@ -96,6 +96,10 @@ class ModelRunner:
             from llmopt.engine.compiled import CompiledDecode
             if CompiledDecode.supports(self.model):
                 self.compiled = CompiledDecode(self.model, self.backend, self.device)
+        self.cpu_decode = None   # llmopt.engine.cpu_decode.CpuDecode: eager decode steps, one C++ call a layer
+        if self.compiled is None and self.device.type == "cpu":
+            from llmopt.engine.cpu_decode import CpuDecode
+            self.cpu_decode = CpuDecode.build(self)
 
     # -- KV memory -------------------------------------------------------------------------------
     def _kv_budget(self, kv_cache_memory, utilization, max_tokens) -> int:
@@ -190,8 +194,11 @@ class ModelRunner:
         a.seq_lens = (starts + n_new).to(torch.int32).to(dev, non_blocking=True)
         a.query_start_loc = qsl.to(dev, non_blocking=True)
         ids = torch.tensor(tokens, dtype=torch.long).to(dev, non_blocking=True)
-        c = self.compiled
-        if c is not None and len(tokens) == len(sched) <= c.max_batch and all(s.num_logits == 1 for s in sched):
+        decode = len(tokens) == len(sched) and all(s.num_logits == 1 for s in sched)
+        c, f = self.compiled, self.cpu_decode
+        if c is not None and decode and len(sched) <= c.max_batch:
             return c.run(ids, positions.to(dev, non_blocking=True), a)   # decode only: the compiled step
+        if f is not None and decode and len(sched) <= f.max_rows:
+            return f.run(ids, positions, a, self.key_caches, self.value_caches)
         hidden = self.model(ids, positions.to(dev, non_blocking=True), a)
         return self.model.compute_logits(hidden[logit_rows.to(dev)]).float()

@@ -45,14 +45,10 @@ Args make_args(const at::Tensor& x, int64_t N, int64_t K, int64_t gs, const at::
                        szeros.is_contiguous()), "szeros must be empty or float32 like scales");
     int64_t M = x.size(0), G = K / gs;
     const float* xp = x.data_ptr<float>();
-    if (z) {
-        xsum.assign(M * G, 0.f);
-        for (int64_t m = 0; m < M; ++m)
-            for (int64_t k = 0; k < K; ++k) xsum[m * G + k / gs] += xp[m * K + k];
-    }
+    if (z) group_sums(xp, M, K, gs, xsum);
     y = at::empty({M, N}, x.options());
     return Args{xp, M, K, N, gs, G, scales.data_ptr<float>(), G, z ? szeros.data_ptr<float>() : nullptr,
-                z ? xsum.data() : nullptr, y.data_ptr<float>()};
+                z ? xsum.data() : nullptr, y.data_ptr<float>(), N};
 }
 
 // y = x @ ((codes - z') * s)^T; codes int8 [N, K]; scales, szeros float32 [N, G] (szeros may be empty)
@@ -92,7 +88,7 @@ at::Tensor f8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
     check_x(x, K);
     at::Tensor y = at::empty({x.size(0), N}, x.options());
     Args a{x.data_ptr<float>(), x.size(0), K, N, K, 1, scales.data_ptr<float>(), scales.numel() == 1 ? 0 : 1,
-           nullptr, nullptr, y.data_ptr<float>()};
+           nullptr, nullptr, y.data_ptr<float>(), N};
     run(a, Fn8<F8>{codes.data_ptr<uint8_t>()});
     return y;
 }

@@ -25,6 +25,8 @@ from llmopt import defaults
 
 log = logging.getLogger("llmopt.kernels")
 SOURCE = Path(__file__).with_name("cpu_quant.cpp")
+SOURCES = (SOURCE, SOURCE.with_name("cpu_decode.cpp"))   # one library: the GEMMs and the fused decode layer
+HEADERS = (SOURCE.with_name("cpu_quant_tiles.h"), SOURCE.with_name("cpu_idot_tiles.h"))
 ROWS_PER_SLICE = 4096   # fallback: rows of a weight dequantized at once
 
 
@@ -41,7 +43,7 @@ def available() -> bool:
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         log.warning("quantized CPU kernels need AVX2: running the PyTorch fallback (slower)")
         return False
-    src = SOURCE.read_bytes() + SOURCE.with_name("cpu_quant_tiles.h").read_bytes()
+    src = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
     name = "llmopt_cpu_quant_" + hashlib.sha256(src + torch.__version__.encode()).hexdigest()[:12]
     build = _build_dir() / name
     try:
@@ -52,7 +54,7 @@ def available() -> bool:
             torch.ops.load_library(str(lib))
         else:
             log.info("building the quantized CPU kernels (once, cached in %s)", build)
-            cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build),
+            cpp_extension.load(name=name, sources=[str(p) for p in SOURCES], build_directory=str(build),
                                extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
                                is_python_module=False, verbose=False)
     except Exception as e:   # no compiler, no ninja, a read-only cache...

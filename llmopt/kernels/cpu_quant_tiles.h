@@ -4,6 +4,7 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -22,15 +23,24 @@ inline float hsum(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
-// 8 codes at column c of a row, as floats (before scale and zero)
+// 8 codes at column c of a row (B bytes per element), as floats (before scale and zero)
 struct I8 {
+    static constexpr int64_t B = 1;
     static inline __m256 at(const uint8_t* row, int64_t c) {
         __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c));
         return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
     }
 };
 
+struct F32 {  // float weights (the fused decode layer's unquantized linears): scale 1, one group
+    static constexpr int64_t B = 4;
+    static inline __m256 at(const uint8_t* row, int64_t c) {
+        return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + c);
+    }
+};
+
 struct F8 {   // e4m3fn bits -> float32 exactly: sign/exponent/mantissa moved into place, times 2^120
+    static constexpr int64_t B = 1;
     static inline __m256 at(const uint8_t* row, int64_t c) {
         __m256i i = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c)));
         __m256i sign = _mm256_slli_epi32(_mm256_and_si256(i, _mm256_set1_epi32(0x80)), 24);
@@ -46,7 +56,16 @@ struct Args {
     const float* sz;                    // scale * zero [N, G] or nullptr
     const float* xsum;                  // per-group sums of x [M, G] (with sz)
     float* y;
+    int64_t ldy;                        // y's row stride (N, or wider when y is a slice of columns)
 };
+
+// per-group sums of x [M, K] for the zero-point term: xsum [M, K / gs]
+inline void group_sums(const float* x, int64_t M, int64_t K, int64_t gs, std::vector<float>& xsum) {
+    const int64_t G = K / gs;
+    xsum.assign(M * G, 0.f);
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; ++k) xsum[m * G + k / gs] += x[m * K + k];
+}
 
 // y[m0 + i, n0 + r] = acc[r][i] summed, minus the zero-point term sum_g sz[n, g] * xsum[m, g]
 template <int NR, int MT>
@@ -56,7 +75,7 @@ inline void store(const Args& a, __m256 (&acc)[NR][MT], int64_t n0, int64_t m0) 
             float corr = 0.f;
             if (a.sz != nullptr)
                 for (int64_t g = 0; g < a.G; ++g) corr += a.sz[(n0 + r) * a.G + g] * a.xsum[(m0 + i) * a.G + g];
-            a.y[(m0 + i) * a.N + n0 + r] = hsum(acc[r][i]) - corr;
+            a.y[(m0 + i) * a.ldy + n0 + r] = hsum(acc[r][i]) - corr;
         }
 }
 
@@ -66,12 +85,12 @@ inline void zero(__m256 (&v)[NR][MT]) {
         for (int i = 0; i < MT; ++i) v[r][i] = _mm256_setzero_ps();
 }
 
-// Rows n0..n0+NR of the output for x rows m0..m0+MT; int8 / fp8 codes, K a multiple of 8.
+// Rows n0..n0+NR of the output for x rows m0..m0+MT; int8 / fp8 codes or floats, K a multiple of 8.
 template <class D, int NR, int MT>
 inline void tile8(const Args& a, const uint8_t* w, int64_t n0, int64_t m0) {
-    const int64_t K = a.K;
+    const int64_t K = a.K, RB = K * D::B;   // bytes per row
     const uint8_t* row[NR];
-    for (int r = 0; r < NR; ++r) row[r] = w + (n0 + r) * K;
+    for (int r = 0; r < NR; ++r) row[r] = w + (n0 + r) * RB;
     const float* x = a.x + m0 * K;
     __m256 acc[NR][MT];
     zero(acc);
@@ -79,8 +98,9 @@ inline void tile8(const Args& a, const uint8_t* w, int64_t n0, int64_t m0) {
         __m256 d[NR][MT];
         zero(d);
         for (int64_t c = c0; c < c0 + a.gs; c += 8) {
-            if ((c & 63) == 0)   // each cache line of this tile's rows, PF tiles ahead (x2 streamed GB/s)
-                for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(row[r] + PF * NR * K + c), _MM_HINT_T0);
+            if (((c * D::B) & 63) == 0)   // each cache line of this tile's rows, PF tiles ahead (x2 streamed GB/s)
+                for (int r = 0; r < NR; ++r)
+                    _mm_prefetch(reinterpret_cast<const char*>(row[r] + PF * NR * RB + c * D::B), _MM_HINT_T0);
             __m256 xv[MT];
             for (int i = 0; i < MT; ++i) xv[i] = _mm256_loadu_ps(x + i * K + c);
             for (int r = 0; r < NR; ++r) {

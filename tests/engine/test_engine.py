@@ -198,6 +198,7 @@ def test_two_engines_with_different_backends_in_one_process(tiny, monkeypatch):
     engines = {b: LLMEngine(EngineArgs(model=str(path), detokenize=False, kv_cache_memory=1 << 20, block_size=8,
                                        attention_backend=b), loaded=loaded) for b in ("torch", "triton")}
     assert engines["torch"].runner.backend == "torch" and engines["triton"].runner.backend == "triton"
+    engines["torch"].runner.cpu_decode = None   # decode steps through the backend's kernels (not the C++ layers)
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     for b, e in engines.items():
         for i in range(2):

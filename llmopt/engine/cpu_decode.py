@@ -1,0 +1,142 @@
+"""The CPU decode step with one C++ call per decoder layer (llmopt/kernels/cpu_decode.cpp).
+
+A decode step of a few sequences (one new token each) spends most of its time between the GEMVs
+in Python: ~100 small ops per layer. `CpuDecode` holds one `torch.classes.llmopt_cpu.DecodeLayer`
+per layer, referencing (not copying) the layer's weights as loaded: float32 linears, the CPU
+layouts of quantized modules (int8 / int4 codes with scales, fp8) and the fused q/k/v and gate/up
+storage (llmopt/quant/fuse.py). Embedding, the final norm and the head stay in Python (one call
+each). The runner uses it for decode-only steps of up to CPU_DECODE_MAX_ROWS sequences on the CPU
+with a float32 model and KV cache; other steps, and models it cannot take, run the Python layers.
+The weights are read once, when the runner is built: a model changed after that is not seen.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn as nn
+
+from llmopt import defaults
+from llmopt.kernels import cpu_quant
+
+log = logging.getLogger("llmopt.engine")
+
+KF32, KW8, KW4, KF8 = range(4)   # cpu_decode.cpp's Kind
+_EMPTY = torch.empty(0)
+
+
+def _f32(t: torch.Tensor | None) -> torch.Tensor:
+    return _EMPTY if t is None else t.detach().float().contiguous()
+
+
+def linear_spec(lin) -> tuple | None:
+    """(kind, weight, scales, scale * zeros, bias, act-order perm, group size) of a linear the C++
+    layer runs, or None."""
+    from llmopt.quant.modules import PackedIntLinear
+    from llmopt.quant.modules_w8a8 import W8Linear
+    if isinstance(lin, tuple):   # fused float weights (w, b)
+        w, b = lin
+        if w.dtype != torch.float32 or w.is_meta:
+            return None
+        return (KF32, w.detach().contiguous(), _EMPTY, _EMPTY, _f32(b), _EMPTY, w.shape[1])
+    if lin._forward_hooks or lin._forward_pre_hooks:
+        return None
+    bias = _f32(lin.bias)
+    if type(lin) is nn.Linear:
+        return linear_spec((lin.weight, lin.bias))
+    if isinstance(lin, PackedIntLinear) and lin._cpu is not None:
+        kind, gs = lin._cpu
+        perm = _EMPTY if lin.cpu_perm is None else lin.cpu_perm.long().contiguous()
+        return (KW4 if kind == "w4" else KW8, lin.cpu_codes, lin.cpu_scales, lin.cpu_szeros, bias, perm, gs)
+    if type(lin) is W8Linear and lin.activations != "dynamic" and not lin.weight.is_meta:
+        s, k = _f32(lin.weight_scale).reshape(-1), lin.in_features
+        if lin.kind == "fp8":
+            return (KF8, lin.weight.view(torch.uint8), s, _EMPTY, bias, _EMPTY, k)
+        return (KW8, lin.weight, s, _EMPTY, bias, _EMPTY, k)
+    return None
+
+
+def _group(owner: nn.Module, attr: str, names) -> list | None:
+    """The specs of the linears `names` of owner (one, when fused), or None."""
+    f = getattr(owner, attr)
+    if f is not None and f.backs(owner) and not any(getattr(owner, n)._forward_hooks for n in names):
+        spec = linear_spec(f.run)
+        return None if spec is None else [spec]
+    specs = [linear_spec(getattr(owner, n)) for n in names]
+    return None if any(s is None for s in specs) else specs
+
+
+def _layer_object(layer, cfg, scale: float):
+    a, mlp = layer.self_attn, layer.mlp
+    groups = [_group(a, "_qkv", ("q_proj", "k_proj", "v_proj")), [linear_spec(a.o_proj)],
+              _group(mlp, "_gate_up", ("gate_proj", "up_proj")), [linear_spec(mlp.down_proj)]]
+    if any(g is None or None in g for g in groups):
+        return None
+    norms = [layer.input_layernorm, layer.post_attention_layernorm] + ([a.q_norm, a.k_norm] if a.q_norm else [])
+    if any(n._forward_hooks or n._forward_pre_hooks or n.weight.dtype != torch.float32 for n in norms):
+        return None
+    qn, kn = (_f32(a.q_norm.weight), _f32(a.k_norm.weight)) if a.q_norm is not None else (_EMPTY, _EMPTY)
+    obj = torch.classes.llmopt_cpu.DecodeLayer(
+        cfg.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, cfg.intermediate_size,
+        -1 if a.window is None else int(a.window), float(cfg.rms_norm_eps), float(scale),
+        _f32(layer.input_layernorm.weight), _f32(layer.post_attention_layernorm.weight), qn, kn)
+    for role, specs in enumerate(groups):
+        for spec in specs:
+            obj.add_linear(role, *spec)
+    obj.set_int8_activations(defaults.CPU_DECODE_INT8_ACTIVATIONS)
+    return obj
+
+
+class CpuDecode:
+    max_rows = defaults.CPU_DECODE_MAX_ROWS
+
+    def __init__(self, model, layers: list) -> None:
+        self.model = model
+        self.layers = layers
+
+    @classmethod
+    def build(cls, runner) -> "CpuDecode | None":
+        """The C++ decode step for the runner's model, or None (and why, in the debug log) where it
+        does not apply: not the CPU, not float32, a quantized KV cache, tensor parallel, no C++
+        kernels, or a layer whose modules it does not know (or that carry hooks)."""
+        from llmopt.models.llama import LlamaForCausalLM
+        model = runner.model
+        why = None
+        if runner.device.type != "cpu" or runner.dtype != torch.float32 or runner.backend != "torch":
+            why = "needs a float32 model on the CPU with the torch backend"
+        elif runner.kv_dtype != "auto" or runner.tp is not None or not isinstance(model, LlamaForCausalLM):
+            why = "needs an unquantized KV cache, no tensor parallelism and a Llama-family model"
+        elif cpu_quant.ops() is None or not hasattr(torch.classes.llmopt_cpu, "DecodeLayer"):
+            why = "the C++ kernels are not available"
+        if why is None:
+            layers = [_layer_object(layer, runner.cfg, runner.scale) for layer in model.model.layers]
+            if any(o is None for o in layers):
+                why = "a layer holds modules it does not run"
+            else:
+                return cls(model, layers)
+        log.debug("C++ decode layers off: %s", why)
+        return None
+
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, attn, key_caches, value_caches) -> torch.Tensor:
+        """Float32 logits [len(ids), vocab] of a decode step (one token per sequence, in the order of
+        attn's block tables)."""
+        from llmopt.models.llama import rope_cos_sin
+        m = self.model
+        x = m.embed(ids).contiguous()   # a new tensor: the layers update it in place
+        cos, sin = rope_cos_sin(m.inv_freq, positions, x.dtype)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        capture, aux = m.capture_hidden, []
+        for i, layer in enumerate(self.layers):
+            if capture is not None and i in capture:
+                aux.append(x.clone())
+            layer.forward(x, cos, sin, key_caches[i], value_caches[i], attn.block_tables, attn.seq_lens,
+                          attn.slot_mapping)
+        h = m.model.norm(x)
+        if capture is not None:
+            m.captured = (h, aux)
+        head = m.lm_head
+        if type(head) is nn.Linear and head.bias is None and not head._forward_hooks and \
+                head.weight.dtype == torch.float32 and head.weight.is_contiguous():
+            return torch.ops.llmopt_cpu.f32_gemm(h, head.weight)   # a float head on both cores
+        return m.compute_logits(h).float()

@@ -1,0 +1,435 @@
+// The CPU decode step's decoder layer in one call: RMSNorm, the q/k/v projection, (q/k norm), RoPE,
+// the K/V write into the paged cache, attention over the cache read in place, o_proj and the
+// residual, RMSNorm, gate/up, SiLU * up, down_proj and the residual, for M tokens that each decode
+// one sequence. Built with cpu_quant.cpp into one library (llmopt/kernels/cpu_quant.py) and held by
+// llmopt/engine/cpu_decode.py as torch.classes.llmopt_cpu.DecodeLayer, one per layer.
+//
+// Why: at batch 1 the Python layer costs ~100 small ops (~13 ms of a 23 ms int8 step on this CPU);
+// here the layer is one call, its linears are the tiles of cpu_quant_tiles.h (float32, int8, int4,
+// fp8 weights decoded in the loop) and the elementwise work runs in place on small buffers.
+//
+// Arithmetic follows llmopt/models/llama.py in float32 (sums in another order: results agree within
+// float32 rounding, as tests/engine/test_cpu_decode.py checks against the Python path).
+// Cache layout: [num_blocks, block_size, num_kv_heads, head_dim] float32, slot = block * bs + offset.
+#include <torch/custom_class.h>
+#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <cmath>
+#include <vector>
+
+#include "cpu_idot_tiles.h"
+#include "cpu_quant_tiles.h"
+
+namespace {
+
+using namespace llmopt_cpu_tiles;
+
+enum Kind : int64_t { KF32 = 0, KW8 = 1, KW4 = 2, KF8 = 3 };
+const float ONE = 1.f;
+
+// e^x for 8 floats (range reduction by ln 2, degree-6 polynomial on [-ln2/2, ln2/2]; ~1 ulp)
+inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+    __m256 s = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s);
+    float t = hsum(s);
+    for (; i < n; ++i) t += a[i] * b[i];
+    return t;
+}
+
+// out = w * (x * rsqrt(mean(x^2) + eps)), row by row
+void rms_norm(const float* x, const float* w, int64_t M, int64_t H, float eps, float* out) {
+    for (int64_t m = 0; m < M; ++m) {
+        const float* xr = x + m * H;
+        float r = 1.f / std::sqrt(dot(xr, xr, H) / (float)H + eps);
+        for (int64_t i = 0; i < H; ++i) out[m * H + i] = w[i] * (xr[i] * r);
+    }
+}
+
+// rotate-half RoPE of `heads` heads of size D in place, cos/sin [D]
+void rope(float* x, int64_t heads, int64_t D, const float* c, const float* s) {
+    const int64_t h = D / 2;
+    float t[512];
+    for (int64_t j = 0; j < heads; ++j) {
+        float* v = x + j * D;
+        for (int64_t i = 0; i < D; ++i) t[i] = v[i] * c[i] + (i < h ? -v[i + h] : v[i - h]) * s[i];
+        for (int64_t i = 0; i < D; ++i) v[i] = t[i];
+    }
+}
+
+struct Lin {
+    int64_t kind, N, K, gs;
+    at::Tensor w, s, sz, bias, perm;
+    bool idot;   // integer dot products with int8 activations allowed (cpu_idot_tiles.h)
+};
+
+struct Scratch {   // per-call buffers of the linears
+    std::vector<float> xp, xsum, d;
+    std::vector<int8_t> q;
+};
+
+// y[m, 0:N] (row stride ldy) = x[m] @ W^T (+ bias) for M rows of x [M, K]; int8_act: quantized
+// int8 / int4 weights take the integer tiles with x quantized per 32 columns
+void linear(const Lin& l, const float* x, int64_t M, float* y, int64_t ldy, bool int8_act, Scratch& t) {
+    const float* xp = x;
+    if (l.perm.defined()) {   // act-order: the columns sorted by group at load, x gathered to match
+        t.xp.resize(M * l.K);
+        const int64_t* p = l.perm.data_ptr<int64_t>();
+        for (int64_t m = 0; m < M; ++m)
+            for (int64_t k = 0; k < l.K; ++k) t.xp[m * l.K + k] = x[m * l.K + p[k]];
+        xp = t.xp.data();
+    }
+    Args a{xp, M, l.K, l.N, l.gs, l.K / l.gs, &ONE, 0, nullptr, nullptr, y, ldy};
+    if (l.kind != KF32) {
+        a.s = l.s.data_ptr<float>();
+        a.s_stride = l.s.numel() == 1 ? 0 : a.G;
+    }
+    const uint8_t* w = static_cast<const uint8_t*>(l.w.data_ptr());
+    if (int8_act && l.idot) {
+        quantize_x(xp, M, l.K, l.gs, t.q, t.d, t.xsum);
+        QX qx{t.q.data(), t.d.data()};
+        if (l.sz.defined()) {
+            a.sz = l.sz.data_ptr<float>();
+            a.xsum = t.xsum.data();
+        }
+        if (l.kind == KW4) run(a, FnI4{w, &qx});
+        else run(a, FnI8{reinterpret_cast<const int8_t*>(w), &qx});
+    } else {
+        if (l.sz.defined()) {
+            group_sums(xp, M, l.K, l.gs, t.xsum);
+            a.sz = l.sz.data_ptr<float>();
+            a.xsum = t.xsum.data();
+        }
+        switch (l.kind) {
+            case KF32: run(a, Fn8<F32>{w}); break;
+            case KW8: run(a, Fn8<I8>{w}); break;
+            case KW4: run(a, Fn4{w}); break;
+            default: run(a, Fn8<F8>{w}); break;
+        }
+    }
+    if (l.bias.defined()) {
+        const float* b = l.bias.data_ptr<float>();
+        for (int64_t m = 0; m < M; ++m)
+            for (int64_t n = 0; n < l.N; ++n) y[m * ldy + n] += b[n];
+    }
+}
+
+int64_t width(const std::vector<Lin>& g) {
+    int64_t n = 0;
+    for (const Lin& l : g) n += l.N;
+    return n;
+}
+
+// the linears of one input, their outputs side by side in y [M, width(g)]
+void linears(const std::vector<Lin>& g, const float* x, int64_t M, float* y, bool int8_act, Scratch& t) {
+    const int64_t ldy = width(g);
+    int64_t col = 0;
+    for (const Lin& l : g) {
+        linear(l, x, M, y + col, ldy, int8_act, t);
+        col += l.N;
+    }
+}
+
+struct Cache {
+    const float* k; const float* v; int64_t nb, bs;
+    const int32_t* bt; int64_t W;   // block tables [M, W]
+    const int32_t* lens;            // context lengths [M], the new token included
+};
+
+// o[m, hq] = softmax(q k^T * scale) v over the context of row m (its last token is the query), with
+// the keys of the last `window` positions only when window > 0. q rows have stride ldq, o rows Hq * D.
+void attention(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv, int64_t D, const Cache& c,
+               float scale, int64_t window, float* o) {
+    const int64_t group = Hq / Hkv;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < M * Hq; ++t) {
+        const int64_t m = t / Hq, hq = t % Hq, hk = hq / group;
+        const int64_t L = c.lens[m], lo = window > 0 ? std::max<int64_t>(0, L - window) : 0;
+        const float* qv = q + m * ldq + hq * D;
+        const int32_t* table = c.bt + m * c.W;
+        std::vector<float> p(L - lo + 8);
+        float mx = -INFINITY;
+        for (int64_t j = lo; j < L; ++j) {
+            const int64_t slot = (int64_t)table[j / c.bs] * c.bs + j % c.bs;
+            float sc = dot(qv, c.k + (slot * Hkv + hk) * D, D) * scale;
+            p[j - lo] = sc;
+            mx = std::max(mx, sc);
+        }
+        const int64_t n = L - lo;
+        __m256 vs = _mm256_setzero_ps(), vm = _mm256_set1_ps(mx);
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(&p[i]), vm));
+            _mm256_storeu_ps(&p[i], e);
+            vs = _mm256_add_ps(vs, e);
+        }
+        float sum = hsum(vs);
+        for (; i < n; ++i) {
+            p[i] = std::exp(p[i] - mx);
+            sum += p[i];
+        }
+        float* out = o + (m * Hq + hq) * D;
+        for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
+        for (int64_t j = lo; j < L; ++j) {
+            const int64_t slot = (int64_t)table[j / c.bs] * c.bs + j % c.bs;
+            const float* vv = c.v + (slot * Hkv + hk) * D;
+            const float w = p[j - lo];
+            for (int64_t d = 0; d < D; ++d) out[d] += w * vv[d];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+    }
+}
+
+void check_f32(const at::Tensor& t, const char* what) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu(),
+                what, " must be a contiguous float32 CPU tensor");
+}
+
+// checks the cache, tables and lengths for M decode rows; every block a row reads must exist
+Cache make_cache(const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& bt, const at::Tensor& lens,
+                 int64_t M, int64_t Hkv, int64_t D) {
+    check_f32(kc, "key_cache");
+    check_f32(vc, "value_cache");
+    TORCH_CHECK(kc.dim() == 4 && kc.sizes() == vc.sizes() && kc.size(2) == Hkv && kc.size(3) == D,
+                "caches must be [num_blocks, block_size, ", Hkv, ", ", D, "]");
+    TORCH_CHECK(bt.scalar_type() == at::kInt && bt.is_contiguous() && bt.dim() == 2 && bt.size(0) == M,
+                "block_tables must be contiguous int32 [", M, ", W]");
+    TORCH_CHECK(lens.scalar_type() == at::kInt && lens.is_contiguous() && lens.numel() == M,
+                "seq_lens must be contiguous int32 [", M, "]");
+    Cache c{kc.data_ptr<float>(), vc.data_ptr<float>(), kc.size(0), kc.size(1), bt.data_ptr<int32_t>(), bt.size(1),
+            lens.data_ptr<int32_t>()};
+    for (int64_t m = 0; m < M; ++m) {
+        const int64_t L = c.lens[m], used = (L + c.bs - 1) / c.bs;
+        TORCH_CHECK(L >= 1 && used <= c.W, "sequence ", m, ": length ", L, " does not fit its block table");
+        for (int64_t b = 0; b < used; ++b)
+            TORCH_CHECK(c.bt[m * c.W + b] >= 0 && c.bt[m * c.W + b] < c.nb, "block id out of range");
+    }
+    return c;
+}
+
+// One decoder layer, its weights referenced (not copied) at construction.
+struct DecodeLayer : torch::CustomClassHolder {
+    int64_t H, Hq, Hkv, D, I, window;
+    double eps, scale;
+    bool int8_act = false;   // integer dot products for int8 / int4 weights (set_int8_activations)
+    at::Tensor ln1, ln2, qn, kn;
+    std::vector<Lin> groups[4];   // q/k/v, o, gate/up, down: each the linears of one input
+
+    DecodeLayer(int64_t H_, int64_t Hq_, int64_t Hkv_, int64_t D_, int64_t I_, int64_t window_, double eps_,
+                double scale_, at::Tensor ln1_, at::Tensor ln2_, at::Tensor qn_, at::Tensor kn_)
+        : H(H_), Hq(Hq_), Hkv(Hkv_), D(D_), I(I_), window(window_), eps(eps_), scale(scale_), ln1(ln1_), ln2(ln2_) {
+        TORCH_CHECK(Hq > 0 && Hkv > 0 && Hq % Hkv == 0 && D > 0 && D % 2 == 0 && D <= 512, "bad head shapes");
+        check_f32(ln1, "input_layernorm");
+        check_f32(ln2, "post_attention_layernorm");
+        TORCH_CHECK(ln1.numel() == H && ln2.numel() == H, "norm weights must have ", H, " elements");
+        if (qn_.numel()) {
+            check_f32(qn_, "q_norm");
+            check_f32(kn_, "k_norm");
+            TORCH_CHECK(qn_.numel() == D && kn_.numel() == D, "q/k norm weights must have ", D, " elements");
+            qn = qn_;
+            kn = kn_;
+        }
+    }
+
+    // role 0 q/k/v, 1 o_proj, 2 gate/up, 3 down_proj (in output order); kind: Kind; empty tensors = none
+    void add_linear(int64_t role, int64_t kind, at::Tensor w, at::Tensor s, at::Tensor sz, at::Tensor bias,
+                    at::Tensor perm, int64_t gs) {
+        TORCH_CHECK(role >= 0 && role < 4 && kind >= KF32 && kind <= KF8, "bad role or kind");
+        TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(), "weight must be a contiguous 2-d CPU tensor");
+        const int64_t N = w.size(0), K = kind == KW4 ? w.size(1) * 2 : w.size(1);
+        const at::ScalarType want[] = {at::kFloat, at::kChar, at::kByte, at::kByte};
+        TORCH_CHECK(w.scalar_type() == want[kind], "weight dtype does not match its kind");
+        if (kind == KF32 || kind == KF8) gs = K;
+        TORCH_CHECK(K % 8 == 0 && gs > 0 && gs % 8 == 0 && K % gs == 0, "K must be a multiple of 8 and of the group size");
+        TORCH_CHECK(kind != KW4 || (K % 64 == 0 && (gs == 32 || gs % 64 == 0)), "int4 needs K % 64 == 0, group 32 or k*64");
+        Lin l{kind, N, K, gs, w, {}, {}, {}, {}, false};
+        if ((kind == KW8 || kind == KW4) && gs % QB == 0) {
+            l.idot = true;   // int8 codes: -128 does not fit the sign trick (|code| <= 127)
+            if (kind == KW8) {
+                const int8_t* c = w.data_ptr<int8_t>();
+                for (int64_t i = 0; i < N * K && l.idot; ++i) l.idot = c[i] != -128;
+            }
+        }
+        if (kind != KF32) {
+            check_f32(s, "scales");
+            TORCH_CHECK(s.numel() == N * (K / gs) || (kind != KW4 && s.numel() == 1) ||
+                        (kind == KF8 && s.numel() == N), "scales must be [N, K / group_size] (or one)");
+            l.s = s;
+        }
+        if (sz.numel()) {
+            check_f32(sz, "szeros");
+            TORCH_CHECK(sz.numel() == N * (K / gs), "szeros must be [N, K / group_size]");
+            l.sz = sz;
+        }
+        if (bias.numel()) {
+            check_f32(bias, "bias");
+            TORCH_CHECK(bias.numel() == N, "bias must have ", N, " elements");
+            l.bias = bias;
+        }
+        if (perm.numel()) {
+            TORCH_CHECK(perm.scalar_type() == at::kLong && perm.is_contiguous() && perm.numel() == K,
+                        "perm must be int64 [K]");
+            const int64_t* p = perm.data_ptr<int64_t>();
+            for (int64_t k = 0; k < K; ++k) TORCH_CHECK(p[k] >= 0 && p[k] < K, "perm out of range");
+            l.perm = perm;
+        }
+        const int64_t in[] = {H, Hq * D, H, I};
+        TORCH_CHECK(K == in[role], "linear of role ", role, " must read ", in[role], " inputs, not ", K);
+        groups[role].push_back(l);
+    }
+
+    void set_int8_activations(bool on) { int8_act = on; }
+
+    // x [M, H]: the residual stream, updated in place; row m decodes one sequence at cos/sin[m]'s
+    // position, its K/V written at slots[m] (negative: not written) before attending.
+    void forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor kc, at::Tensor vc, at::Tensor bt,
+                 at::Tensor lens, at::Tensor slots) {
+        const int64_t M = x.size(0), NQ = (Hq + 2 * Hkv) * D;
+        check_f32(x, "x");
+        check_f32(cos, "cos");
+        check_f32(sin, "sin");
+        TORCH_CHECK(x.dim() == 2 && x.size(1) == H && cos.numel() == M * D && sin.numel() == M * D, "bad x/cos/sin shapes");
+        TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == M, "slots must be int64 [M]");
+        TORCH_CHECK(width(groups[0]) == NQ && width(groups[1]) == H && width(groups[2]) == 2 * I &&
+                    width(groups[3]) == H, "the layer's linears are incomplete");
+        Cache c = make_cache(kc, vc, bt, lens, M, Hkv, D);
+        float* xs = x.data_ptr<float>();
+        const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+        const int64_t* sl = slots.data_ptr<int64_t>();
+        std::vector<float> h(M * std::max(H, I)), qkv(M * NQ), att(M * Hq * D), gu(M * 2 * I);
+        Scratch t;
+
+        rms_norm(xs, ln1.data_ptr<float>(), M, H, (float)eps, h.data());
+        linears(groups[0], h.data(), M, qkv.data(), int8_act, t);
+        float* kdst = const_cast<float*>(c.k);
+        float* vdst = const_cast<float*>(c.v);
+        for (int64_t m = 0; m < M; ++m) {
+            float *q = qkv.data() + m * NQ, *k = q + Hq * D, *v = k + Hkv * D;
+            if (qn.defined()) {
+                rms_norm(q, qn.data_ptr<float>(), Hq, D, (float)eps, q);
+                rms_norm(k, kn.data_ptr<float>(), Hkv, D, (float)eps, k);
+            }
+            rope(q, Hq, D, cp + m * D, sp + m * D);
+            rope(k, Hkv, D, cp + m * D, sp + m * D);
+            if (sl[m] >= 0) {
+                TORCH_CHECK(sl[m] < c.nb * c.bs, "slot out of range");
+                std::copy(k, k + Hkv * D, kdst + sl[m] * Hkv * D);
+                std::copy(v, v + Hkv * D, vdst + sl[m] * Hkv * D);
+            }
+        }
+        attention(qkv.data(), NQ, M, Hq, Hkv, D, c, (float)scale, window, att.data());
+        linears(groups[1], att.data(), M, h.data(), int8_act, t);
+        for (int64_t i = 0; i < M * H; ++i) xs[i] += h[i];
+
+        rms_norm(xs, ln2.data_ptr<float>(), M, H, (float)eps, h.data());
+        linears(groups[2], h.data(), M, gu.data(), int8_act, t);
+        for (int64_t m = 0; m < M; ++m) {   // silu(gate) * up, into h [M, I]
+            const float *g = gu.data() + m * 2 * I, *u = g + I;
+            float* out = h.data() + m * I;
+            int64_t i = 0;
+            for (; i + 8 <= I; i += 8) {
+                __m256 gv = _mm256_loadu_ps(g + i);
+                __m256 sg = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+                _mm256_storeu_ps(out + i, _mm256_mul_ps(sg, _mm256_loadu_ps(u + i)));
+            }
+            for (; i < I; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+        }
+        std::vector<float> d(M * H);
+        linears(groups[3], h.data(), M, d.data(), int8_act, t);
+        for (int64_t i = 0; i < M * H; ++i) xs[i] += d[i];
+    }
+};
+
+// Attention alone, for batched decode steps in the Python layer (reference.paged_attention):
+// q [M, Hq, D] -> o [M, Hq, D], one query per sequence, over the float32 paged cache.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& bt,
+                            const at::Tensor& lens, double scale, int64_t window) {
+    check_f32(q, "q");
+    TORCH_CHECK(q.dim() == 3 && kc.dim() == 4 && q.size(1) % kc.size(2) == 0, "q must be [M, Hq, D]");
+    const int64_t M = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = kc.size(2);
+    Cache c = make_cache(kc, vc, bt, lens, M, Hkv, D);
+    at::Tensor o = at::empty({M, Hq, D}, q.options());
+    attention(q.data_ptr<float>(), Hq * D, M, Hq, Hkv, D, c, (float)scale, window, o.data_ptr<float>());
+    return o;
+}
+
+// y = x @ w^T for float32 x [M, K], w [N, K]: the float LM head of a decode step on both cores (the
+// aten GEMV at M = 1 runs on one thread)
+at::Tensor f32_gemm(const at::Tensor& x, const at::Tensor& w) {
+    check_f32(x, "x");
+    check_f32(w, "w");
+    TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && w.size(1) % 8 == 0,
+                "x [M, K] and w [N, K] with K a multiple of 8");
+    const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
+    at::Tensor y = at::empty({M, N}, x.options());
+    Args a{x.data_ptr<float>(), M, K, N, K, 1, &ONE, 0, nullptr, nullptr, y.data_ptr<float>(), N};
+    run(a, Fn8<F32>{reinterpret_cast<const uint8_t*>(w.data_ptr<float>())});
+    return y;
+}
+
+// y = quantize_x(x) @ W^T through the integer tiles: kind 1 int8 codes [N, K] (no -128), kind 2 the
+// int4 layout [N, K / 2]; what the decode layer's linears compute with int8 activations (tests)
+at::Tensor idot_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& szeros,
+                     int64_t gs, int64_t kind) {
+    check_f32(x, "x");
+    TORCH_CHECK(kind == KW8 || kind == KW4, "kind must be 1 (int8) or 2 (int4)");
+    const at::ScalarType want = kind == KW8 ? at::kChar : at::kByte;
+    TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == want, "bad codes");
+    const int64_t N = w.size(0), K = kind == KW4 ? 2 * w.size(1) : w.size(1);
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == K && gs % QB == 0 && K % gs == 0, "x [M, K], group a multiple of 32 dividing K");
+    TORCH_CHECK(kind == KW4 ? (K % 64 == 0 && (gs == 32 || gs % 64 == 0)) : true, "int4 needs K % 64 == 0");
+    check_f32(scales, "scales");
+    TORCH_CHECK(scales.numel() == N * (K / gs), "scales must be [N, K / gs]");
+    Lin l{kind, N, K, gs, w, scales, {}, {}, {}, true};
+    if (szeros.numel()) {
+        check_f32(szeros, "szeros");
+        TORCH_CHECK(szeros.numel() == scales.numel(), "szeros must be like scales");
+        l.sz = szeros;
+    }
+    if (kind == KW8) {
+        const int8_t* c = w.data_ptr<int8_t>();
+        for (int64_t i = 0; i < N * K; ++i) TORCH_CHECK(c[i] != -128, "int8 codes must be in [-127, 127]");
+    }
+    at::Tensor y = at::empty({x.size(0), N}, x.options());
+    Scratch t;
+    linear(l, x.data_ptr<float>(), x.size(0), y.data_ptr<float>(), N, true, t);
+    return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llmopt_cpu, m) {
+    m.def("decode_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
+          "float scale, int window) -> Tensor");
+    m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
+    m.def("idot_gemm(Tensor x, Tensor codes, Tensor scales, Tensor szeros, int gs, int kind) -> Tensor");
+    m.impl("idot_gemm", c10::DispatchKey::CPU, TORCH_FN(idot_gemm));
+    m.def("f32_gemm(Tensor x, Tensor w) -> Tensor");
+    m.impl("f32_gemm", c10::DispatchKey::CPU, TORCH_FN(f32_gemm));
+    m.class_<DecodeLayer>("DecodeLayer")
+        .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor,
+                         at::Tensor, at::Tensor>())
+        .def("add_linear", &DecodeLayer::add_linear)
+        .def("set_int8_activations", &DecodeLayer::set_int8_activations)
+        .def("forward", &DecodeLayer::forward);
+}

@@ -1,0 +1,190 @@
+"""The C++ decode step (llmopt/engine/cpu_decode.py over kernels/cpu_decode.cpp) against the Python
+layers it replaces: the same logits within float32 rounding for every architecture and weight
+format it takes (float activations), the integer tiles (int8 activations) equal to a float64 dot
+product of the quantized activations with the dequantized weight, the attention op against the
+reference, and the engine's greedy tokens against Hugging Face transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmopt import defaults
+from llmopt.kernels import cpu_quant
+from quant_util import quantization_config, rtn, write_quantized
+
+pytestmark = pytest.mark.skipif(cpu_quant.ops() is None, reason="needs the C++ kernels (g++, AVX2)")
+
+
+def _engine(path, quantization=None, lm_head_dtype="auto", **kw):
+    from llmopt.engine.args import EngineArgs
+    from llmopt.engine.engine import LLMEngine
+    from llmopt.models.loader import load_model
+    args = EngineArgs(model=str(path), dtype="float32", device="cpu", detokenize=False, kv_cache_memory=1 << 22, **kw)
+    return LLMEngine(args, loaded=load_model(str(path), "float32", "cpu", tokenizer=False,
+                                             quantization=quantization, lm_head_dtype=lm_head_dtype))
+
+
+def _decode_logits(runner, int8_act: bool):
+    """Logits of two decode steps of 3 sequences through the C++ layers and through the Python
+    layers (each writes the same K/V into the same slots), the prompts prefilled by the Python path."""
+    from llmopt.engine.scheduler import ScheduledRequest, SchedulerOutput
+    f = runner.cpu_decode
+    assert f is not None
+    for layer in f.layers:
+        layer.set_int8_activations(int8_act)
+    vocab = runner.cfg.vocab_size
+    blocks, lens = [[1, 2, 6], [3], [4, 5]], [20, 7, 17]
+    g = torch.Generator().manual_seed(0)
+    runner.cpu_decode = None
+    runner.execute(SchedulerOutput([ScheduledRequest(f"q{i}", torch.randint(0, vocab, (n,), generator=g).tolist(),
+                                                     0, b, 0) for i, (b, n) in enumerate(zip(blocks, lens))]))
+    got, want = [], []
+    for t in range(2):
+        step = SchedulerOutput([ScheduledRequest(f"q{i}", [7 + i + t], n + t, b, 1)
+                                for i, (b, n) in enumerate(zip(blocks, lens))])
+        runner.cpu_decode = f
+        got.append(runner.execute(step))
+        runner.cpu_decode = None
+        want.append(runner.execute(step))
+    runner.cpu_decode = f
+    return torch.cat(got), torch.cat(want)
+
+
+def _rel(a, b) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _act_order(w):
+    """GPTQ act-order codes: groups of 32 over a random permutation of the input columns."""
+    order = torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(1))
+    qt = rtn(w[:, order], 4, 32, True)
+    q = torch.empty_like(qt.qweight)
+    q[:, order] = qt.qweight
+    g_idx = torch.empty(w.shape[1], dtype=torch.int32)
+    g_idx[order] = (torch.arange(w.shape[1]) // 32).to(torch.int32)
+    qt.qweight, qt.g_idx = q, g_idx
+    return qt
+
+
+CHECKPOINTS = {
+    "awq-w4g32": ("awq", lambda w: rtn(w, 4, 32, False), dict(method="awq", bits=4, group_size=32, sym=False)),
+    "gptq-w4g64": ("gptq", lambda w: rtn(w, 4, 64, True), dict(method="gptq", bits=4, group_size=64, sym=True)),
+    "gptq-w4-act-order": ("gptq", _act_order, dict(method="gptq", bits=4, group_size=32, sym=True, act_order=True)),
+    "gptq-w8": ("gptq", lambda w: rtn(w, 8, 32, False), dict(method="gptq", bits=8, group_size=32, sym=False)),
+}
+
+FLOAT_CASES = {   # name: (make_tiny arguments, load-time quantization)
+    "llama": (dict(), None),
+    "llama-int8": (dict(), "int8"),
+    "llama-fp8": (dict(), "fp8"),
+    "qwen2-bias-tied": (dict(model_type="qwen2", tie_word_embeddings=True), None),
+    "qwen3-qk-norm": (dict(model_type="qwen3"), None),
+    "mistral-window": (dict(model_type="mistral", sliding_window=8), None),
+    "llama-mha": (dict(num_key_value_heads=4), None),
+}
+
+
+@pytest.mark.parametrize("case", list(FLOAT_CASES))
+def test_cpu_decode_equals_the_python_layers(tiny_factory, case):
+    tiny, quantization = FLOAT_CASES[case]
+    engine = _engine(tiny_factory(weight_std=0.2, **tiny), quantization=quantization)
+    got, want = _decode_logits(engine.runner, int8_act=False)
+    assert got.shape == want.shape == (6, 96)
+    assert _rel(got, want) <= 1e-5
+
+
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_cpu_decode_quantized_checkpoints(tiny_factory, tmp_path, name):
+    """Float activations: the Python layers' numbers; int8 activations: within their rounding."""
+    fmt, quantize, kw = CHECKPOINTS[name]
+    write_quantized(tiny_factory(weight_std=0.2), tmp_path, fmt, quantize, quantization_config(fmt, **kw))
+    engine = _engine(tmp_path)
+    layer = engine.runner.model.model.layers[0]
+    assert type(layer.mlp.down_proj).__name__ != "Linear"
+    got, want = _decode_logits(engine.runner, int8_act=False)
+    assert _rel(got, want) <= 1e-5
+    got, want = _decode_logits(engine.runner, int8_act=True)
+    if name == "gptq-w8":   # 8-bit codes shifted to int8 hold -128: those linears keep float activations
+        assert (layer.mlp.down_proj.cpu_codes == -128).any() and _rel(got, want) <= 1e-5
+    else:                   # x rounded to 8 bits per 32 columns: ~0.4% per element
+        assert 1e-4 < _rel(got, want) <= 0.05
+
+
+def _quantize_x(x: torch.Tensor) -> torch.Tensor:
+    """Per 32 columns: q = round(x * 127 / max|x|) (float32 products, half to even), as float64 q * d."""
+    b = x.view(x.shape[0], -1, 32)
+    amax = b.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    q = torch.round(b * inv)
+    return (q.double() * (amax / 127).double()).view_as(x)
+
+
+@pytest.mark.parametrize("kind,gs", [("int8", 576), ("int8", 64), ("int4", 32), ("int4", 64), ("int4", 128)])
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_integer_tiles_equal_float64_of_quantized_activations(kind, gs, m):
+    g = torch.Generator().manual_seed(gs + m)
+    n, k = 40, 576 if gs != 128 else 640
+    x = torch.randn(m, k, generator=g) * 3
+    x[:, 5] = 0.0
+    if m > 1:
+        x[1, :64] = 0.0                    # an all-zero block: scale 0
+    scales = torch.rand(n, k // gs, generator=g) * 0.1 + 0.01
+    if kind == "int8":
+        codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        w = codes.double().view(n, -1, gs) * scales.double()[..., None]
+        szeros, packed, code = torch.empty(0), codes, 1
+    else:
+        q = torch.randint(0, 16, (n, k), generator=g)
+        zeros = torch.randint(0, 16, (n, k // gs), generator=g).float()
+        szeros = scales * zeros
+        w = (q.double().view(n, -1, gs) - zeros.double()[..., None]) * scales.double()[..., None]
+        packed, code = cpu_quant.pack_int4(q), 2
+    w = w.reshape(n, k)
+    y = torch.ops.llmopt_cpu.idot_gemm(x, packed, scales, szeros, gs, code)
+    want = _quantize_x(x) @ w.t()
+    assert float((y.double() - want).abs().max() / want.abs().max()) <= 2e-6
+    assert float(((x.double() @ w.t()) - want).abs().max() / want.abs().max()) > 1e-4   # the rounding is real
+
+
+def test_idot_refuses_int8_code_minus_128():
+    codes = torch.zeros(8, 64, dtype=torch.int8)
+    codes[3, 7] = -128
+    with pytest.raises(RuntimeError, match=r"\[-127, 127\]"):
+        torch.ops.llmopt_cpu.idot_gemm(torch.randn(1, 64), codes, torch.ones(8, 1), torch.empty(0), 64, 1)
+
+
+@pytest.mark.parametrize("window", [-1, 5])
+def test_decode_attention_op_equals_the_reference(window):
+    from llmopt.kernels import reference
+    g = torch.Generator().manual_seed(3)
+    nb, bs, hkv, d, hq = 12, 4, 2, 16, 6
+    kc, vc = torch.randn(nb, bs, hkv, d, generator=g), torch.randn(nb, bs, hkv, d, generator=g)
+    tables = torch.tensor([[3, 7, 1, 0], [5, 0, 0, 0], [2, 4, 6, 8]], dtype=torch.int32)
+    lens = torch.tensor([11, 1, 16], dtype=torch.int32)
+    q = torch.randn(3, hq, d, generator=g)
+    got = torch.ops.llmopt_cpu.decode_attention(q, kc, vc, tables, lens, 0.25, window)
+    want = reference.paged_attention(q.double(), kc.double(), vc.double(), tables, lens,
+                                     torch.arange(4, dtype=torch.int32), 0.25, None if window < 0 else window,
+                                     "auto", 1.0, 1.0)
+    assert float((got.double() - want).abs().max()) <= 1e-5
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        torch.ops.llmopt_cpu.decode_attention(q, kc, vc, tables + 20, lens, 0.25, window)
+
+
+def test_engine_greedy_matches_transformers_through_the_cpp_step(tiny_factory):
+    """Greedy decoding of 12 tokens for 4 prompts at once (decode steps of 4 rows in C++)."""
+    from engine_helpers import hf_greedy, hf_model, mixed_prompts, run_engine
+    from llmopt.engine.sampling_params import SamplingParams
+    path = tiny_factory(weight_std=0.2, model_type="qwen2")
+    engine = _engine(path)
+    assert engine.runner.cpu_decode is not None
+    prompts = mixed_prompts(4, 96, lo=3, hi=20, seed=4)
+    got = run_engine(engine, prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    assert got == hf_greedy(hf_model(path), prompts, 12)
+
+
+def test_cpu_decode_off_where_it_does_not_apply(tiny_llama, monkeypatch):
+    assert _engine(tiny_llama, kv_cache_dtype="int8").runner.cpu_decode is None
+    assert _engine(tiny_llama).runner.cpu_decode is not None
+    assert defaults.CPU_DECODE_MAX_ROWS >= 1
