@@ -74,9 +74,24 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
                     kv_dtype, k_scale, v_scale, k_scale_cache=None, v_scale_cache=None, *,
                     backend: str) -> torch.Tensor:
     """Varlen causal (optionally sliding-window) GQA attention over the paged cache."""
+    if backend == "torch" and _cpp_decode(q, key_cache, seq_lens, kv_dtype):   # a decode-only step on the CPU:
+        return _cpu_ops().decode_attention(q, key_cache, value_cache, block_tables.int().contiguous(),   # the cache
+                                           seq_lens.int().contiguous(), scale, -1 if window is None else window)  # in place
     return _impl(backend, q, "triton_attention").paged_attention(
         q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window, kv_dtype, k_scale,
         v_scale, k_scale_cache, v_scale_cache)
+
+
+def _cpu_ops():
+    from llmopt.kernels import cpu_quant
+    return cpu_quant.ops()
+
+
+def _cpp_decode(q, key_cache, seq_lens, kv_dtype) -> bool:
+    """One query per sequence (q rows == sequences), float32 on the CPU, and the C++ kernels built:
+    llmopt_cpu.decode_attention reads the paged cache in place (the reference gathers each block)."""
+    return (q.shape[0] == seq_lens.shape[0] and q.dtype == key_cache.dtype == torch.float32 and kv_dtype == "auto"
+            and not q.is_cuda and q.is_contiguous() and _cpu_ops() is not None)
 
 
 def rms_norm(x, weight, eps, *, backend: str):

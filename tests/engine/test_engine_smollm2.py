@@ -41,6 +41,27 @@ def test_greedy_matches_transformers_on_smollm2(smol):
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.pool.num_blocks
 
 
+def test_compiled_cpp_and_python_decode_steps_agree_on_smollm2(smol, tmp_path, monkeypatch):
+    """Issue #14: the compiled step (--no-enforce-eager), the C++ decode layers (the CPU default) and
+    the Python layers give the same greedy tokens on the default model (short outputs)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))   # a cold compile, not the user's cache
+    loaded, llm = smol
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    runner = llm.engine.runner
+    assert runner.cpu_decode is not None and runner.compiled is None
+    cpp = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)]
+    runner.cpu_decode, keep = None, runner.cpu_decode
+    try:
+        python = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)]
+    finally:
+        runner.cpu_decode = keep
+    comp = LLM(loaded=loaded, kv_cache_memory=64 << 20, max_model_len=1024, block_size=16, enforce_eager=False)
+    assert comp.engine.runner.compiled is not None
+    compiled = [o.outputs[0].token_ids for o in comp.generate(PROMPTS[:2], params)]
+    assert comp.engine.runner.compiled.compiled      # its decode steps ran the graphs
+    assert cpp == python == compiled
+
+
 def test_stop_string_and_chat(smol):
     loaded, llm = smol
     full = llm.generate(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=12))[0].outputs[0]
