@@ -40,8 +40,7 @@ def run(runner, rows: list[list[int]], mode: str) -> tuple[float, list[int]]:
     from llmopt.engine.scheduler import ScheduledRequest, SchedulerOutput
     f = runner.cpu_decode
     if mode != "python":
-        for layer in f.layers:
-            layer.set_int8_activations(mode == "int8")
+        f.set_int8_activations(mode == "int8")
     runner.cpu_decode = None if mode == "python" else f
     bs, n = runner.block_size, len(rows[0])
     per = -(-n // bs)

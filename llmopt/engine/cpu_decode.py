@@ -94,6 +94,16 @@ class CpuDecode:
     def __init__(self, model, layers: list) -> None:
         self.model = model
         self.layers = layers
+        head = model.lm_head   # the int8 head (quantized models): integer tiles too, its codes in [-127, 127]
+        self.int8_head = type(head).__name__ == "Int8Head" and not head._forward_hooks and \
+            bool(head.codes.min() > -128) and head.in_features % 32 == 0
+        self.int8_activations = defaults.CPU_DECODE_INT8_ACTIVATIONS
+
+    def set_int8_activations(self, on: bool) -> None:
+        """Integer tiles with int8 activations for int8/int4 weights (the layers and the int8 head)."""
+        self.int8_activations = on
+        for layer in self.layers:
+            layer.set_int8_activations(on)
 
     @classmethod
     def build(cls, runner) -> "CpuDecode | None":
@@ -139,4 +149,6 @@ class CpuDecode:
         if type(head) is nn.Linear and head.bias is None and not head._forward_hooks and \
                 head.weight.dtype == torch.float32 and head.weight.is_contiguous():
             return torch.ops.llmopt_cpu.f32_gemm(h, head.weight)   # a float head on both cores
+        if self.int8_head and self.int8_activations:
+            return torch.ops.llmopt_cpu.idot_gemm(h, head.codes, head.scales_col, _EMPTY, head.in_features, KW8, True)
         return m.compute_logits(h).float()

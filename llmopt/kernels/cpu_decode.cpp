@@ -157,46 +157,65 @@ struct Cache {
 
 // o[m, hq] = softmax(q k^T * scale) v over the context of row m (its last token is the query), with
 // the keys of the last `window` positions only when window > 0. q rows have stride ldq, o rows Hq * D.
+// One task per (row, kv head): its `group` query heads share each K/V row's loads; keys are walked
+// block by block (no division per key).
 void attention(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv, int64_t D, const Cache& c,
                float scale, int64_t window, float* o) {
-    const int64_t group = Hq / Hkv;
+    const int64_t group = Hq / Hkv, row = Hkv * D;   // floats between consecutive slots
 #pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < M * Hq; ++t) {
-        const int64_t m = t / Hq, hq = t % Hq, hk = hq / group;
-        const int64_t L = c.lens[m], lo = window > 0 ? std::max<int64_t>(0, L - window) : 0;
-        const float* qv = q + m * ldq + hq * D;
+    for (int64_t t = 0; t < M * Hkv; ++t) {
+        const int64_t m = t / Hkv, hk = t % Hkv;
+        const int64_t L = c.lens[m], lo = window > 0 ? std::max<int64_t>(0, L - window) : 0, n = L - lo;
         const int32_t* table = c.bt + m * c.W;
-        std::vector<float> p(L - lo + 8);
-        float mx = -INFINITY;
-        for (int64_t j = lo; j < L; ++j) {
-            const int64_t slot = (int64_t)table[j / c.bs] * c.bs + j % c.bs;
-            float sc = dot(qv, c.k + (slot * Hkv + hk) * D, D) * scale;
-            p[j - lo] = sc;
-            mx = std::max(mx, sc);
+        std::vector<float> p(group * (n + 8));
+        float mx[64];
+        for (int64_t g = 0; g < group; ++g) mx[g] = -INFINITY;
+        for (int64_t b = lo / c.bs; b * c.bs < L; ++b) {   // scores, block by block
+            const int64_t j0 = std::max(lo, b * c.bs), j1 = std::min(L, (b + 1) * c.bs);
+            const float* kb = c.k + ((int64_t)table[b] * c.bs) * row + hk * D;
+            for (int64_t j = j0; j < j1; ++j) {
+                const float* kv = kb + (j - b * c.bs) * row;
+                for (int64_t g = 0; g < group; ++g) {
+                    const float sc = dot(q + m * ldq + (hk * group + g) * D, kv, D) * scale;
+                    p[g * (n + 8) + j - lo] = sc;
+                    mx[g] = std::max(mx[g], sc);
+                }
+            }
         }
-        const int64_t n = L - lo;
-        __m256 vs = _mm256_setzero_ps(), vm = _mm256_set1_ps(mx);
-        int64_t i = 0;
-        for (; i + 8 <= n; i += 8) {
-            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(&p[i]), vm));
-            _mm256_storeu_ps(&p[i], e);
-            vs = _mm256_add_ps(vs, e);
+        float inv[64];
+        for (int64_t g = 0; g < group; ++g) {   // softmax numerators and their sums
+            float* pg = &p[g * (n + 8)];
+            __m256 vs = _mm256_setzero_ps(), vm = _mm256_set1_ps(mx[g]);
+            int64_t i = 0;
+            for (; i + 8 <= n; i += 8) {
+                __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(pg + i), vm));
+                _mm256_storeu_ps(pg + i, e);
+                vs = _mm256_add_ps(vs, e);
+            }
+            float sum = hsum(vs);
+            for (; i < n; ++i) {
+                pg[i] = std::exp(pg[i] - mx[g]);
+                sum += pg[i];
+            }
+            inv[g] = 1.f / sum;
+            std::fill(o + (m * Hq + hk * group + g) * D, o + (m * Hq + hk * group + g + 1) * D, 0.f);
         }
-        float sum = hsum(vs);
-        for (; i < n; ++i) {
-            p[i] = std::exp(p[i] - mx);
-            sum += p[i];
+        for (int64_t b = lo / c.bs; b * c.bs < L; ++b) {   // p @ V, block by block
+            const int64_t j0 = std::max(lo, b * c.bs), j1 = std::min(L, (b + 1) * c.bs);
+            const float* vb = c.v + ((int64_t)table[b] * c.bs) * row + hk * D;
+            for (int64_t j = j0; j < j1; ++j) {
+                const float* vv = vb + (j - b * c.bs) * row;
+                for (int64_t g = 0; g < group; ++g) {
+                    const float w = p[g * (n + 8) + j - lo];
+                    float* out = o + (m * Hq + hk * group + g) * D;
+                    for (int64_t d = 0; d < D; ++d) out[d] += w * vv[d];
+                }
+            }
         }
-        float* out = o + (m * Hq + hq) * D;
-        for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
-        for (int64_t j = lo; j < L; ++j) {
-            const int64_t slot = (int64_t)table[j / c.bs] * c.bs + j % c.bs;
-            const float* vv = c.v + (slot * Hkv + hk) * D;
-            const float w = p[j - lo];
-            for (int64_t d = 0; d < D; ++d) out[d] += w * vv[d];
+        for (int64_t g = 0; g < group; ++g) {
+            float* out = o + (m * Hq + hk * group + g) * D;
+            for (int64_t d = 0; d < D; ++d) out[d] *= inv[g];
         }
-        const float inv = 1.f / sum;
-        for (int64_t d = 0; d < D; ++d) out[d] *= inv;
     }
 }
 
@@ -238,7 +257,8 @@ struct DecodeLayer : torch::CustomClassHolder {
     DecodeLayer(int64_t H_, int64_t Hq_, int64_t Hkv_, int64_t D_, int64_t I_, int64_t window_, double eps_,
                 double scale_, at::Tensor ln1_, at::Tensor ln2_, at::Tensor qn_, at::Tensor kn_)
         : H(H_), Hq(Hq_), Hkv(Hkv_), D(D_), I(I_), window(window_), eps(eps_), scale(scale_), ln1(ln1_), ln2(ln2_) {
-        TORCH_CHECK(Hq > 0 && Hkv > 0 && Hq % Hkv == 0 && D > 0 && D % 2 == 0 && D <= 512, "bad head shapes");
+        TORCH_CHECK(Hq > 0 && Hkv > 0 && Hq % Hkv == 0 && Hq / Hkv <= 64 && D > 0 && D % 2 == 0 && D <= 512,
+                    "bad head shapes");
         check_f32(ln1, "input_layernorm");
         check_f32(ln2, "post_attention_layernorm");
         TORCH_CHECK(ln1.numel() == H && ln2.numel() == H, "norm weights must have ", H, " elements");
@@ -365,7 +385,8 @@ struct DecodeLayer : torch::CustomClassHolder {
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& bt,
                             const at::Tensor& lens, double scale, int64_t window) {
     check_f32(q, "q");
-    TORCH_CHECK(q.dim() == 3 && kc.dim() == 4 && q.size(1) % kc.size(2) == 0, "q must be [M, Hq, D]");
+    TORCH_CHECK(q.dim() == 3 && kc.dim() == 4 && q.size(1) % kc.size(2) == 0 && q.size(1) / kc.size(2) <= 64,
+                "q must be [M, Hq, D] (at most 64 query heads per KV head)");
     const int64_t M = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = kc.size(2);
     Cache c = make_cache(kc, vc, bt, lens, M, Hkv, D);
     at::Tensor o = at::empty({M, Hq, D}, q.options());
@@ -389,8 +410,9 @@ at::Tensor f32_gemm(const at::Tensor& x, const at::Tensor& w) {
 
 // y = quantize_x(x) @ W^T through the integer tiles: kind 1 int8 codes [N, K] (no -128), kind 2 the
 // int4 layout [N, K / 2]; what the decode layer's linears compute with int8 activations (tests)
+// (checked: the caller knows int8 codes hold no -128, e.g. the int8 LM head; else every call scans them)
 at::Tensor idot_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& szeros,
-                     int64_t gs, int64_t kind) {
+                     int64_t gs, int64_t kind, bool checked) {
     check_f32(x, "x");
     TORCH_CHECK(kind == KW8 || kind == KW4, "kind must be 1 (int8) or 2 (int4)");
     const at::ScalarType want = kind == KW8 ? at::kChar : at::kByte;
@@ -406,7 +428,7 @@ at::Tensor idot_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
         TORCH_CHECK(szeros.numel() == scales.numel(), "szeros must be like scales");
         l.sz = szeros;
     }
-    if (kind == KW8) {
+    if (kind == KW8 && !checked) {
         const int8_t* c = w.data_ptr<int8_t>();
         for (int64_t i = 0; i < N * K; ++i) TORCH_CHECK(c[i] != -128, "int8 codes must be in [-127, 127]");
     }
@@ -422,7 +444,7 @@ TORCH_LIBRARY_FRAGMENT(llmopt_cpu, m) {
     m.def("decode_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
           "float scale, int window) -> Tensor");
     m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
-    m.def("idot_gemm(Tensor x, Tensor codes, Tensor scales, Tensor szeros, int gs, int kind) -> Tensor");
+    m.def("idot_gemm(Tensor x, Tensor codes, Tensor scales, Tensor szeros, int gs, int kind, bool checked=False) -> Tensor");
     m.impl("idot_gemm", c10::DispatchKey::CPU, TORCH_FN(idot_gemm));
     m.def("f32_gemm(Tensor x, Tensor w) -> Tensor");
     m.impl("f32_gemm", c10::DispatchKey::CPU, TORCH_FN(f32_gemm));

@@ -24,27 +24,39 @@ struct QX {
     const float* d;     // [M, K / 32]
 };
 
-// x [M, K] (K % 32 == 0) -> q, d; gsum [M, K / gs] = sum over each group of d_b * sum(q_b)
+// x [M, K] (K % 32 == 0) -> q, d; gsum [M, K / gs] = sum over each group of d_b * sum(q_b).
+// q = round(x * (127 / max|x|)), half to even (cvtps under the default rounding mode, as nearbyint).
 inline void quantize_x(const float* x, int64_t M, int64_t K, int64_t gs, std::vector<int8_t>& q,
                        std::vector<float>& d, std::vector<float>& gsum) {
     const int64_t nb = K / QB, G = K / gs;
     q.resize(M * K);
     d.resize(M * nb);
     gsum.assign(M * G, 0.f);
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);   // undo the packs' lane interleave
     for (int64_t m = 0; m < M; ++m)
         for (int64_t b = 0; b < nb; ++b) {
             const float* xb = x + m * K + b * QB;
-            float amax = 0.f;
-            for (int64_t i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(xb[i]));
-            const float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-            int32_t sum = 0;
-            for (int64_t i = 0; i < QB; ++i) {
-                int32_t v = (int32_t)std::nearbyint(xb[i] * inv);
-                q[m * K + b * QB + i] = (int8_t)v;
-                sum += v;
+            __m256 v[4], mx = _mm256_setzero_ps();
+            for (int i = 0; i < 4; ++i) {
+                v[i] = _mm256_loadu_ps(xb + 8 * i);
+                mx = _mm256_max_ps(mx, _mm256_and_ps(v[i], absmask));
             }
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_movehdup_ps(h));
+            const float amax = _mm_cvtss_f32(h);
+            const float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+            __m256i iv[4];
+            for (int i = 0; i < 4; ++i) iv[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+            __m256i sum = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
+            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + m * K + b * QB), _mm256_permutevar8x32_epi32(p, order));
+            __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
             d[m * nb + b] = s;
-            gsum[m * G + b * QB / gs] += s * (float)sum;
+            gsum[m * G + b * QB / gs] += s * (float)_mm_cvtsi128_si32(t);
         }
 }
 

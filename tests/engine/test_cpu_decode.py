@@ -31,8 +31,7 @@ def _decode_logits(runner, int8_act: bool):
     from llmopt.engine.scheduler import ScheduledRequest, SchedulerOutput
     f = runner.cpu_decode
     assert f is not None
-    for layer in f.layers:
-        layer.set_int8_activations(int8_act)
+    f.set_int8_activations(int8_act)
     vocab = runner.cfg.vocab_size
     blocks, lens = [[1, 2, 6], [3], [4, 5]], [20, 7, 17]
     g = torch.Generator().manual_seed(0)
@@ -99,15 +98,17 @@ def test_cpu_decode_quantized_checkpoints(tiny_factory, tmp_path, name):
     """Float activations: the Python layers' numbers; int8 activations: within their rounding."""
     fmt, quantize, kw = CHECKPOINTS[name]
     write_quantized(tiny_factory(weight_std=0.2), tmp_path, fmt, quantize, quantization_config(fmt, **kw))
-    engine = _engine(tmp_path)
+    engine = _engine(tmp_path, lm_head_dtype="float" if name == "gptq-w8" else "auto")
     layer = engine.runner.model.model.layers[0]
     assert type(layer.mlp.down_proj).__name__ != "Linear"
     got, want = _decode_logits(engine.runner, int8_act=False)
     assert _rel(got, want) <= 1e-5
     got, want = _decode_logits(engine.runner, int8_act=True)
     if name == "gptq-w8":   # 8-bit codes shifted to int8 hold -128: those linears keep float activations
+        assert engine.runner.cpu_decode.int8_head is False
         assert (layer.mlp.down_proj.cpu_codes == -128).any() and _rel(got, want) <= 1e-5
-    else:                   # x rounded to 8 bits per 32 columns: ~0.4% per element
+    else:                   # x rounded to 8 bits per 32 columns: ~0.4% per element (the int8 head's too)
+        assert engine.runner.cpu_decode.int8_head is True
         assert 1e-4 < _rel(got, want) <= 0.05
 
 
