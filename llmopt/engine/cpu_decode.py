@@ -5,8 +5,10 @@ in Python: ~100 small ops per layer. `CpuDecode` holds one `torch.classes.llmopt
 per layer, referencing (not copying) the layer's weights as loaded: float32 linears, the CPU
 layouts of quantized modules (int8 / int4 codes with scales, fp8) and the fused q/k/v and gate/up
 storage (llmopt/quant/fuse.py). Embedding, the final norm and the head stay in Python (one call
-each). The runner uses it for decode-only steps of up to CPU_DECODE_MAX_ROWS sequences on the CPU
-with a float32 model and KV cache; other steps, and models it cannot take, run the Python layers.
+each). The runner uses it on the CPU, for a float32 model and KV cache, for steps of up to
+CPU_DECODE_MAX_ROWS tokens that score every token: decode steps, and speculative decoding's
+verification steps (each draft row attends over its own prefix); prefill steps, and models it
+cannot take, run the Python layers.
 The weights are read once, when the runner is built: a model changed after that is not seen.
 """
 
@@ -94,8 +96,9 @@ class CpuDecode:
     def __init__(self, model, layers: list) -> None:
         self.model = model
         self.layers = layers
+        from llmopt.quant.modules_w8a8 import Int8Head
         head = model.lm_head   # the int8 head (quantized models): integer tiles too, its codes in [-127, 127]
-        self.int8_head = type(head).__name__ == "Int8Head" and not head._forward_hooks and \
+        self.int8_head = type(head) is Int8Head and not head._forward_hooks and \
             bool(head.codes.min() > -128) and head.in_features % 32 == 0
         self.int8_activations = defaults.CPU_DECODE_INT8_ACTIVATIONS
 
@@ -128,9 +131,17 @@ class CpuDecode:
         log.debug("C++ decode layers off: %s", why)
         return None
 
+    @staticmethod
+    def rows_context(attn, seq_idx: torch.Tensor, positions: torch.Tensor):
+        """The step's tables per token row: row t of sequence s gets s's block table and the context
+        length positions[t] + 1 (a verified draft sees the drafts before it, not after)."""
+        from types import SimpleNamespace
+        return SimpleNamespace(block_tables=attn.block_tables[seq_idx].contiguous(),
+                               seq_lens=(positions + 1).to(torch.int32), slot_mapping=attn.slot_mapping)
+
     def run(self, ids: torch.Tensor, positions: torch.Tensor, attn, key_caches, value_caches) -> torch.Tensor:
-        """Float32 logits [len(ids), vocab] of a decode step (one token per sequence, in the order of
-        attn's block tables)."""
+        """Float32 logits [len(ids), vocab] of a step whose every token row is scored: row t attends
+        over attn.block_tables[t] up to attn.seq_lens[t] (its own position included)."""
         from llmopt.models.llama import rope_cos_sin
         m = self.model
         x = m.embed(ids).contiguous()   # a new tensor: the layers update it in place

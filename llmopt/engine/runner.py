@@ -198,7 +198,10 @@ class ModelRunner:
         c, f = self.compiled, self.cpu_decode
         if c is not None and decode and len(sched) <= c.max_batch:
             return c.run(ids, positions.to(dev, non_blocking=True), a)   # decode only: the compiled step
-        if f is not None and decode and len(sched) <= f.max_rows:
-            return f.run(ids, positions, a, self.key_caches, self.value_caches)
+        if f is not None and len(tokens) <= f.max_rows and all(s.num_logits == len(s.token_ids) for s in sched):
+            # decode rows and speculative verification rows (every token scored): one row per token,
+            # each with its sequence's block table and its own context length (K/V all written first)
+            return f.run(ids, positions, a if decode else f.rows_context(a, seq_idx, positions),
+                         self.key_caches, self.value_caches)
         hidden = self.model(ids, positions.to(dev, non_blocking=True), a)
         return self.model.compute_logits(hidden[logit_rows.to(dev)]).float()

@@ -50,6 +50,24 @@ def _decode_logits(runner, int8_act: bool):
     return torch.cat(got), torch.cat(want)
 
 
+def test_verification_rows_equal_the_python_layers(tiny_factory):
+    """A speculative verification step (3 scored tokens of one sequence beside a decode row): each
+    draft row attends over its own prefix, as the Python layers' causal attention does."""
+    from llmopt.engine.scheduler import ScheduledRequest, SchedulerOutput
+    runner = _engine(tiny_factory(weight_std=0.2, model_type="qwen3")).runner
+    f = runner.cpu_decode
+    runner.cpu_decode = None
+    runner.execute(SchedulerOutput([ScheduledRequest("a", list(range(10, 25)), 0, [1, 2], 0),
+                                    ScheduledRequest("b", list(range(30, 36)), 0, [3], 0)]))
+    step = SchedulerOutput([ScheduledRequest("a", [40, 41, 42], 15, [1, 2], 3, spec_token_ids=[41, 42]),
+                            ScheduledRequest("b", [43], 6, [3], 1)])
+    want = runner.execute(step)
+    runner.cpu_decode = f
+    got = runner.execute(step)   # the same K/V into the same slots
+    assert got.shape == want.shape == (4, 96)
+    assert _rel(got, want) <= 1e-5
+
+
 def _rel(a, b) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
