@@ -37,14 +37,14 @@ class KVCacheInfo:
         return self.num_blocks * self.block_size
 
 
-class PagedAttention:
+class PagedAttention(kernels.PagedStep):
     """The model's attention context for one step: `(layer_idx, q, k, v, window) -> o` on [N, H, D].
     `backend` is the runner's kernel backend; the model's fused RMSNorm/RoPE read it too."""
 
     def __init__(self, runner: "ModelRunner") -> None:
         self.r = runner
         self.backend = runner.backend
-        self.slot_mapping = self.block_tables = self.seq_lens = self.query_start_loc = None
+        self.set_step(None, None, None, None)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  window: int | None) -> torch.Tensor:
@@ -52,11 +52,8 @@ class PagedAttention:
         kc, vc = r.key_caches[layer_idx], r.value_caches[layer_idx]
         ksc = r.k_scale_caches[layer_idx] if r.k_scale_caches else None
         vsc = r.v_scale_caches[layer_idx] if r.v_scale_caches else None
-        kernels.write_kv(kc, vc, k, v, self.slot_mapping, r.kv_dtype, r.k_scale, r.v_scale, ksc, vsc,
-                         backend=self.backend)
-        return kernels.paged_attention(q, kc, vc, self.block_tables, self.seq_lens, self.query_start_loc,
-                                       r.scale, window, r.kv_dtype, r.k_scale, r.v_scale, ksc, vsc,
-                                       backend=self.backend)
+        self.write(kc, vc, k, v, r.kv_dtype, r.k_scale, r.v_scale, ksc, vsc)
+        return self.attend(q, kc, vc, r.scale, window, r.kv_dtype, r.k_scale, r.v_scale, ksc, vsc)
 
 
 class ModelRunner:
@@ -189,10 +186,8 @@ class ModelRunner:
                                 for i, s in enumerate(sched)])
 
         a = self.attn
-        a.slot_mapping = slots.to(dev, non_blocking=True)
-        a.block_tables = tables.to(dev, non_blocking=True)
-        a.seq_lens = (starts + n_new).to(torch.int32).to(dev, non_blocking=True)
-        a.query_start_loc = qsl.to(dev, non_blocking=True)
+        a.set_step(slots.to(dev, non_blocking=True), tables.to(dev, non_blocking=True),
+                   (starts + n_new).to(torch.int32).to(dev, non_blocking=True), qsl.to(dev, non_blocking=True))
         ids = torch.tensor(tokens, dtype=torch.long).to(dev, non_blocking=True)
         decode = len(tokens) == len(sched) and all(s.num_logits == 1 for s in sched)
         c, f = self.compiled, self.cpu_decode

@@ -64,22 +64,32 @@ def _impl(backend: str, t: torch.Tensor, module: str):
 
 
 def write_kv(key_cache, value_cache, k, v, slot_mapping, kv_dtype, k_scale, v_scale,
-             k_scale_cache=None, v_scale_cache=None, *, backend: str) -> None:
-    """Store k, v [N, Hkv, D] into the paged cache at `slot_mapping` [N] (negative = skip)."""
-    _impl(backend, k, "triton_kv").write_kv(key_cache, value_cache, k, v, slot_mapping, kv_dtype, k_scale, v_scale,
-                                            k_scale_cache, v_scale_cache)
+             k_scale_cache=None, v_scale_cache=None, *, backend: str, kept=None) -> None:
+    """Store k, v [N, Hkv, D] into the paged cache at `slot_mapping` [N] (negative = skip). kept:
+    the reference's `real_slots(slot_mapping)`, made once per step (only the reference reads it)."""
+    impl = _impl(backend, k, "triton_kv")
+    args = (key_cache, value_cache, k, v, slot_mapping, kv_dtype, k_scale, v_scale, k_scale_cache, v_scale_cache)
+    if impl is reference:
+        impl.write_kv(*args, kept=kept)
+    else:
+        impl.write_kv(*args)
 
 
 def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window,
                     kv_dtype, k_scale, v_scale, k_scale_cache=None, v_scale_cache=None, *,
-                    backend: str) -> torch.Tensor:
-    """Varlen causal (optionally sliding-window) GQA attention over the paged cache."""
+                    backend: str, plan=None) -> torch.Tensor:
+    """Varlen causal (optionally sliding-window) GQA attention over the paged cache. plan: a callable
+    giving the reference's `decode_plan(...)` for this call, made once per step by the caller (only
+    the reference path asks for it)."""
     if backend == "torch" and _cpp_decode(q, key_cache, seq_lens, kv_dtype):   # a decode-only step on the CPU:
         return _cpu_ops().decode_attention(q, key_cache, value_cache, block_tables.int().contiguous(),   # the cache
                                            seq_lens.int().contiguous(), scale, -1 if window is None else window)  # in place
-    return _impl(backend, q, "triton_attention").paged_attention(
-        q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window, kv_dtype, k_scale,
-        v_scale, k_scale_cache, v_scale_cache)
+    impl = _impl(backend, q, "triton_attention")
+    args = (q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window, kv_dtype, k_scale,
+            v_scale, k_scale_cache, v_scale_cache)
+    if impl is reference:
+        return impl.paged_attention(*args, plan=plan() if plan is not None else None)
+    return impl.paged_attention(*args)
 
 
 def _cpu_ops():
@@ -92,6 +102,39 @@ def _cpp_decode(q, key_cache, seq_lens, kv_dtype) -> bool:
     llmopt_cpu.decode_attention reads the paged cache in place (the reference gathers each block)."""
     return (q.shape[0] == seq_lens.shape[0] and q.dtype == key_cache.dtype == torch.float32 and kv_dtype == "auto"
             and not q.is_cuda and q.is_contiguous() and _cpu_ops() is not None)
+
+
+class PagedStep:
+    """One step's paged-attention metadata (slot mapping, block tables, sequence lengths, query
+    starts), shared by every layer's write and attend; what the reference path derives from it (the
+    real slots, a decode plan per sliding window) is made by the first layer and reused by the rest.
+    The runner's attention context and a drafter's cache are PagedSteps."""
+
+    backend = "auto"
+
+    def set_step(self, slot_mapping, block_tables, seq_lens, query_start_loc) -> None:
+        self.slot_mapping, self.block_tables, self.seq_lens = slot_mapping, block_tables, seq_lens
+        self.query_start_loc = query_start_loc
+        self._kept, self._plans = None, {}
+
+    def write(self, key_cache, value_cache, k, v, kv_dtype="auto", k_scale=1.0, v_scale=1.0,
+              k_scale_cache=None, v_scale_cache=None) -> None:
+        if self.backend == "torch" and self._kept is None:
+            self._kept = reference.real_slots(self.slot_mapping)
+        write_kv(key_cache, value_cache, k, v, self.slot_mapping, kv_dtype, k_scale, v_scale, k_scale_cache,
+                 v_scale_cache, backend=self.backend, kept=self._kept)
+
+    def attend(self, q, key_cache, value_cache, scale, window, kv_dtype="auto", k_scale=1.0, v_scale=1.0,
+               k_scale_cache=None, v_scale_cache=None):
+        def plan():
+            if window not in self._plans:
+                self._plans[window] = reference.decode_plan(self.block_tables, self.seq_lens, self.query_start_loc,
+                                                            key_cache.shape[1], window, q.device)
+            return self._plans[window]
+
+        return paged_attention(q, key_cache, value_cache, self.block_tables, self.seq_lens, self.query_start_loc,
+                               scale, window, kv_dtype, k_scale, v_scale, k_scale_cache, v_scale_cache,
+                               backend=self.backend, plan=plan)
 
 
 def rms_norm(x, weight, eps, *, backend: str):
@@ -110,5 +153,5 @@ def w4a16_matmul(x, qweight, scales, zeros, group_size, bits=4):
     return impl(x, qweight, scales, zeros, group_size, bits)
 
 
-__all__ = ["BACKENDS", "KV_DTYPES", "kv_block_bytes", "kv_cache_torch_dtype", "paged_attention", "resolve_backend",
+__all__ = ["BACKENDS", "KV_DTYPES", "PagedStep", "kv_block_bytes", "kv_cache_torch_dtype", "paged_attention", "resolve_backend",
            "rms_norm", "rotary", "w4a16_matmul", "write_kv"]

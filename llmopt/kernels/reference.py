@@ -72,10 +72,13 @@ def dequantize_kv(stored: torch.Tensor, kv_dtype: str, scale: float, row_scales,
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor, kv_dtype: str, k_scale: float, v_scale: float,
-             k_scale_cache: torch.Tensor | None = None, v_scale_cache: torch.Tensor | None = None) -> None:
-    """Store k, v [N, Hkv, D] at `slot_mapping` [N] (negative slots are skipped, as padding)."""
+             k_scale_cache: torch.Tensor | None = None, v_scale_cache: torch.Tensor | None = None,
+             kept: tuple | None = None) -> None:
+    """Store k, v [N, Hkv, D] at `slot_mapping` [N] (negative slots are skipped, as padding).
+    kept: `real_slots(slot_mapping)`, computed once per step by a caller that writes every layer
+    with the same mapping (the runner's attention context)."""
     _check_int8_scales(kv_dtype, k_scale_cache, v_scale_cache)
-    slots, keep = _per_step(("slots",), (slot_mapping,), lambda: _real_slots(slot_mapping))
+    slots, keep = kept if kept is not None else real_slots(slot_mapping)
     if keep is not None:
         k, v = k[keep], v[keep]
     if slots.numel() == 0:
@@ -90,35 +93,13 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor
             scache.view(nb * bs, hkv).index_copy_(0, slots, row_scales.to(scache.dtype))
 
 
-def _real_slots(slot_mapping: torch.Tensor):
+def real_slots(slot_mapping: torch.Tensor):
     """(slots as int64 without the padding ones, the mask of kept rows or None)."""
     slots = slot_mapping.long()
     if slots.numel() and bool((slots < 0).any()):
         keep = slots >= 0
         return slots[keep], keep
     return slots, None
-
-
-_LAST: dict = {}   # what a step's metadata gives, per purpose: every layer of a step reuses it
-
-
-def _per_step(key: tuple, tensors: tuple, make):
-    """make() once for the same metadata tensors (the same objects, not modified in place since):
-    the 30 layers of a step attend with one block table, so their bucketing, index tensors and
-    masks are built once, not 30 times."""
-    hit = _LAST.get(key)
-    if hit is not None and len(hit[0]) == len(tensors) and all(
-            a is b and v == _version(b) for (a, v), b in zip(hit[0], tensors)):
-        return hit[1]
-    value = make()
-    _LAST[key] = (tuple((t, _version(t)) for t in tensors), value)
-    return value
-
-
-def _version(t: torch.Tensor) -> int:
-    """In-place writes bump it; inference-mode tensors (the engine's) keep none: the runner builds
-    new metadata tensors every step, and the entry holds them, so `is` cannot match a new one."""
-    return -1 if t.is_inference() else t._version
 
 
 def _bytes(x: torch.Tensor) -> torch.Tensor:
@@ -143,7 +124,7 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     scale: float, window: int | None, kv_dtype: str, k_scale: float, v_scale: float,
                     k_scale_cache: torch.Tensor | None = None,
-                    v_scale_cache: torch.Tensor | None = None) -> torch.Tensor:
+                    v_scale_cache: torch.Tensor | None = None, plan: tuple | None = None) -> torch.Tensor:
     """Varlen causal attention over the paged cache. q [Nq, Hq, D] -> [Nq, Hq, D].
 
     Sequence s owns queries q[query_start_loc[s]:query_start_loc[s+1]], the last positions of its
@@ -151,6 +132,8 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     j <= i and i - j < window. Decode rows (one query) are batched in buckets of similar length;
     longer ones go one by one. Slots past a sequence's end must hold finite values (caches are
     zero-initialized): they are masked out of the softmax, but a NaN there would still reach p @ V.
+    plan: `decode_plan(block_tables, seq_lens, query_start_loc, block_size, window, device)`, built
+    once per step by a caller whose layers share the metadata (the runner's attention context).
     """
     _check_int8_scales(kv_dtype, k_scale_cache, v_scale_cache)
     out = torch.empty_like(q)
@@ -159,8 +142,8 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     cdt = _compute_dtype(q)
     bs = key_cache.shape[1]
     kv = (key_cache, value_cache, kv_dtype, k_scale, v_scale, k_scale_cache, v_scale_cache)
-    buckets, longer = _per_step(("plan", bs, window, q.device), (block_tables, seq_lens, query_start_loc),
-                                lambda: _plan(block_tables, seq_lens, query_start_loc, bs, window, q.device))
+    buckets, longer = plan if plan is not None else decode_plan(block_tables, seq_lens, query_start_loc, bs,
+                                                                 window, q.device)
     for rows, blocks, mask in buckets:
         _decode_batch(q, out, kv, rows, blocks, mask, scale, cdt)
     for s, start, n, length in longer:
@@ -168,7 +151,7 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     return out
 
 
-def _plan(block_tables, seq_lens, query_start_loc, bs, window, dev):
+def decode_plan(block_tables, seq_lens, query_start_loc, bs, window, dev):
     """Decode rows (one query) in buckets of lengths within a factor of two of the bucket's longest
     (little padding): (query rows, block ids [S, nb], mask [S, nb * bs]) each; longer queries one by
     one: (sequence, first query row, queries, length)."""

@@ -12,7 +12,7 @@ import torch
 from llmopt import kernels
 
 
-class DraftKVCache:
+class DraftKVCache(kernels.PagedStep):
     """Per-layer K/V tensors [num_blocks, block_size, kv_heads, head_dim] of a draft model or head,
     and the attention context (`ctx(layer_idx, q, k, v, window)`) that writes and reads them."""
 
@@ -25,7 +25,7 @@ class DraftKVCache:
         self.scale = head_dim ** -0.5
         self.backend = backend
         self.device = device
-        self.slot_mapping = self.block_tables = self.seq_lens = self.query_start_loc = None
+        self.set_step(None, None, None, None)
 
     @property
     def nbytes(self) -> int:
@@ -33,9 +33,8 @@ class DraftKVCache:
 
     def __call__(self, layer_idx: int, q, k, v, window):
         kc, vc = self.key_caches[layer_idx], self.value_caches[layer_idx]
-        kernels.write_kv(kc, vc, k, v, self.slot_mapping, "auto", 1.0, 1.0, backend=self.backend)
-        return kernels.paged_attention(q, kc, vc, self.block_tables, self.seq_lens, self.query_start_loc,
-                                       self.scale, window, "auto", 1.0, 1.0, backend=self.backend)
+        self.write(kc, vc, k, v)
+        return self.attend(q, kc, vc, self.scale, window)
 
 
 @dataclass
@@ -59,9 +58,6 @@ def prepare(cache: DraftKVCache, seqs: list[tuple[list[int], int, list[int]]]) -
     width = max(len(b) for _, _, b in seqs)
     tables = torch.tensor([b + [0] * (width - len(b)) for _, _, b in seqs], dtype=torch.int32)
     slots = tables[seq_idx, positions // bs].long() * bs + positions % bs
-    cache.slot_mapping = slots.to(dev)
-    cache.block_tables = tables.to(dev)
-    cache.seq_lens = (starts + n_new).to(torch.int32).to(dev)
-    cache.query_start_loc = qsl.to(dev)
+    cache.set_step(slots.to(dev), tables.to(dev), (starts + n_new).to(torch.int32).to(dev), qsl.to(dev))
     ids = torch.tensor([t for toks, _, _ in seqs for t in toks], dtype=torch.long, device=dev)
     return DraftBatch(ids, positions.to(dev), (qsl[1:].long() - 1).to(dev))

@@ -30,8 +30,12 @@ TINY = {
 
 
 def reference(folder, memory=1 << 20, **kw):
+    """TP=1, float activations throughout (the ranks' Python layers have no int8-activation tiles)."""
     loaded = load_model(str(folder), "float32", "cpu", tokenizer=False)
-    return ModelRunner(loaded, 16, kv_cache_memory=memory, **kw)
+    runner = ModelRunner(loaded, 16, kv_cache_memory=memory, **kw)
+    if runner.cpu_decode is not None:
+        runner.cpu_decode.set_int8_activations(False)
+    return runner
 
 
 @pytest.mark.parametrize("name", list(TINY))
