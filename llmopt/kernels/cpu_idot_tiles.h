@@ -136,17 +136,7 @@ inline void itile4(const Args& a, const QX& qx, const uint8_t* w, int64_t n0, in
                 }
             }
         }
-        for (int r = 0; r < NR; ++r) {
-            const float* s = a.s + (n0 + r) * a.s_stride;
-            if (two) {
-                __m256 sl = _mm256_set1_ps(s[2 * b0]), sh = _mm256_set1_ps(s[2 * b0 + 1]);
-                for (int i = 0; i < MT; ++i)
-                    acc[r][i] = _mm256_fmadd_ps(sh, hi[r][i], _mm256_fmadd_ps(sl, lo[r][i], acc[r][i]));
-            } else {
-                __m256 sv = _mm256_set1_ps(s[b0 / bpg]);
-                for (int i = 0; i < MT; ++i) acc[r][i] = _mm256_fmadd_ps(sv, _mm256_add_ps(lo[r][i], hi[r][i]), acc[r][i]);
-            }
-        }
+        add_scaled_halves<NR, MT>(a, acc, lo, hi, n0, b0, bpg, two);
     }
     store<NR, MT>(a, acc, n0, m0);
 }

@@ -118,6 +118,25 @@ inline void tile8(const Args& a, const uint8_t* w, int64_t n0, int64_t m0) {
     store<NR, MT>(a, acc, n0, m0);
 }
 
+// int4 tiles, at the end of a group of 64-column blocks: acc += s_g * (lo + hi), or with groups of 32
+// (two groups per block) acc += s_2b * lo + s_2b+1 * hi
+template <int NR, int MT>
+inline void add_scaled_halves(const Args& a, __m256 (&acc)[NR][MT], __m256 (&lo)[NR][MT], __m256 (&hi)[NR][MT],
+                              int64_t n0, int64_t b0, int64_t bpg, bool two) {
+    for (int r = 0; r < NR; ++r) {
+        const float* s = a.s + (n0 + r) * a.s_stride;
+        if (two) {
+            __m256 sl = _mm256_set1_ps(s[2 * b0]), sh = _mm256_set1_ps(s[2 * b0 + 1]);
+            for (int i = 0; i < MT; ++i)
+                acc[r][i] = _mm256_fmadd_ps(sh, hi[r][i], _mm256_fmadd_ps(sl, lo[r][i], acc[r][i]));
+        } else {
+            __m256 sv = _mm256_set1_ps(s[b0 / bpg]);
+            for (int i = 0; i < MT; ++i)
+                acc[r][i] = _mm256_fmadd_ps(sv, _mm256_add_ps(lo[r][i], hi[r][i]), acc[r][i]);
+        }
+    }
+}
+
 // int4, grouped nibble layout: per 64-column block b, byte 32b + j holds column 64b + j (low nibble)
 // and 64b + 32 + j (high). Group size a multiple of 32: with 32, the halves belong to two groups.
 template <int NR, int MT>
@@ -155,18 +174,7 @@ inline void tile4(const Args& a, const uint8_t* w, int64_t n0, int64_t m0) {
                     }
                 }
             }
-        for (int r = 0; r < NR; ++r) {
-            const float* s = a.s + (n0 + r) * a.s_stride;
-            if (two) {
-                __m256 sl = _mm256_set1_ps(s[2 * b0]), sh = _mm256_set1_ps(s[2 * b0 + 1]);
-                for (int i = 0; i < MT; ++i)
-                    acc[r][i] = _mm256_fmadd_ps(sh, hi[r][i], _mm256_fmadd_ps(sl, lo[r][i], acc[r][i]));
-            } else {
-                __m256 sv = _mm256_set1_ps(s[b0 / bpg]);
-                for (int i = 0; i < MT; ++i)
-                    acc[r][i] = _mm256_fmadd_ps(sv, _mm256_add_ps(lo[r][i], hi[r][i]), acc[r][i]);
-            }
-        }
+        add_scaled_halves<NR, MT>(a, acc, lo, hi, n0, b0, bpg, two);
     }
     store<NR, MT>(a, acc, n0, m0);
 }
