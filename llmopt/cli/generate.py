@@ -64,6 +64,22 @@ EXAMPLES = [
 ]
 
 
+def speed_line(results) -> str | None:
+    """One line on how fast the completions came: output tokens over the wall time, and the decode
+    rate after each request's first token (what docs/benchmarks.md measures), or None."""
+    ms = [r.metrics for r in results if r.metrics is not None and r.metrics.first_token_time is not None
+          and r.metrics.finished_time is not None]
+    if not ms:
+        return None
+    n = sum(len(c.token_ids) for r in results for c in r.outputs)
+    start, first, end = min(m.arrival_time for m in ms), min(m.first_token_time for m in ms), max(m.finished_time for m in ms)
+    line = f"{n} output tokens in {end - start:.2f} s ({n / max(end - start, 1e-9):.1f} tok/s)"
+    after = sum(max(len(m.token_times) - 1, 0) for m in ms)
+    if after and end > first:
+        line += f"; decode {after / (end - first):.1f} tok/s after the first token at {first - start:.2f} s"
+    return line
+
+
 @common.engine_options(before="json_out")
 def generate(
     prompts: list[str] = typer.Argument(None, help="Prompts (default: one per line from --file or stdin)."),
@@ -143,4 +159,7 @@ def generate(
                 sys.stdout.write(c.text + "\n")
             printed += 1
     sys.stdout.flush()
+    line = speed_line(results)
+    if line:
+        logging.getLogger("llmopt.cli").info(line)
 

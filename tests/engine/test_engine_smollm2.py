@@ -98,3 +98,16 @@ def test_generate_cli_json_lines_and_stdin(tiny_with_tokenizer):
     assert r.stdout == f"\n{SEPARATOR}\n".join(row["text"] for row in rows) + "\n"   # a separator between completions
     r = runner.invoke(app, base + ["--kv-cache-memory", "lots", "x"])
     assert r.exit_code == 2 and "--kv-cache-memory 'lots'" in r.output and len(r.output.strip().splitlines()) == 1
+
+
+def test_generate_speed_line_arithmetic():
+    """`llmopt generate`'s stderr line: output tokens over the wall time, and tokens after each
+    request's first over the time since the earliest first token."""
+    from types import SimpleNamespace as NS
+    from llmopt.cli.generate import speed_line
+    from llmopt.engine.outputs import RequestMetrics
+    a = RequestMetrics(arrival_time=10.0, first_token_time=11.0, finished_time=13.0, token_times=[11.0, 12.0, 13.0])
+    b = RequestMetrics(arrival_time=10.0, first_token_time=11.5, finished_time=12.5, token_times=[11.5, 12.5])
+    res = [NS(metrics=a, outputs=[NS(token_ids=[1, 2, 3])]), NS(metrics=b, outputs=[NS(token_ids=[4, 5])])]
+    assert speed_line(res) == "5 output tokens in 3.00 s (1.7 tok/s); decode 1.5 tok/s after the first token at 1.00 s"
+    assert speed_line([NS(metrics=None, outputs=[])]) is None
