@@ -100,6 +100,8 @@ class CpuDecode:
         head = model.lm_head   # the int8 head (quantized models): integer tiles too, its codes in [-127, 127]
         self.int8_head = type(head) is Int8Head and not head._forward_hooks and \
             bool(head.codes.min() > -128) and head.in_features % 32 == 0
+        self.float_head = type(head) is nn.Linear and head.bias is None and not head._forward_hooks and \
+            head.weight.dtype == torch.float32 and head.weight.is_contiguous()   # both cores: aten's M = 1 GEMV uses one
         self.int8_activations = defaults.CPU_DECODE_INT8_ACTIVATIONS
 
     def set_int8_activations(self, on: bool) -> None:
@@ -157,9 +159,8 @@ class CpuDecode:
         if capture is not None:
             m.captured = (h, aux)
         head = m.lm_head
-        if type(head) is nn.Linear and head.bias is None and not head._forward_hooks and \
-                head.weight.dtype == torch.float32 and head.weight.is_contiguous():
-            return torch.ops.llmopt_cpu.f32_gemm(h, head.weight)   # a float head on both cores
+        if self.float_head:
+            return torch.ops.llmopt_cpu.f32_gemm(h, head.weight)
         if self.int8_head and self.int8_activations:
             return torch.ops.llmopt_cpu.idot_gemm(h, head.codes, head.scales_col, _EMPTY, head.in_features, KW8, True)
         return m.compute_logits(h).float()

@@ -246,6 +246,53 @@ Cache make_cache(const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& b
     return c;
 }
 
+// A linear's tensors, checked (kind: Kind; empty tensors = none). scan: look for int8 codes of -128,
+// which keep float activations (the sign trick of the integer tiles needs |code| <= 127); without
+// it the caller vouches for [-127, 127] (the int8 head's codes).
+Lin make_lin(int64_t kind, const at::Tensor& w, const at::Tensor& s, const at::Tensor& sz, const at::Tensor& bias,
+             const at::Tensor& perm, int64_t gs, bool scan) {
+    TORCH_CHECK(kind >= KF32 && kind <= KF8, "bad kind");
+    TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(), "weight must be a contiguous 2-d CPU tensor");
+    const int64_t N = w.size(0), K = kind == KW4 ? w.size(1) * 2 : w.size(1);
+    const at::ScalarType want[] = {at::kFloat, at::kChar, at::kByte, at::kByte};
+    TORCH_CHECK(w.scalar_type() == want[kind], "weight dtype does not match its kind");
+    if (kind == KF32 || kind == KF8) gs = K;
+    TORCH_CHECK(K % 8 == 0 && gs > 0 && gs % 8 == 0 && K % gs == 0, "K must be a multiple of 8 and of the group size");
+    TORCH_CHECK(kind != KW4 || (K % 64 == 0 && (gs == 32 || gs % 64 == 0)), "int4 needs K % 64 == 0, group 32 or k*64");
+    Lin l{kind, N, K, gs, w, {}, {}, {}, {}, false};
+    if ((kind == KW8 || kind == KW4) && gs % QB == 0) {
+        l.idot = true;
+        if (kind == KW8 && scan) {
+            const int8_t* c = w.data_ptr<int8_t>();
+            for (int64_t i = 0; i < N * K && l.idot; ++i) l.idot = c[i] != -128;
+        }
+    }
+    if (kind != KF32) {
+        check_f32(s, "scales");
+        TORCH_CHECK(s.numel() == N * (K / gs) || (kind != KW4 && s.numel() == 1) ||
+                    (kind == KF8 && s.numel() == N), "scales must be [N, K / group_size] (or one)");
+        l.s = s;
+    }
+    if (sz.defined() && sz.numel()) {
+        check_f32(sz, "szeros");
+        TORCH_CHECK(sz.numel() == N * (K / gs), "szeros must be [N, K / group_size]");
+        l.sz = sz;
+    }
+    if (bias.defined() && bias.numel()) {
+        check_f32(bias, "bias");
+        TORCH_CHECK(bias.numel() == N, "bias must have ", N, " elements");
+        l.bias = bias;
+    }
+    if (perm.defined() && perm.numel()) {
+        TORCH_CHECK(perm.scalar_type() == at::kLong && perm.is_contiguous() && perm.numel() == K,
+                    "perm must be int64 [K]");
+        const int64_t* p = perm.data_ptr<int64_t>();
+        for (int64_t k = 0; k < K; ++k) TORCH_CHECK(p[k] >= 0 && p[k] < K, "perm out of range");
+        l.perm = perm;
+    }
+    return l;
+}
+
 // One decoder layer, its weights referenced (not copied) at construction.
 struct DecodeLayer : torch::CustomClassHolder {
     int64_t H, Hq, Hkv, D, I, window;
@@ -274,47 +321,10 @@ struct DecodeLayer : torch::CustomClassHolder {
     // role 0 q/k/v, 1 o_proj, 2 gate/up, 3 down_proj (in output order); kind: Kind; empty tensors = none
     void add_linear(int64_t role, int64_t kind, at::Tensor w, at::Tensor s, at::Tensor sz, at::Tensor bias,
                     at::Tensor perm, int64_t gs) {
-        TORCH_CHECK(role >= 0 && role < 4 && kind >= KF32 && kind <= KF8, "bad role or kind");
-        TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(), "weight must be a contiguous 2-d CPU tensor");
-        const int64_t N = w.size(0), K = kind == KW4 ? w.size(1) * 2 : w.size(1);
-        const at::ScalarType want[] = {at::kFloat, at::kChar, at::kByte, at::kByte};
-        TORCH_CHECK(w.scalar_type() == want[kind], "weight dtype does not match its kind");
-        if (kind == KF32 || kind == KF8) gs = K;
-        TORCH_CHECK(K % 8 == 0 && gs > 0 && gs % 8 == 0 && K % gs == 0, "K must be a multiple of 8 and of the group size");
-        TORCH_CHECK(kind != KW4 || (K % 64 == 0 && (gs == 32 || gs % 64 == 0)), "int4 needs K % 64 == 0, group 32 or k*64");
-        Lin l{kind, N, K, gs, w, {}, {}, {}, {}, false};
-        if ((kind == KW8 || kind == KW4) && gs % QB == 0) {
-            l.idot = true;   // int8 codes: -128 does not fit the sign trick (|code| <= 127)
-            if (kind == KW8) {
-                const int8_t* c = w.data_ptr<int8_t>();
-                for (int64_t i = 0; i < N * K && l.idot; ++i) l.idot = c[i] != -128;
-            }
-        }
-        if (kind != KF32) {
-            check_f32(s, "scales");
-            TORCH_CHECK(s.numel() == N * (K / gs) || (kind != KW4 && s.numel() == 1) ||
-                        (kind == KF8 && s.numel() == N), "scales must be [N, K / group_size] (or one)");
-            l.s = s;
-        }
-        if (sz.numel()) {
-            check_f32(sz, "szeros");
-            TORCH_CHECK(sz.numel() == N * (K / gs), "szeros must be [N, K / group_size]");
-            l.sz = sz;
-        }
-        if (bias.numel()) {
-            check_f32(bias, "bias");
-            TORCH_CHECK(bias.numel() == N, "bias must have ", N, " elements");
-            l.bias = bias;
-        }
-        if (perm.numel()) {
-            TORCH_CHECK(perm.scalar_type() == at::kLong && perm.is_contiguous() && perm.numel() == K,
-                        "perm must be int64 [K]");
-            const int64_t* p = perm.data_ptr<int64_t>();
-            for (int64_t k = 0; k < K; ++k) TORCH_CHECK(p[k] >= 0 && p[k] < K, "perm out of range");
-            l.perm = perm;
-        }
+        TORCH_CHECK(role >= 0 && role < 4, "bad role");
+        Lin l = make_lin(kind, w, s, sz, bias, perm, gs, true);
         const int64_t in[] = {H, Hq * D, H, I};
-        TORCH_CHECK(K == in[role], "linear of role ", role, " must read ", in[role], " inputs, not ", K);
+        TORCH_CHECK(l.K == in[role], "linear of role ", role, " must read ", in[role], " inputs, not ", l.K);
         groups[role].push_back(l);
     }
 
@@ -415,26 +425,13 @@ at::Tensor idot_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
                      int64_t gs, int64_t kind, bool checked) {
     check_f32(x, "x");
     TORCH_CHECK(kind == KW8 || kind == KW4, "kind must be 1 (int8) or 2 (int4)");
-    const at::ScalarType want = kind == KW8 ? at::kChar : at::kByte;
-    TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == want, "bad codes");
-    const int64_t N = w.size(0), K = kind == KW4 ? 2 * w.size(1) : w.size(1);
-    TORCH_CHECK(x.dim() == 2 && x.size(1) == K && gs % QB == 0 && K % gs == 0, "x [M, K], group a multiple of 32 dividing K");
-    TORCH_CHECK(kind == KW4 ? (K % 64 == 0 && (gs == 32 || gs % 64 == 0)) : true, "int4 needs K % 64 == 0");
-    check_f32(scales, "scales");
-    TORCH_CHECK(scales.numel() == N * (K / gs), "scales must be [N, K / gs]");
-    Lin l{kind, N, K, gs, w, scales, {}, {}, {}, true};
-    if (szeros.numel()) {
-        check_f32(szeros, "szeros");
-        TORCH_CHECK(szeros.numel() == scales.numel(), "szeros must be like scales");
-        l.sz = szeros;
-    }
-    if (kind == KW8 && !checked) {
-        const int8_t* c = w.data_ptr<int8_t>();
-        for (int64_t i = 0; i < N * K; ++i) TORCH_CHECK(c[i] != -128, "int8 codes must be in [-127, 127]");
-    }
-    at::Tensor y = at::empty({x.size(0), N}, x.options());
+    const at::Tensor none;
+    Lin l = make_lin(kind, w, scales, szeros, none, none, gs, !checked);
+    TORCH_CHECK(l.idot, "int8 codes must be in [-127, 127] and the group size a multiple of 32");
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == l.K, "x must be [M, ", l.K, "]");
+    at::Tensor y = at::empty({x.size(0), l.N}, x.options());
     Scratch t;
-    linear(l, x.data_ptr<float>(), x.size(0), y.data_ptr<float>(), N, true, t);
+    linear(l, x.data_ptr<float>(), x.size(0), y.data_ptr<float>(), l.N, true, t);
     return y;
 }
 
