@@ -6,9 +6,10 @@ per layer, referencing (not copying) the layer's weights as loaded: float32 line
 layouts of quantized modules (int8 / int4 codes with scales, fp8) and the fused q/k/v and gate/up
 storage (llmopt/quant/fuse.py). Embedding, the final norm and the head stay in Python (one call
 each). The runner uses it on the CPU, for a float32 model and KV cache, for steps of up to
-CPU_DECODE_MAX_ROWS tokens that score every token: decode steps, and speculative decoding's
-verification steps (each draft row attends over its own prefix); prefill steps, and models it
-cannot take, run the Python layers.
+CPU_DECODE_MAX_ROWS tokens with at most CPU_DECODE_MAX_NEW_TOKENS new tokens per sequence: decode
+steps, speculative decoding's verification steps and short prefill chunks, each token a row that
+attends over its own prefix (longer prompts, whose rows would re-read a long prefix each, and models
+it cannot take run the Python layers).
 The weights are read once, when the runner is built: a model changed after that is not seen.
 """
 
@@ -92,6 +93,7 @@ def _layer_object(layer, cfg, scale: float):
 
 class CpuDecode:
     max_rows = defaults.CPU_DECODE_MAX_ROWS
+    max_new = defaults.CPU_DECODE_MAX_NEW_TOKENS
 
     def __init__(self, model, layers: list) -> None:
         self.model = model
@@ -141,8 +143,9 @@ class CpuDecode:
         return SimpleNamespace(block_tables=attn.block_tables[seq_idx].contiguous(),
                                seq_lens=(positions + 1).to(torch.int32), slot_mapping=attn.slot_mapping)
 
-    def run(self, ids: torch.Tensor, positions: torch.Tensor, attn, key_caches, value_caches) -> torch.Tensor:
-        """Float32 logits [len(ids), vocab] of a step whose every token row is scored: row t attends
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, attn, key_caches, value_caches,
+            logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 logits [len(logit_rows) or len(ids), vocab] of a step of token rows: row t attends
         over attn.block_tables[t] up to attn.seq_lens[t] (its own position included)."""
         from llmopt.models.llama import rope_cos_sin
         m = self.model
@@ -158,6 +161,8 @@ class CpuDecode:
         h = m.model.norm(x)
         if capture is not None:
             m.captured = (h, aux)
+        if logit_rows is not None:
+            h = h[logit_rows]
         head = m.lm_head
         if self.float_head:
             return torch.ops.llmopt_cpu.f32_gemm(h, head.weight)

@@ -19,8 +19,18 @@
 #include <cmath>
 #include <vector>
 
-#include "cpu_idot_tiles.h"
 #include "cpu_quant_tiles.h"
+#define LLMOPT_IDOT_NS avx2
+#include "cpu_idot_tiles.h"
+#undef LLMOPT_IDOT_NS
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
+#define LLMOPT_IDOT_NS vnni
+#define LLMOPT_IDOT_VNNI
+#include "cpu_idot_tiles.h"
+#undef LLMOPT_IDOT_VNNI
+#undef LLMOPT_IDOT_NS
+#pragma GCC pop_options
 
 namespace {
 
@@ -76,6 +86,12 @@ void rope(float* x, int64_t heads, int64_t D, const float* c, const float* s) {
     }
 }
 
+// the integer kernels: AVX-512 VNNI where the CPU has it (tiles_config switches, for tests)
+bool use_vnni = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+                __builtin_cpu_supports("avx512bw");
+int64_t panel_rows = 17;   // with VNNI, linears of at least this many rows take the panels (tiles_config)
+int64_t f32_panel_rows = 32;   // float linears of at least this many rows take the float panels (tiles_config)
+
 struct Lin {
     int64_t kind, N, K, gs;
     at::Tensor w, s, sz, bias, perm;
@@ -85,7 +101,17 @@ struct Lin {
 struct Scratch {   // per-call buffers of the linears
     std::vector<float> xp, xsum, d;
     std::vector<int8_t> q;
+    std::vector<int32_t> bsum;
 };
+
+// a float linear: the float tile for few rows, panels for many
+void f32_linear(const Args& a, const at::Tensor& w) {
+    if (a.M >= f32_panel_rows) {
+        f32_panels(a.x, a.M, a.K, w.data_ptr<float>(), a.N, a.y, a.ldy);
+    } else {
+        run(a, Fn8<F32>{reinterpret_cast<const uint8_t*>(w.data_ptr<float>())});
+    }
+}
 
 // y[m, 0:N] (row stride ldy) = x[m] @ W^T (+ bias) for M rows of x [M, K]; int8_act: quantized
 // int8 / int4 weights take the integer tiles with x quantized per 32 columns
@@ -105,14 +131,22 @@ void linear(const Lin& l, const float* x, int64_t M, float* y, int64_t ldy, bool
     }
     const uint8_t* w = static_cast<const uint8_t*>(l.w.data_ptr());
     if (int8_act && l.idot) {
-        quantize_x(xp, M, l.K, l.gs, t.q, t.d, t.xsum);
-        QX qx{t.q.data(), t.d.data()};
+        quantize_x(xp, M, l.K, l.gs, t.q, t.d, t.bsum, t.xsum);
+        QX qx{t.q.data(), t.d.data(), t.bsum.data()};
         if (l.sz.defined()) {
             a.sz = l.sz.data_ptr<float>();
             a.xsum = t.xsum.data();
         }
-        if (l.kind == KW4) run(a, FnI4{w, &qx});
-        else run(a, FnI8{reinterpret_cast<const int8_t*>(w), &qx});
+        const int8_t* w8 = reinterpret_cast<const int8_t*>(w);
+        if (use_vnni && M >= panel_rows) {
+            vnni::run_panels(a, qx, w, l.kind == KW4);
+        } else if (use_vnni) {
+            if (l.kind == KW4) run(a, vnni::FnI4{w, &qx});
+            else run(a, vnni::FnI8{w8, &qx});
+        } else {
+            if (l.kind == KW4) run(a, avx2::FnI4{w, &qx});
+            else run(a, avx2::FnI8{w8, &qx});
+        }
     } else {
         if (l.sz.defined()) {
             group_sums(xp, M, l.K, l.gs, t.xsum);
@@ -120,7 +154,7 @@ void linear(const Lin& l, const float* x, int64_t M, float* y, int64_t ldy, bool
             a.xsum = t.xsum.data();
         }
         switch (l.kind) {
-            case KF32: run(a, Fn8<F32>{w}); break;
+            case KF32: f32_linear(a, l.w); break;
             case KW8: run(a, Fn8<I8>{w}); break;
             case KW4: run(a, Fn4{w}); break;
             default: run(a, Fn8<F8>{w}); break;
@@ -149,6 +183,12 @@ void linears(const std::vector<Lin>& g, const float* x, int64_t M, float* y, boo
     }
 }
 
+// the cache lines of n rows of D floats, `stride` floats apart
+inline void prefetch_rows(const float* p, int64_t n, int64_t stride, int64_t D) {
+    for (int64_t j = 0; j < n; ++j)
+        for (int64_t d = 0; d < D; d += 16) _mm_prefetch(reinterpret_cast<const char*>(p + j * stride + d), _MM_HINT_T0);
+}
+
 struct Cache {
     const float* k; const float* v; int64_t nb, bs;
     const int32_t* bt; int64_t W;   // block tables [M, W]
@@ -173,12 +213,32 @@ void attention(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv, 
         for (int64_t b = lo / c.bs; b * c.bs < L; ++b) {   // scores, block by block
             const int64_t j0 = std::max(lo, b * c.bs), j1 = std::min(L, (b + 1) * c.bs);
             const float* kb = c.k + ((int64_t)table[b] * c.bs) * row + hk * D;
-            for (int64_t j = j0; j < j1; ++j) {
-                const float* kv = kb + (j - b * c.bs) * row;
-                for (int64_t g = 0; g < group; ++g) {
-                    const float sc = dot(q + m * ldq + (hk * group + g) * D, kv, D) * scale;
-                    p[g * (n + 8) + j - lo] = sc;
-                    mx[g] = std::max(mx[g], sc);
+            if ((b + 1) * c.bs < L)   // the next block's keys: the prefetchers do not follow the table
+                prefetch_rows(c.k + ((int64_t)table[b + 1] * c.bs) * row + hk * D, c.bs, row, D);
+            for (int64_t g = 0; g < group; ++g) {
+                const float* qg = q + m * ldq + (hk * group + g) * D;
+                float* pg = p.data() + g * (n + 8) - lo;   // pg[j], j in [lo, L)
+                int64_t j = j0;
+                if (D % 8 == 0)
+                    for (; j + 4 <= j1; j += 4) {   // 4 keys at once: one 4-way horizontal sum, not four
+                        const float* k0 = kb + (j - b * c.bs) * row;
+                        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                        for (int64_t d = 0; d < D; d += 8) {
+                            const __m256 qv = _mm256_loadu_ps(qg + d);
+                            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
+                            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + row + d), a1);
+                            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * row + d), a2);
+                            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * row + d), a3);
+                        }
+                        const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+                        const __m128 sc = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)),
+                                                     _mm_set1_ps(scale));
+                        _mm_storeu_ps(pg + j, sc);
+                        mx[g] = std::max(mx[g], std::max(std::max(pg[j], pg[j + 1]), std::max(pg[j + 2], pg[j + 3])));
+                    }
+                for (; j < j1; ++j) {
+                    pg[j] = dot(qg, kb + (j - b * c.bs) * row, D) * scale;
+                    mx[g] = std::max(mx[g], pg[j]);
                 }
             }
         }
@@ -200,21 +260,40 @@ void attention(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv, 
             inv[g] = 1.f / sum;
             std::fill(o + (m * Hq + hk * group + g) * D, o + (m * Hq + hk * group + g + 1) * D, 0.f);
         }
-        for (int64_t b = lo / c.bs; b * c.bs < L; ++b) {   // p @ V, block by block
-            const int64_t j0 = std::max(lo, b * c.bs), j1 = std::min(L, (b + 1) * c.bs);
-            const float* vb = c.v + ((int64_t)table[b] * c.bs) * row + hk * D;
-            for (int64_t j = j0; j < j1; ++j) {
-                const float* vv = vb + (j - b * c.bs) * row;
-                for (int64_t g = 0; g < group; ++g) {
-                    const float w = p[g * (n + 8) + j - lo];
-                    float* out = o + (m * Hq + hk * group + g) * D;
-                    for (int64_t d = 0; d < D; ++d) out[d] += w * vv[d];
-                }
-            }
-        }
-        for (int64_t g = 0; g < group; ++g) {
+        for (int64_t g = 0; g < group; ++g) {   // p @ V: 64 columns of one head in registers over all keys
             float* out = o + (m * Hq + hk * group + g) * D;
-            for (int64_t d = 0; d < D; ++d) out[d] *= inv[g];
+            const float* pg = p.data() + g * (n + 8) - lo;   // pg[j], j in [lo, L)
+            int64_t d0 = 0;
+            for (; D % 8 == 0 && d0 < D; d0 += 64) {
+                const int64_t w8 = std::min<int64_t>(64, D - d0) / 8;
+                __m256 acc[8];
+                for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+                for (int64_t b = lo / c.bs; b * c.bs < L; ++b) {
+                    const int64_t j0 = std::max(lo, b * c.bs), j1 = std::min(L, (b + 1) * c.bs);
+                    const float* vb = c.v + ((int64_t)table[b] * c.bs) * row + hk * D + d0;
+                    if (g == 0 && d0 == 0 && (b + 1) * c.bs < L)
+                        prefetch_rows(c.v + ((int64_t)table[b + 1] * c.bs) * row + hk * D, c.bs, row, D);
+                    for (int64_t j = j0; j < j1; ++j) {
+                        const __m256 w = _mm256_set1_ps(pg[j]);
+                        const float* vv = vb + (j - b * c.bs) * row;
+                        if (w8 == 8)
+                            for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + 8 * i), acc[i]);
+                        else
+                            for (int i = 0; i < w8; ++i) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + 8 * i), acc[i]);
+                    }
+                }
+                const __m256 iv = _mm256_set1_ps(inv[g]);
+                for (int i = 0; i < w8; ++i) _mm256_storeu_ps(out + d0 + 8 * i, _mm256_mul_ps(acc[i], iv));
+            }
+            if (D % 8 != 0) {   // odd head sizes: the plain loops
+                for (int64_t b = lo / c.bs; b * c.bs < L; ++b) {
+                    const int64_t j0 = std::max(lo, b * c.bs), j1 = std::min(L, (b + 1) * c.bs);
+                    const float* vb = c.v + ((int64_t)table[b] * c.bs) * row + hk * D;
+                    for (int64_t j = j0; j < j1; ++j)
+                        for (int64_t d = 0; d < D; ++d) out[d] += pg[j] * vb[(j - b * c.bs) * row + d];
+                }
+                for (int64_t d = 0; d < D; ++d) out[d] *= inv[g];
+            }
         }
     }
 }
@@ -414,7 +493,7 @@ at::Tensor f32_gemm(const at::Tensor& x, const at::Tensor& w) {
     const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
     at::Tensor y = at::empty({M, N}, x.options());
     Args a{x.data_ptr<float>(), M, K, N, K, 1, &ONE, 0, nullptr, nullptr, y.data_ptr<float>(), N};
-    run(a, Fn8<F32>{reinterpret_cast<const uint8_t*>(w.data_ptr<float>())});
+    f32_linear(a, w);
     return y;
 }
 
@@ -435,9 +514,27 @@ at::Tensor idot_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
     return y;
 }
 
+// The linears' kernel choices (llmopt/defaults.py sets them when the library loads; tests switch them).
+// isa: the integer tiles' instruction set, 0 AVX2, 1 AVX-512 VNNI (refused without it), -1 the best this
+// CPU has; panel: with VNNI, int8-activation linears of at least this many rows take the integer
+// panels; f32_panel: float linears of at least this many rows take the float panels (0: keep a
+// setting). Returns the instruction set in use.
+int64_t tiles_config(int64_t isa, int64_t panel, int64_t f32_panel) {
+    TORCH_CHECK(panel >= 0 && f32_panel >= 0, "panel and f32_panel must be >= 0");
+    if (panel > 0) panel_rows = panel;
+    if (f32_panel > 0) f32_panel_rows = f32_panel;
+    const bool has = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+                     __builtin_cpu_supports("avx512bw");
+    TORCH_CHECK(isa >= -1 && isa <= 1, "isa must be -1, 0 or 1");
+    TORCH_CHECK(isa != 1 || has, "this CPU has no AVX-512 VNNI");
+    use_vnni = isa == -1 ? has : isa == 1;
+    return use_vnni ? 1 : 0;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmopt_cpu, m) {
+    m.def("tiles_config(int isa=-1, int panel=0, int f32_panel=0) -> int", TORCH_FN(tiles_config));   // no tensors: a catch-all kernel
     m.def("decode_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
           "float scale, int window) -> Tensor");
     m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));

@@ -7,10 +7,17 @@
 // sum_g s_g * sum_{b in g} dx_b * (codes . xq)_b - sum_g sz_g * sum_{b in g} dx_b * sum(xq_b):
 // the zero-point term uses the quantized x too, so the result is exactly the dot product of the
 // quantized x with the weight (its error is x's rounding only, whatever the zero point).
-#pragma once
+//
+// The tiles are included twice by cpu_decode.cpp: in namespace avx2 (u8 x s8 products through
+// maddubs + madd, 16 ymm registers) and, under `#pragma GCC target` for AVX-512 VNNI, in namespace
+// vnni (one vpdpbusd on ymm, 32 registers), picked at run time. Every int32 sum is exact in both
+// (maddubs cannot saturate: |codes| <= 127, |xq| <= 127), so both give the same floats bit for bit.
+#ifndef LLMOPT_IDOT_PRELUDE
+#define LLMOPT_IDOT_PRELUDE
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "cpu_quant_tiles.h"
@@ -22,15 +29,17 @@ constexpr int64_t QB = 32;   // activation block
 struct QX {
     const int8_t* q;    // [M, K]
     const float* d;     // [M, K / 32]
+    const int32_t* b;   // [M, K / 32]: sum(q) per block
 };
 
-// x [M, K] (K % 32 == 0) -> q, d; gsum [M, K / gs] = sum over each group of d_b * sum(q_b).
+// x [M, K] (K % 32 == 0) -> q, d, bsum; gsum [M, K / gs] = sum over each group of d_b * sum(q_b).
 // q = round(x * (127 / max|x|)), half to even (cvtps under the default rounding mode, as nearbyint).
 inline void quantize_x(const float* x, int64_t M, int64_t K, int64_t gs, std::vector<int8_t>& q,
-                       std::vector<float>& d, std::vector<float>& gsum) {
+                       std::vector<float>& d, std::vector<int32_t>& bsum, std::vector<float>& gsum) {
     const int64_t nb = K / QB, G = K / gs;
     q.resize(M * K);
     d.resize(M * nb);
+    bsum.resize(M * nb);
     gsum.assign(M * G, 0.f);
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);   // undo the packs' lane interleave
@@ -56,12 +65,23 @@ inline void quantize_x(const float* x, int64_t M, int64_t K, int64_t gs, std::ve
             t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
             t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
             d[m * nb + b] = s;
+            bsum[m * nb + b] = _mm_cvtsi128_si32(t);
             gsum[m * G + b * QB / gs] += s * (float)_mm_cvtsi128_si32(t);
         }
 }
 
+}  // namespace llmopt_cpu_tiles
+#endif  // LLMOPT_IDOT_PRELUDE
+
+namespace llmopt_cpu_tiles {
+namespace LLMOPT_IDOT_NS {
+
 inline __m256 dot_u8s8(__m256i u, __m256i s) {   // 8 int32 sums of 4 products each, as floats
+#ifdef LLMOPT_IDOT_VNNI
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s));
+#else
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
 }
 
 // int8 codes in [-127, 127] (no -128: |code| must fit the sign trick), group size a multiple of 32
@@ -155,4 +175,146 @@ struct FnI4 {
     void operator()(const Args& a, int64_t n, int64_t m) const { itile4<NR, MT>(a, *qx, w, n, m); }
 };
 
+#ifdef LLMOPT_IDOT_VNNI
+// Panels, for M >= a few rows (the tiles above re-read x for every row tile and reduce 8 lanes per
+// 32 columns and output; here each output's 32-column block sum is one int32 lane). PR = 8 output
+// rows are unpacked and interleaved into a per-thread buffer once, then every x row passes over it:
+// buffer[k4] (one ymm) holds columns 4k4..4k4+3 of the 8 rows, so vpdpbusd with x's 4 bytes
+// broadcast adds 32 products into the 8 rows' sums. The u8 operand is the weight: int4 codes as they
+// are; int8 codes + 128, whose extra 128 * sum(xq_b) starts the block's accumulator negated. Each
+// block sum is exact; then per block * dx (float), per group * the rows' scales, minus the zero-point
+// term, in that order (a row's result does not depend on the panel, N or M).
+constexpr int64_t PR = 8;
+
+struct Panel {
+    std::vector<uint8_t> w;     // [K / 4][8][4]
+    std::vector<float> s, sz;   // [G][8]
+};
+
+// 8 rows of 32 bytes (rows[r]) -> out[j * 32 + 4r .. +3] = bytes 4j..4j+3 of row r (an 8x8 dword transpose)
+inline void interleave8(const __m256i (&v)[8], uint8_t* out) {
+    __m256i a[8], b[8];
+    for (int i = 0; i < 4; ++i) {
+        a[2 * i] = _mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+        a[2 * i + 1] = _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i) {
+        b[4 * i] = _mm256_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm256_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm256_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm256_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int j = 0; j < 4; ++j) {   // b[j]: dword j (lane 0) / j + 4 (lane 1) of rows 0-3; b[4 + j]: rows 4-7
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * j), _mm256_permute2x128_si256(b[j], b[4 + j], 0x20));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * (j + 4)), _mm256_permute2x128_si256(b[j], b[4 + j], 0x31));
+    }
+}
+
+// rows n0..n0+7 (past N: zeros) of int8 codes (int4 = false) or the int4 layout into p
+inline void pack_panel(const Args& a, const uint8_t* w, bool int4, int64_t n0, Panel& p) {
+    const int64_t K = a.K, G = a.G, rowb = int4 ? K / 2 : K;
+    p.w.resize(K * PR);
+    p.s.assign(G * PR, 0.f);
+    p.sz.assign(G * PR, 0.f);
+    const __m256i zero = _mm256_setzero_si256(), flip = _mm256_set1_epi8((char)0x80), low = _mm256_set1_epi8(0x0F);
+    for (int64_t c = 0; c < K; c += 64) {   // 64 columns = two 32-column chunks of 8 rows
+        __m256i v0[8], v1[8];
+        for (int r = 0; r < PR; ++r) {
+            if (n0 + r >= a.N) {
+                v0[r] = v1[r] = zero;
+                continue;
+            }
+            const uint8_t* row = w + (n0 + r) * rowb;
+            if (int4) {
+                __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c / 2));
+                v0[r] = _mm256_and_si256(v, low);
+                v1[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            } else {
+                v0[r] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c)), flip);
+                v1[r] = c + 32 < K ? _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c + 32)), flip)
+                                   : zero;
+            }
+        }
+        interleave8(v0, p.w.data() + c * PR);
+        if (c + 32 < K) interleave8(v1, p.w.data() + (c + 32) * PR);
+    }
+    for (int r = 0; r < PR && n0 + r < a.N; ++r)
+        for (int64_t g = 0; g < G; ++g) {
+            p.s[g * PR + r] = a.s[(n0 + r) * a.s_stride + g];
+            if (a.sz != nullptr) p.sz[g * PR + r] = a.sz[(n0 + r) * G + g];
+        }
+}
+
+// y[m0 + i, n0..n0+nr) for MT x rows over the packed panel
+template <int MT>
+inline void panel_pass(const Args& a, const QX& qx, const Panel& p, bool int8, int64_t n0, int64_t nr, int64_t m0) {
+    const int64_t K = a.K, nb = K / QB, bpg = a.gs / QB;
+    __m256 acc[MT];
+    for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < a.G; ++g) {
+        __m256 fb[MT];
+        for (int i = 0; i < MT; ++i) fb[i] = _mm256_setzero_ps();
+        for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+            __m256i ia[MT];
+            for (int i = 0; i < MT; ++i)
+                ia[i] = int8 ? _mm256_set1_epi32(-128 * qx.b[(m0 + i) * nb + b]) : _mm256_setzero_si256();
+            const uint8_t* wb = p.w.data() + b * QB * PR;
+            for (int j = 0; j < QB / 4; ++j) {
+                const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));
+                for (int i = 0; i < MT; ++i) {
+                    int32_t xv;
+                    std::memcpy(&xv, qx.q + (m0 + i) * K + b * QB + 4 * j, 4);
+                    ia[i] = _mm256_dpbusd_epi32(ia[i], wv, _mm256_set1_epi32(xv));
+                }
+            }
+            for (int i = 0; i < MT; ++i)
+                fb[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[i]), _mm256_set1_ps(qx.d[(m0 + i) * nb + b]), fb[i]);
+        }
+        const __m256 sv = _mm256_loadu_ps(p.s.data() + g * PR);
+        for (int i = 0; i < MT; ++i) acc[i] = _mm256_fmadd_ps(sv, fb[i], acc[i]);
+        if (a.sz != nullptr) {
+            const __m256 zv = _mm256_loadu_ps(p.sz.data() + g * PR);
+            for (int i = 0; i < MT; ++i) acc[i] = _mm256_fnmadd_ps(zv, _mm256_set1_ps(a.xsum[(m0 + i) * a.G + g]), acc[i]);
+        }
+    }
+    for (int i = 0; i < MT; ++i) {
+        float* y = a.y + (m0 + i) * a.ldy + n0;
+        if (nr == PR) {
+            _mm256_storeu_ps(y, acc[i]);
+        } else {
+            alignas(32) float t[PR];
+            _mm256_store_ps(t, acc[i]);
+            for (int64_t r = 0; r < nr; ++r) y[r] = t[r];
+        }
+    }
+}
+
+// y = quantize_x(x) @ W^T for int8 codes (int4 = false, no -128) or the int4 layout; gs % 32 == 0
+inline void run_panels(const Args& a, const QX& qx, const uint8_t* w, bool int4) {
+    const int64_t P = (a.N + PR - 1) / PR;
+#pragma omp parallel
+    {
+        Panel p;
+#pragma omp for schedule(static)
+        for (int64_t pi = 0; pi < P; ++pi) {
+            const int64_t n0 = pi * PR, nr = std::min<int64_t>(PR, a.N - n0);
+            pack_panel(a, w, int4, n0, p);
+            int64_t m = 0;
+            for (; m + 8 <= a.M; m += 8) panel_pass<8>(a, qx, p, !int4, n0, nr, m);
+            switch (a.M - m) {
+                case 7: panel_pass<7>(a, qx, p, !int4, n0, nr, m); break;
+                case 6: panel_pass<6>(a, qx, p, !int4, n0, nr, m); break;
+                case 5: panel_pass<5>(a, qx, p, !int4, n0, nr, m); break;
+                case 4: panel_pass<4>(a, qx, p, !int4, n0, nr, m); break;
+                case 3: panel_pass<3>(a, qx, p, !int4, n0, nr, m); break;
+                case 2: panel_pass<2>(a, qx, p, !int4, n0, nr, m); break;
+                case 1: panel_pass<1>(a, qx, p, !int4, n0, nr, m); break;
+                default: break;
+            }
+        }
+    }
+}
+#endif  // LLMOPT_IDOT_VNNI
+
+}  // namespace LLMOPT_IDOT_NS
 }  // namespace llmopt_cpu_tiles

@@ -221,6 +221,99 @@ void run(const Args& a, Fn fn) {
     }
 }
 
+// Float GEMM for many rows (the decode layer's float linears and float head at M >= f32_panel_rows): y[M, N] (row stride
+// ldy) = x[M, K] @ w[N, K]^T. Panels of 16 output columns: a K-chunk of the panel's 16 weight rows is
+// transposed into a per-thread buffer (16 floats per k, two ymm), then 6 rows of x at a time take 12
+// accumulators (BLIS's 6 x 16 register block: per k, 2 loads, 6 broadcasts, 12 FMAs). Each output
+// sums k in order within a chunk of FK and adds the chunks in order: independent of M, N and threads.
+constexpr int64_t FN = 16, FK = 256;
+
+template <int MR>
+inline void f32_block(const float* x, int64_t K, const float* wp, int64_t kc, float* y, int64_t ldy, int64_t nr,
+                      bool add) {
+    __m256 c0[MR], c1[MR];
+    for (int i = 0; i < MR; ++i) c0[i] = c1[i] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < kc; ++k) {
+        const __m256 w0 = _mm256_loadu_ps(wp + k * FN), w1 = _mm256_loadu_ps(wp + k * FN + 8);
+        for (int i = 0; i < MR; ++i) {
+            const __m256 xb = _mm256_set1_ps(x[i * K + k]);
+            c0[i] = _mm256_fmadd_ps(xb, w0, c0[i]);
+            c1[i] = _mm256_fmadd_ps(xb, w1, c1[i]);
+        }
+    }
+    for (int i = 0; i < MR; ++i) {
+        float* yr = y + i * ldy;
+        if (nr == FN) {
+            if (add) {
+                c0[i] = _mm256_add_ps(_mm256_loadu_ps(yr), c0[i]);
+                c1[i] = _mm256_add_ps(_mm256_loadu_ps(yr + 8), c1[i]);
+            }
+            _mm256_storeu_ps(yr, c0[i]);
+            _mm256_storeu_ps(yr + 8, c1[i]);
+        } else {
+            float t[FN];
+            _mm256_storeu_ps(t, c0[i]);
+            _mm256_storeu_ps(t + 8, c1[i]);
+            for (int64_t r = 0; r < nr; ++r) yr[r] = add ? yr[r] + t[r] : t[r];
+        }
+    }
+}
+
+// wp[k * 16 + r] = w[r * K + k] for r < nr (else 0), k < kc: 8 x 8 transposes where whole
+inline void pack_f32(const float* w, int64_t K, int64_t nr, int64_t kc, float* wp) {
+    int64_t k = 0;
+    if (nr == FN)
+        for (; k + 8 <= kc; k += 8)
+            for (int h = 0; h < 2; ++h) {
+                __m256 r[8], t[8];
+                for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(w + (8 * h + i) * K + k);
+                for (int i = 0; i < 4; ++i) {
+                    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+                    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+                }
+                for (int i = 0; i < 2; ++i) {
+                    r[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+                    r[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+                    r[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+                    r[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+                }
+                for (int j = 0; j < 4; ++j) {   // r[j]: column j (lane 0) / j + 4 (lane 1) of rows 0-3; r[4 + j]: rows 4-7
+                    _mm256_storeu_ps(wp + (k + j) * FN + 8 * h, _mm256_permute2f128_ps(r[j], r[4 + j], 0x20));
+                    _mm256_storeu_ps(wp + (k + j + 4) * FN + 8 * h, _mm256_permute2f128_ps(r[j], r[4 + j], 0x31));
+                }
+            }
+    for (; k < kc; ++k)
+        for (int64_t r = 0; r < FN; ++r) wp[k * FN + r] = r < nr ? w[r * K + k] : 0.f;
+}
+
+inline void f32_panels(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y, int64_t ldy) {
+    const int64_t P = (N + FN - 1) / FN;
+#pragma omp parallel
+    {
+        std::vector<float> wp(FK * FN);
+#pragma omp for schedule(static)
+        for (int64_t pi = 0; pi < P; ++pi) {
+            const int64_t n0 = pi * FN, nr = std::min<int64_t>(FN, N - n0);
+            for (int64_t k0 = 0; k0 < K; k0 += FK) {
+                const int64_t kc = std::min<int64_t>(FK, K - k0);
+                pack_f32(w + n0 * K + k0, K, nr, kc, wp.data());
+                int64_t m = 0;
+                for (; m + 6 <= M; m += 6) f32_block<6>(x + m * K + k0, K, wp.data(), kc, y + m * ldy + n0, ldy, nr, k0 > 0);
+                const float* xm = x + m * K + k0;
+                float* ym = y + m * ldy + n0;
+                switch (M - m) {
+                    case 5: f32_block<5>(xm, K, wp.data(), kc, ym, ldy, nr, k0 > 0); break;
+                    case 4: f32_block<4>(xm, K, wp.data(), kc, ym, ldy, nr, k0 > 0); break;
+                    case 3: f32_block<3>(xm, K, wp.data(), kc, ym, ldy, nr, k0 > 0); break;
+                    case 2: f32_block<2>(xm, K, wp.data(), kc, ym, ldy, nr, k0 > 0); break;
+                    case 1: f32_block<1>(xm, K, wp.data(), kc, ym, ldy, nr, k0 > 0); break;
+                    default: break;
+                }
+            }
+        }
+    }
+}
+
 template <class D>
 struct Fn8 {
     const uint8_t* w;

@@ -68,6 +68,40 @@ def test_verification_rows_equal_the_python_layers(tiny_factory):
     assert _rel(got, want) <= 1e-5
 
 
+@pytest.mark.parametrize("quantized", [False, True])
+def test_prefill_rows_equal_the_python_layers(tiny_factory, tmp_path, quantized):
+    """A prefill step of 45 rows (two prompts, one after a cached prefix) through the C++ layers: the
+    float linears through the float panels (>= CPU_F32_PANEL_MIN_ROWS rows), int4 ones through the integer
+    kernels; only the last row of each prompt scored, as the Python layers score them."""
+    from llmopt.engine.scheduler import ScheduledRequest, SchedulerOutput
+    path = tiny_factory(weight_std=0.2)
+    if quantized:
+        write_quantized(path, tmp_path, "awq", lambda w: rtn(w, 4, 32, False),
+                        quantization_config("awq", method="awq", bits=4, group_size=32, sym=False))
+        path = tmp_path
+    runner = _engine(path).runner
+    f = runner.cpu_decode
+    assert 45 >= defaults.CPU_F32_PANEL_MIN_ROWS and f.max_new >= 25
+    runner.cpu_decode = None
+    runner.execute(SchedulerOutput([ScheduledRequest("a", list(range(10, 18)), 0, [1, 2], 1)]))
+    step = SchedulerOutput([ScheduledRequest("a", list(range(30, 50)), 8, [1, 2], 1),
+                            ScheduledRequest("b", list(range(50, 75)), 0, [3, 4], 1)])
+    results = {}
+    for int8_act in (False, True):
+        f.set_int8_activations(int8_act)
+        runner.cpu_decode = None
+        want = runner.execute(step)
+        runner.cpu_decode = f
+        results[int8_act] = (runner.execute(step), want)   # the same K/V into the same slots
+    got, want = results[False]
+    assert got.shape == want.shape == (2, 96)
+    assert _rel(got, want) <= 1e-5
+    got, want = results[True]
+    assert _rel(got, want) <= (0.05 if quantized else 1e-5)
+    if quantized:
+        assert _rel(got, want) > 1e-4   # the int8 activations ran
+
+
 def _rel(a, b) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
@@ -139,11 +173,39 @@ def _quantize_x(x: torch.Tensor) -> torch.Tensor:
     return (q.double() * (amax / 127).double()).view_as(x)
 
 
+def _has_vnni() -> bool:
+    ops = cpu_quant.ops()
+    if ops is None:
+        return False
+    try:
+        ops.tiles_config(1)
+        return True
+    except RuntimeError:
+        return False
+    finally:
+        ops.tiles_config(-1)
+
+
+# the integer kernels: (instruction set, linears of at least this many rows as panels)
+IDOT_PATHS = {"avx2-tiles": (0, 10**6)}
+if _has_vnni():
+    IDOT_PATHS |= {"vnni-tiles": (1, 10**6), "vnni-panels": (1, 1)}
+
+
+@pytest.fixture
+def idot_path(request):
+    isa, panel = IDOT_PATHS[request.param]
+    torch.ops.llmopt_cpu.tiles_config(isa, panel)
+    yield request.param
+    torch.ops.llmopt_cpu.tiles_config(-1, defaults.CPU_IDOT_PANEL_MIN_ROWS)
+
+
+@pytest.mark.parametrize("idot_path", list(IDOT_PATHS), indirect=True)
 @pytest.mark.parametrize("kind,gs", [("int8", 576), ("int8", 64), ("int4", 32), ("int4", 64), ("int4", 128)])
-@pytest.mark.parametrize("m", [1, 3, 16])
-def test_integer_tiles_equal_float64_of_quantized_activations(kind, gs, m):
+@pytest.mark.parametrize("m", [1, 3, 16, 21])
+def test_integer_tiles_equal_float64_of_quantized_activations(idot_path, kind, gs, m):
     g = torch.Generator().manual_seed(gs + m)
-    n, k = 40, 576 if gs != 128 else 640
+    n, k = 43, 576 if gs != 128 else 640   # 43: a partial panel of rows
     x = torch.randn(m, k, generator=g) * 3
     x[:, 5] = 0.0
     if m > 1:
@@ -174,10 +236,11 @@ def test_idot_refuses_int8_code_minus_128():
 
 
 @pytest.mark.parametrize("window", [-1, 5])
-def test_decode_attention_op_equals_the_reference(window):
+@pytest.mark.parametrize("d", [6, 16, 72])   # the plain loops, 4-key sums, 64 + 8 columns in registers
+def test_decode_attention_op_equals_the_reference(window, d):
     from llmopt.kernels import reference
     g = torch.Generator().manual_seed(3)
-    nb, bs, hkv, d, hq = 12, 4, 2, 16, 6
+    nb, bs, hkv, hq = 12, 4, 2, 6
     kc, vc = torch.randn(nb, bs, hkv, d, generator=g), torch.randn(nb, bs, hkv, d, generator=g)
     tables = torch.tensor([[3, 7, 1, 0], [5, 0, 0, 0], [2, 4, 6, 8]], dtype=torch.int32)
     lens = torch.tensor([11, 1, 16], dtype=torch.int32)
