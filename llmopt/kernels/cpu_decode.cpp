@@ -104,12 +104,26 @@ struct Scratch {   // per-call buffers of the linears
     std::vector<int32_t> bsum;
 };
 
-// a float linear: the float tile for few rows, panels for many
-void f32_linear(const Args& a, const at::Tensor& w) {
-    if (a.M >= f32_panel_rows) {
-        f32_panels(a.x, a.M, a.K, w.data_ptr<float>(), a.N, a.y, a.ldy);
-    } else {
-        run(a, Fn8<F32>{reinterpret_cast<const uint8_t*>(w.data_ptr<float>())});
+// a linear with float activations: the tiles for few rows, the float panels for many
+void float_linear(const Args& a, int64_t kind, const uint8_t* w) {
+    const bool panels = a.M >= f32_panel_rows;
+    switch (kind) {
+        case KF32:
+            if (panels) f32_panels(a, SrcF32{reinterpret_cast<const float*>(w)});
+            else run(a, Fn8<F32>{w});
+            break;
+        case KW8:
+            if (panels) f32_panels(a, SrcQ8<I8>{w});
+            else run(a, Fn8<I8>{w});
+            break;
+        case KW4:
+            if (panels) f32_panels(a, SrcQ4{w});
+            else run(a, Fn4{w});
+            break;
+        default:
+            if (panels) f32_panels(a, SrcQ8<F8>{w});
+            else run(a, Fn8<F8>{w});
+            break;
     }
 }
 
@@ -130,7 +144,9 @@ void linear(const Lin& l, const float* x, int64_t M, float* y, int64_t ldy, bool
         a.s_stride = l.s.numel() == 1 ? 0 : a.G;
     }
     const uint8_t* w = static_cast<const uint8_t*>(l.w.data_ptr());
-    if (int8_act && l.idot) {
+    // int8 activations: the integer panels (VNNI) or tiles; without VNNI, from f32_panel_rows rows the
+    // float panels (float activations) beat the AVX2 integer tiles
+    if (int8_act && l.idot && (use_vnni || M < f32_panel_rows)) {
         quantize_x(xp, M, l.K, l.gs, t.q, t.d, t.bsum, t.xsum);
         QX qx{t.q.data(), t.d.data(), t.bsum.data()};
         if (l.sz.defined()) {
@@ -149,16 +165,11 @@ void linear(const Lin& l, const float* x, int64_t M, float* y, int64_t ldy, bool
         }
     } else {
         if (l.sz.defined()) {
-            group_sums(xp, M, l.K, l.gs, t.xsum);
+            if (M < f32_panel_rows) group_sums(xp, M, l.K, l.gs, t.xsum);   // the tiles' zero-point term
             a.sz = l.sz.data_ptr<float>();
             a.xsum = t.xsum.data();
         }
-        switch (l.kind) {
-            case KF32: f32_linear(a, l.w); break;
-            case KW8: run(a, Fn8<I8>{w}); break;
-            case KW4: run(a, Fn4{w}); break;
-            default: run(a, Fn8<F8>{w}); break;
-        }
+        float_linear(a, l.kind, w);
     }
     if (l.bias.defined()) {
         const float* b = l.bias.data_ptr<float>();
@@ -493,7 +504,7 @@ at::Tensor f32_gemm(const at::Tensor& x, const at::Tensor& w) {
     const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
     at::Tensor y = at::empty({M, N}, x.options());
     Args a{x.data_ptr<float>(), M, K, N, K, 1, &ONE, 0, nullptr, nullptr, y.data_ptr<float>(), N};
-    f32_linear(a, w);
+    float_linear(a, KF32, reinterpret_cast<const uint8_t*>(w.data_ptr<float>()));
     return y;
 }
 

@@ -221,9 +221,10 @@ void run(const Args& a, Fn fn) {
     }
 }
 
-// Float GEMM for many rows (the decode layer's float linears and float head at M >= f32_panel_rows): y[M, N] (row stride
-// ldy) = x[M, K] @ w[N, K]^T. Panels of 16 output columns: a K-chunk of the panel's 16 weight rows is
-// transposed into a per-thread buffer (16 floats per k, two ymm), then 6 rows of x at a time take 12
+// Float GEMM for many rows (the decode layer's linears with float activations and the float head at
+// M >= f32_panel_rows): y[M, N] (row stride ldy) = x[M, K] @ W[N, K]^T. Panels of 16 output columns:
+// a K-chunk of the panel's 16 weight rows (quantized ones decoded to floats first) is transposed
+// into a per-thread buffer (16 floats per k, two ymm), then 6 rows of x at a time take 12
 // accumulators (BLIS's 6 x 16 register block: per k, 2 loads, 6 broadcasts, 12 FMAs). Each output
 // sums k in order within a chunk of FK and adds the chunks in order: independent of M, N and threads.
 constexpr int64_t FN = 16, FK = 256;
@@ -286,27 +287,80 @@ inline void pack_f32(const float* w, int64_t K, int64_t nr, int64_t kc, float* w
         for (int64_t r = 0; r < FN; ++r) wp[k * FN + r] = r < nr ? w[r * K + k] : 0.f;
 }
 
-inline void f32_panels(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y, int64_t ldy) {
-    const int64_t P = (N + FN - 1) / FN;
+// the panels' weight sources: src(a, n0, nr, k0, kc, wp, tmp) fills wp as pack_f32 does
+struct SrcF32 {   // float weights [N, K]
+    const float* w;
+    void operator()(const Args& a, int64_t n0, int64_t nr, int64_t k0, int64_t kc, float* wp, float*) const {
+        pack_f32(w + n0 * a.K + k0, a.K, nr, kc, wp);
+    }
+};
+
+// quantized weights decoded to floats, (code * s - sz) per group, row by row into tmp [16, FK]
+template <class D>
+struct SrcQ8 {   // int8 / fp8 codes [N, K]
+    const uint8_t* w;
+    void operator()(const Args& a, int64_t n0, int64_t nr, int64_t k0, int64_t kc, float* wp, float* tmp) const {
+        for (int64_t r = 0; r < nr; ++r) {
+            const int64_t n = n0 + r;
+            const uint8_t* row = w + n * a.K * D::B;
+            for (int64_t k = k0; k < k0 + kc; k += 8) {
+                const int64_t g = k / a.gs;
+                __m256 v = _mm256_mul_ps(D::at(row, k), _mm256_set1_ps(a.s[n * a.s_stride + g]));
+                if (a.sz != nullptr) v = _mm256_sub_ps(v, _mm256_set1_ps(a.sz[n * a.G + g]));
+                _mm256_storeu_ps(tmp + r * FK + k - k0, v);
+            }
+        }
+        pack_f32(tmp, FK, nr, kc, wp);
+    }
+};
+
+struct SrcQ4 {   // the int4 layout [N, K / 2]; k0 and kc multiples of 64
+    const uint8_t* w;
+    void operator()(const Args& a, int64_t n0, int64_t nr, int64_t k0, int64_t kc, float* wp, float* tmp) const {
+        const __m256i mask = _mm256_set1_epi32(0xF);
+        for (int64_t r = 0; r < nr; ++r) {
+            const int64_t n = n0 + r;
+            const uint8_t* row = w + n * (a.K / 2);
+            for (int64_t c = k0; c < k0 + kc; c += 64)
+                for (int h = 0; h < 2; ++h) {   // low nibbles: columns c..c+31; high: c+32..c+63
+                    const int64_t g = (c + 32 * h) / a.gs;
+                    const __m256 sv = _mm256_set1_ps(a.s[n * a.s_stride + g]);
+                    const __m256 zv = _mm256_set1_ps(a.sz != nullptr ? a.sz[n * a.G + g] : 0.f);
+                    for (int j = 0; j < 32; j += 8) {
+                        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c / 2 + j)));
+                        v = h ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, mask);
+                        _mm256_storeu_ps(tmp + r * FK + c + 32 * h + j - k0, _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(v), sv), zv));
+                    }
+                }
+        }
+        pack_f32(tmp, FK, nr, kc, wp);
+    }
+};
+
+// y = x @ W^T over a.M rows (a.x, a.y, a.ldy), W from src a K-chunk of 16 rows at a time
+template <class Src>
+void f32_panels(const Args& a, Src src) {
+    const int64_t M = a.M, K = a.K, N = a.N, P = (N + FN - 1) / FN;
 #pragma omp parallel
     {
-        std::vector<float> wp(FK * FN);
+        std::vector<float> wp(FK * FN), tmp(FK * FN);
 #pragma omp for schedule(static)
         for (int64_t pi = 0; pi < P; ++pi) {
             const int64_t n0 = pi * FN, nr = std::min<int64_t>(FN, N - n0);
             for (int64_t k0 = 0; k0 < K; k0 += FK) {
                 const int64_t kc = std::min<int64_t>(FK, K - k0);
-                pack_f32(w + n0 * K + k0, K, nr, kc, wp.data());
+                src(a, n0, nr, k0, kc, wp.data(), tmp.data());
                 int64_t m = 0;
-                for (; m + 6 <= M; m += 6) f32_block<6>(x + m * K + k0, K, wp.data(), kc, y + m * ldy + n0, ldy, nr, k0 > 0);
-                const float* xm = x + m * K + k0;
-                float* ym = y + m * ldy + n0;
+                const float* x = a.x + k0;
+                float* y = a.y + n0;
+                const bool add = k0 > 0;
+                for (; m + 6 <= M; m += 6) f32_block<6>(x + m * K, K, wp.data(), kc, y + m * a.ldy, a.ldy, nr, add);
                 switch (M - m) {
-                    case 5: f32_block<5>(xm, K, wp.data(), kc, ym, ldy, nr, k0 > 0); break;
-                    case 4: f32_block<4>(xm, K, wp.data(), kc, ym, ldy, nr, k0 > 0); break;
-                    case 3: f32_block<3>(xm, K, wp.data(), kc, ym, ldy, nr, k0 > 0); break;
-                    case 2: f32_block<2>(xm, K, wp.data(), kc, ym, ldy, nr, k0 > 0); break;
-                    case 1: f32_block<1>(xm, K, wp.data(), kc, ym, ldy, nr, k0 > 0); break;
+                    case 5: f32_block<5>(x + m * K, K, wp.data(), kc, y + m * a.ldy, a.ldy, nr, add); break;
+                    case 4: f32_block<4>(x + m * K, K, wp.data(), kc, y + m * a.ldy, a.ldy, nr, add); break;
+                    case 3: f32_block<3>(x + m * K, K, wp.data(), kc, y + m * a.ldy, a.ldy, nr, add); break;
+                    case 2: f32_block<2>(x + m * K, K, wp.data(), kc, y + m * a.ldy, a.ldy, nr, add); break;
+                    case 1: f32_block<1>(x + m * K, K, wp.data(), kc, y + m * a.ldy, a.ldy, nr, add); break;
                     default: break;
                 }
             }
