@@ -1,12 +1,14 @@
 // The CPU decode step's decoder layer in one call: RMSNorm, the q/k/v projection, (q/k norm), RoPE,
 // the K/V write into the paged cache, attention over the cache read in place, o_proj and the
-// residual, RMSNorm, gate/up, SiLU * up, down_proj and the residual, for M tokens that each decode
-// one sequence. Built with cpu_quant.cpp into one library (llmopt/kernels/cpu_quant.py) and held by
+// residual, RMSNorm, gate/up, SiLU * up, down_proj and the residual, for M token rows, each at its
+// own position attending over its own context (decode, verification and prefill rows). Built with
+// cpu_quant.cpp into one library (llmopt/kernels/cpu_quant.py) and held by
 // llmopt/engine/cpu_decode.py as torch.classes.llmopt_cpu.DecodeLayer, one per layer.
 //
 // Why: at batch 1 the Python layer costs ~100 small ops (~13 ms of a 23 ms int8 step on this CPU);
-// here the layer is one call, its linears are the tiles of cpu_quant_tiles.h (float32, int8, int4,
-// fp8 weights decoded in the loop) and the elementwise work runs in place on small buffers.
+// here the layer is one call, its linears are the tiles and panels of cpu_quant_tiles.h and
+// cpu_idot_tiles.h (float32, int8, int4, fp8 weights decoded in the loop; see `linear` for which
+// runs when) and the elementwise work runs in place on small buffers.
 //
 // Arithmetic follows llmopt/models/llama.py in float32 (sums in another order: results agree within
 // float32 rounding, as tests/engine/test_cpu_decode.py checks against the Python path).
