@@ -24,6 +24,11 @@ if ! "$VENV/bin/python" -c "import llama_cpp, sys; sys.exit(b'AVX512 = 1' in lla
         "$VENV/bin/python" -m pip install --quiet --no-cache-dir --force-reinstall --no-deps \
         --no-binary llama-cpp-python "$LLAMACPP"
 fi
+# the library's own dependencies (pip install --no-deps above skips them), pinned
+if ! "$VENV/bin/python" -c "import diskcache, jinja2, numpy, typing_extensions" 2>/dev/null; then
+    "$VENV/bin/python" -m pip install --quiet diskcache==5.6.3 Jinja2==3.1.6 MarkupSafe==3.0.4 numpy==2.4.6 \
+        typing_extensions==4.16.0
+fi
 # llama.cpp's OpenAI server (python -m llama_cpp.server, the peer of scripts/bench_serve_peers.py):
 # the [server] extra's dependencies, pinned, installed beside the library (never rebuilding it).
 if ! "$VENV/bin/python" -c "import llama_cpp.server.app" 2>/dev/null; then
