@@ -197,9 +197,10 @@ void linears(const std::vector<Lin>& g, const float* x, int64_t M, float* y, boo
 }
 
 // the cache lines of n rows of D floats, `stride` floats apart
+template <_mm_hint HINT>
 inline void prefetch_rows(const float* p, int64_t n, int64_t stride, int64_t D) {
     for (int64_t j = 0; j < n; ++j)
-        for (int64_t d = 0; d < D; d += 16) _mm_prefetch(reinterpret_cast<const char*>(p + j * stride + d), _MM_HINT_T0);
+        for (int64_t d = 0; d < D; d += 16) _mm_prefetch(reinterpret_cast<const char*>(p + j * stride + d), HINT);
 }
 
 struct Cache {
@@ -226,8 +227,15 @@ void attention(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv, 
         for (int64_t b = lo / c.bs; b * c.bs < L; ++b) {   // scores, block by block
             const int64_t j0 = std::max(lo, b * c.bs), j1 = std::min(L, (b + 1) * c.bs);
             const float* kb = c.k + ((int64_t)table[b] * c.bs) * row + hk * D;
-            if ((b + 1) * c.bs < L)   // the next block's keys: the prefetchers do not follow the table
-                prefetch_rows(c.k + ((int64_t)table[b + 1] * c.bs) * row + hk * D, c.bs, row, D);
+            // the prefetchers do not follow the table: keys two blocks ahead into L1, this block's
+            // values into L2 for the p @ V pass (first block: its keys too)
+            if (b == lo / c.bs) {
+                prefetch_rows<_MM_HINT_T0>(kb, c.bs, row, D);
+                if ((b + 1) * c.bs < L) prefetch_rows<_MM_HINT_T0>(c.k + ((int64_t)table[b + 1] * c.bs) * row + hk * D, c.bs, row, D);
+            }
+            if ((b + 2) * c.bs < L)
+                prefetch_rows<_MM_HINT_T0>(c.k + ((int64_t)table[b + 2] * c.bs) * row + hk * D, c.bs, row, D);
+            prefetch_rows<_MM_HINT_T1>(c.v + ((int64_t)table[b] * c.bs) * row + hk * D, c.bs, row, D);
             for (int64_t g = 0; g < group; ++g) {
                 const float* qg = q + m * ldq + (hk * group + g) * D;
                 float* pg = p.data() + g * (n + 8) - lo;   // pg[j], j in [lo, L)
@@ -284,8 +292,6 @@ void attention(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv, 
                 for (int64_t b = lo / c.bs; b * c.bs < L; ++b) {
                     const int64_t j0 = std::max(lo, b * c.bs), j1 = std::min(L, (b + 1) * c.bs);
                     const float* vb = c.v + ((int64_t)table[b] * c.bs) * row + hk * D + d0;
-                    if (g == 0 && d0 == 0 && (b + 1) * c.bs < L)
-                        prefetch_rows(c.v + ((int64_t)table[b + 1] * c.bs) * row + hk * D, c.bs, row, D);
                     for (int64_t j = j0; j < j1; ++j) {
                         const __m256 w = _mm256_set1_ps(pg[j]);
                         const float* vv = vb + (j - b * c.bs) * row;
