@@ -1,7 +1,8 @@
 """The C++ decode layer's kernels on this CPU (issue #14), against torch in the same run.
 
-For each row count M: the int8-activation kernels (`llmopt_cpu::idot_gemm`: AVX2 tiles, VNNI tiles,
-VNNI panels, switched through `llmopt_cpu::tiles_config`) on int4 and int8 codes, the float ones
+For each row count M: the int8-activation kernels (`llmopt_cpu::idot_gemm`: the AVX2 path (integer
+tiles, and from CPU_F32_PANEL_MIN_ROWS rows the float panels, as a CPU without VNNI runs them), VNNI
+tiles, VNNI panels, switched through `llmopt_cpu::tiles_config`) on int4 and int8 codes, the float ones
 (`llmopt_cpu::f32_gemm`: the float tile below CPU_F32_PANEL_MIN_ROWS rows, the panels from there)
 against MKL's `x @ w.t()`, each over `--matrices` distinct 1536 x 576 weights (streamed from memory
 where they outgrow the L3), in G multiply-adds/s; then `llmopt_cpu::decode_attention` for 64 rows
@@ -50,7 +51,7 @@ def main() -> None:
     f32_rows = getattr(defaults, "CPU_F32_PANEL_MIN_ROWS", 32)
     isas = {"tiles": None}   # an older checkout (no switch): its one kernel
     if config is not None:
-        isas = {"AVX2 tiles": (0, 10**6)}
+        isas = {"AVX2 path": (0, 10**6)}   # tiles, and from CPU_F32_PANEL_MIN_ROWS rows the float panels
         try:
             config(1)
             isas |= {"VNNI tiles": (1, 10**6), "VNNI panels": (1, 1)}

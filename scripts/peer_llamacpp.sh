@@ -6,20 +6,31 @@
 # missing. Never touches .venv/.
 # GGML_NATIVE=ON (-march=native) built a library that dies with SIGILL here: the CPU reports AMX and
 # AVX-512, which the virtual machine does not fully enable, so the build targets AVX2 + FMA + F16C.
+# `peer_llamacpp.sh avx512` builds .venv-llamacpp-avx512/ instead: AVX-512 with VNNI and BF16 named
+# one by one (no AMX), the peer of our VNNI kernels on CPUs that have them.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="$ROOT/.venv-llamacpp"
 PYTHON="${PYTHON:-python3.11}"
 LLAMACPP="llama-cpp-python==0.3.36"
+COMMON="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF"
+if [ "${1:-}" = avx512 ]; then
+    VENV="$ROOT/.venv-llamacpp-avx512"
+    FLAGS="$COMMON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON"
+    WANT=1   # the built library must report AVX512
+else
+    VENV="$ROOT/.venv-llamacpp"
+    FLAGS="$COMMON -DGGML_AVX512=OFF"
+    WANT=0
+fi
 
 if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
-# A library built with -march=native reports AVX512/AMX in its system info: rebuild that one too.
-if ! "$VENV/bin/python" -c "import llama_cpp, sys; sys.exit(b'AVX512 = 1' in llama_cpp.llama_print_system_info())" \
+# (re)build unless the library reports AVX512 exactly when wanted (a -march=native build reports it)
+if ! "$VENV/bin/python" -c "import llama_cpp, sys; sys.exit(int(b'AVX512 = 1' in llama_cpp.llama_print_system_info()) != $WANT)" \
         2>/dev/null; then
-    CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF}" \
+    CMAKE_ARGS="${CMAKE_ARGS:-$FLAGS}" \
     CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}" \
         "$VENV/bin/python" -m pip install --quiet --no-cache-dir --force-reinstall --no-deps \
         --no-binary llama-cpp-python "$LLAMACPP"
