@@ -131,7 +131,7 @@ inline void itile4(const Args& a, const QX& qx, const uint8_t* w, int64_t n0, in
     const int64_t bpg = two ? 1 : a.gs / 64;
     __m256 acc[NR][MT];
     zero(acc);
-    for (int64_t b0 = 0; b0 < B; b0 += bpg) {
+    for (int64_t b0 = 0, g = 0; b0 < B; b0 += bpg, ++g) {
         __m256 lo[NR][MT], hi[NR][MT];
         zero(lo);
         zero(hi);
@@ -156,7 +156,7 @@ inline void itile4(const Args& a, const QX& qx, const uint8_t* w, int64_t n0, in
                 }
             }
         }
-        add_scaled_halves<NR, MT>(a, acc, lo, hi, n0, b0, bpg, two);
+        add_scaled_halves<NR, MT>(a, acc, lo, hi, n0, b0, g, two);
     }
     store<NR, MT>(a, acc, n0, m0);
 }

@@ -122,7 +122,7 @@ inline void tile8(const Args& a, const uint8_t* w, int64_t n0, int64_t m0) {
 // (two groups per block) acc += s_2b * lo + s_2b+1 * hi
 template <int NR, int MT>
 inline void add_scaled_halves(const Args& a, __m256 (&acc)[NR][MT], __m256 (&lo)[NR][MT], __m256 (&hi)[NR][MT],
-                              int64_t n0, int64_t b0, int64_t bpg, bool two) {
+                              int64_t n0, int64_t b0, int64_t g, bool two) {   // g: b0's group (no division here)
     for (int r = 0; r < NR; ++r) {
         const float* s = a.s + (n0 + r) * a.s_stride;
         if (two) {
@@ -130,7 +130,7 @@ inline void add_scaled_halves(const Args& a, __m256 (&acc)[NR][MT], __m256 (&lo)
             for (int i = 0; i < MT; ++i)
                 acc[r][i] = _mm256_fmadd_ps(sh, hi[r][i], _mm256_fmadd_ps(sl, lo[r][i], acc[r][i]));
         } else {
-            __m256 sv = _mm256_set1_ps(s[b0 / bpg]);
+            __m256 sv = _mm256_set1_ps(s[g]);
             for (int i = 0; i < MT; ++i)
                 acc[r][i] = _mm256_fmadd_ps(sv, _mm256_add_ps(lo[r][i], hi[r][i]), acc[r][i]);
         }
@@ -150,7 +150,7 @@ inline void tile4(const Args& a, const uint8_t* w, int64_t n0, int64_t m0) {
     const __m256i mask = _mm256_set1_epi32(0xF);
     __m256 acc[NR][MT];
     zero(acc);
-    for (int64_t b0 = 0; b0 < B; b0 += bpg) {
+    for (int64_t b0 = 0, g = 0; b0 < B; b0 += bpg, ++g) {
         __m256 lo[NR][MT], hi[NR][MT];
         zero(lo);
         zero(hi);
@@ -174,7 +174,7 @@ inline void tile4(const Args& a, const uint8_t* w, int64_t n0, int64_t m0) {
                     }
                 }
             }
-        add_scaled_halves<NR, MT>(a, acc, lo, hi, n0, b0, bpg, two);
+        add_scaled_halves<NR, MT>(a, acc, lo, hi, n0, b0, g, two);
     }
     store<NR, MT>(a, acc, n0, m0);
 }
