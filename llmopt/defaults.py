@@ -41,7 +41,6 @@ CPU_QUANT_KERNEL_MAX_ROWS = 32   # quantized CPU GEMMs: own kernel up to this ma
 LM_HEAD_DTYPE = "auto"           # auto: int8 head for quantized models on the CPU | float | int8
 ENFORCE_EAGER = True             # never compile the decode step unless --no-enforce-eager (docs/benchmarks.md: +5-8%, 27 s cold compile)
 CPU_DECODE_MAX_ROWS = MAX_NUM_BATCHED_TOKENS   # CPU steps of up to this many tokens run one C++ call per layer (engine/cpu_decode.py)
-CPU_DECODE_MAX_NEW_TOKENS = 128   # ... and at most this many new tokens per sequence (prefill chunks; each row re-reads its prefix)
 CPU_IDOT_PANEL_MIN_ROWS = 17     # with AVX-512 VNNI, int8-activation linears of this many rows or more run as panels (cpu_idot_tiles.h)
 CPU_F32_PANEL_MIN_ROWS = 32      # the C++ layer's float linears: float panels from this many rows (beat MKL there), else the float tile
 CPU_DECODE_INT8_ACTIVATIONS = True   # those steps: int8 / int4 weights times int8 activations (per 32 columns, as llama.cpp)

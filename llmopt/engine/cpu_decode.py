@@ -6,10 +6,10 @@ per layer, referencing (not copying) the layer's weights as loaded: float32 line
 layouts of quantized modules (int8 / int4 codes with scales, fp8) and the fused q/k/v and gate/up
 storage (llmopt/quant/fuse.py). Embedding, the final norm and the head stay in Python (one call
 each). The runner uses it on the CPU, for a float32 model and KV cache, for steps of up to
-CPU_DECODE_MAX_ROWS tokens with at most CPU_DECODE_MAX_NEW_TOKENS new tokens per sequence: decode
-steps, speculative decoding's verification steps and short prefill chunks, each token a row that
-attends over its own prefix (longer prompts, whose rows would re-read a long prefix each, and models
-it cannot take run the Python layers).
+CPU_DECODE_MAX_ROWS tokens: decode steps, speculative decoding's verification steps and prefill
+chunks, each token a row that attends over its own prefix (prefill measured 1.1-2.0x faster than
+the Python layers for prompts of 256 to 4,000 tokens, docs/benchmarks.md); models it cannot take
+run the Python layers.
 The weights are read once, when the runner is built: a model changed after that is not seen.
 """
 
@@ -93,7 +93,6 @@ def _layer_object(layer, cfg, scale: float):
 
 class CpuDecode:
     max_rows = defaults.CPU_DECODE_MAX_ROWS
-    max_new = defaults.CPU_DECODE_MAX_NEW_TOKENS
 
     def __init__(self, model, layers: list) -> None:
         self.model = model

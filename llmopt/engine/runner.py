@@ -193,8 +193,8 @@ class ModelRunner:
         c, f = self.compiled, self.cpu_decode
         if c is not None and decode and len(sched) <= c.max_batch:
             return c.run(ids, positions.to(dev, non_blocking=True), a)   # decode only: the compiled step
-        if f is not None and len(tokens) <= f.max_rows and int(n_new.max()) <= f.max_new:
-            # one row per token (decode, speculative verification and short prefill chunks), each with
+        if f is not None and len(tokens) <= f.max_rows:
+            # one row per token (decode, speculative verification and prefill chunks), each with
             # its sequence's block table and its own context length (the step's K/V all written first)
             every = all(s.num_logits == len(s.token_ids) for s in sched)
             return f.run(ids, positions, a if decode else f.rows_context(a, seq_idx, positions),

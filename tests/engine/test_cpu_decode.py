@@ -120,7 +120,7 @@ def test_prefill_rows_equal_the_python_layers(tiny_factory, tmp_path, case, idot
         path = tmp_path
     runner = _engine(path, quantization=quantization).runner
     f = runner.cpu_decode
-    assert 45 >= defaults.CPU_F32_PANEL_MIN_ROWS and f.max_new >= 25
+    assert 45 >= defaults.CPU_F32_PANEL_MIN_ROWS
     runner.cpu_decode = None
     runner.execute(SchedulerOutput([ScheduledRequest("a", list(range(10, 18)), 0, [1, 2], 1)]))
     step = SchedulerOutput([ScheduledRequest("a", list(range(30, 50)), 8, [1, 2], 1),
