@@ -52,7 +52,8 @@ def make_engine(model: str | None, quantization: str | None, max_num_seqs: int, 
     from llmopt.engine.engine import LLMEngine
     from llmopt.engine.args import EngineArgs
     kw = dict(model=model, dtype="float32", device="cpu", max_num_seqs=max_num_seqs, detokenize=False,
-              max_model_len=1024, enable_prefix_caching=False, **extra)
+              max_model_len=1024, enable_prefix_caching=False)
+    kw.update(extra)   # --engine-arg (or a caller) may override the defaults above
     if quantization:
         kw["quantization"] = quantization
     return LLMEngine(EngineArgs(**kw))

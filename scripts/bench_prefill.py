@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parent))   # bench_decode.make_engine
 
 
 def main() -> None:
@@ -23,13 +24,10 @@ def main() -> None:
     ap.add_argument("--cases", default="8x256,8x730,1x2000,1x4000", help="comma-separated PROMPTSxTOKENS")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    from llmopt.engine.args import EngineArgs
-    from llmopt.engine.engine import LLMEngine
+    from bench_decode import make_engine
     from llmopt.engine.sampling_params import SamplingParams
     cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
-    engine = LLMEngine(EngineArgs(model=args.model, dtype="float32", device="cpu", detokenize=False,
-                                  max_num_seqs=max(n for n, _ in cases), enable_prefix_caching=False,
-                                  max_model_len=max(t for _, t in cases) + 8))
+    engine = make_engine(args.model, None, max(n for n, _ in cases), {"max_model_len": max(t for _, t in cases) + 8})
     runner, rng = engine.runner, random.Random(0)
     cpp = runner.cpu_decode
     if cpp is None:

@@ -88,11 +88,14 @@ void rope(float* x, int64_t heads, int64_t D, const float* c, const float* s) {
     }
 }
 
-// the integer kernels: AVX-512 VNNI where the CPU has it (tiles_config switches, for tests)
-bool use_vnni = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-                __builtin_cpu_supports("avx512bw");
-int64_t panel_rows = 17;   // with VNNI, linears of at least this many rows take the panels (tiles_config)
-int64_t f32_panel_rows = 32;   // float linears of at least this many rows take the float panels (tiles_config)
+bool cpu_has_vnni() {
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
+}
+
+// the linears' kernel choices, set from llmopt/defaults.py when the library loads (tiles_config)
+bool use_vnni = cpu_has_vnni();   // the integer kernels: AVX-512 VNNI where the CPU has it
+int64_t panel_rows = 17;          // with VNNI, int8-activation linears of this many rows take the panels
+int64_t f32_panel_rows = 32;      // float linears of this many rows take the float panels
 
 struct Lin {
     int64_t kind, N, K, gs;
@@ -106,9 +109,14 @@ struct Scratch {   // per-call buffers of the linears
     std::vector<int32_t> bsum;
 };
 
-// a linear with float activations: the tiles for few rows, the float panels for many
-void float_linear(const Args& a, int64_t kind, const uint8_t* w) {
+// a linear with float activations: the tiles for few rows (their zero-point term needs the per-group
+// sums of x, made in xsum), the float panels for many (which decode the zero points into the weight)
+void float_linear(Args a, int64_t kind, const uint8_t* w, std::vector<float>& xsum) {
     const bool panels = a.M >= f32_panel_rows;
+    if (a.sz != nullptr && !panels) {
+        group_sums(a.x, a.M, a.K, a.gs, xsum);
+        a.xsum = xsum.data();
+    }
     switch (kind) {
         case KF32:
             if (panels) f32_panels(a, SrcF32{reinterpret_cast<const float*>(w)});
@@ -166,12 +174,8 @@ void linear(const Lin& l, const float* x, int64_t M, float* y, int64_t ldy, bool
             else run(a, avx2::FnI8{w8, &qx});
         }
     } else {
-        if (l.sz.defined()) {
-            if (M < f32_panel_rows) group_sums(xp, M, l.K, l.gs, t.xsum);   // the tiles' zero-point term
-            a.sz = l.sz.data_ptr<float>();
-            a.xsum = t.xsum.data();
-        }
-        float_linear(a, l.kind, w);
+        if (l.sz.defined()) a.sz = l.sz.data_ptr<float>();
+        float_linear(a, l.kind, w, t.xsum);
     }
     if (l.bias.defined()) {
         const float* b = l.bias.data_ptr<float>();
@@ -279,7 +283,6 @@ void attention(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv, 
                 sum += pg[i];
             }
             inv[g] = 1.f / sum;
-            std::fill(o + (m * Hq + hk * group + g) * D, o + (m * Hq + hk * group + g + 1) * D, 0.f);
         }
         for (int64_t g = 0; g < group; ++g) {   // p @ V: 64 columns of one head in registers over all keys
             float* out = o + (m * Hq + hk * group + g) * D;
@@ -305,6 +308,7 @@ void attention(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv, 
                 for (int i = 0; i < w8; ++i) _mm256_storeu_ps(out + d0 + 8 * i, _mm256_mul_ps(acc[i], iv));
             }
             if (D % 8 != 0) {   // odd head sizes: the plain loops
+                std::fill(out, out + D, 0.f);
                 for (int64_t b = lo / c.bs; b * c.bs < L; ++b) {
                     const int64_t j0 = std::max(lo, b * c.bs), j1 = std::min(L, (b + 1) * c.bs);
                     const float* vb = c.v + ((int64_t)table[b] * c.bs) * row + hk * D;
@@ -512,7 +516,8 @@ at::Tensor f32_gemm(const at::Tensor& x, const at::Tensor& w) {
     const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
     at::Tensor y = at::empty({M, N}, x.options());
     Args a{x.data_ptr<float>(), M, K, N, K, 1, &ONE, 0, nullptr, nullptr, y.data_ptr<float>(), N};
-    float_linear(a, KF32, reinterpret_cast<const uint8_t*>(w.data_ptr<float>()));
+    std::vector<float> none;
+    float_linear(a, KF32, reinterpret_cast<const uint8_t*>(w.data_ptr<float>()), none);
     return y;
 }
 
@@ -542,8 +547,7 @@ int64_t tiles_config(int64_t isa, int64_t panel, int64_t f32_panel) {
     TORCH_CHECK(panel >= 0 && f32_panel >= 0, "panel and f32_panel must be >= 0");
     if (panel > 0) panel_rows = panel;
     if (f32_panel > 0) f32_panel_rows = f32_panel;
-    const bool has = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-                     __builtin_cpu_supports("avx512bw");
+    const bool has = cpu_has_vnni();
     TORCH_CHECK(isa >= -1 && isa <= 1, "isa must be -1, 0 or 1");
     TORCH_CHECK(isa != 1 || has, "this CPU has no AVX-512 VNNI");
     use_vnni = isa == -1 ? has : isa == 1;

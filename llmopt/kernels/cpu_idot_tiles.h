@@ -191,23 +191,12 @@ struct Panel {
     std::vector<float> s, sz;   // [G][8]
 };
 
-// 8 rows of 32 bytes (rows[r]) -> out[j * 32 + 4r .. +3] = bytes 4j..4j+3 of row r (an 8x8 dword transpose)
+// 8 rows of 32 bytes (rows[r]) -> out[j * 32 + 4r .. +3] = bytes 4j..4j+3 of row r (transpose8)
 inline void interleave8(const __m256i (&v)[8], uint8_t* out) {
-    __m256i a[8], b[8];
-    for (int i = 0; i < 4; ++i) {
-        a[2 * i] = _mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
-        a[2 * i + 1] = _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
-    }
-    for (int i = 0; i < 2; ++i) {
-        b[4 * i] = _mm256_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
-        b[4 * i + 1] = _mm256_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
-        b[4 * i + 2] = _mm256_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
-        b[4 * i + 3] = _mm256_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
-    }
-    for (int j = 0; j < 4; ++j) {   // b[j]: dword j (lane 0) / j + 4 (lane 1) of rows 0-3; b[4 + j]: rows 4-7
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * j), _mm256_permute2x128_si256(b[j], b[4 + j], 0x20));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * (j + 4)), _mm256_permute2x128_si256(b[j], b[4 + j], 0x31));
-    }
+    __m256 r[8];
+    for (int i = 0; i < 8; ++i) r[i] = _mm256_castsi256_ps(v[i]);
+    transpose8(r);
+    for (int j = 0; j < 8; ++j) _mm256_storeu_ps(reinterpret_cast<float*>(out + 32 * j), r[j]);
 }
 
 // rows n0..n0+7 (past N: zeros) of int8 codes (int4 = false) or the int4 layout into p

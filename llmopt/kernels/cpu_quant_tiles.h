@@ -260,28 +260,37 @@ inline void f32_block(const float* x, int64_t K, const float* wp, int64_t kc, fl
     }
 }
 
+// an 8 x 8 transpose of 32-bit lanes in place: r[j] becomes column j (lanes are moved, never computed
+// on, so integer data passes through as well)
+inline void transpose8(__m256 (&r)[8]) {
+    __m256 t[8];
+    for (int i = 0; i < 4; ++i) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i) {
+        r[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int j = 0; j < 4; ++j) {   // r[j]: column j (lane 0) / j + 4 (lane 1) of rows 0-3; r[4 + j]: rows 4-7
+        t[j] = _mm256_permute2f128_ps(r[j], r[4 + j], 0x20);
+        t[j + 4] = _mm256_permute2f128_ps(r[j], r[4 + j], 0x31);
+    }
+    for (int j = 0; j < 8; ++j) r[j] = t[j];
+}
+
 // wp[k * 16 + r] = w[r * K + k] for r < nr (else 0), k < kc: 8 x 8 transposes where whole
 inline void pack_f32(const float* w, int64_t K, int64_t nr, int64_t kc, float* wp) {
     int64_t k = 0;
     if (nr == FN)
         for (; k + 8 <= kc; k += 8)
             for (int h = 0; h < 2; ++h) {
-                __m256 r[8], t[8];
+                __m256 r[8];
                 for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(w + (8 * h + i) * K + k);
-                for (int i = 0; i < 4; ++i) {
-                    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-                    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-                }
-                for (int i = 0; i < 2; ++i) {
-                    r[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-                    r[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-                    r[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-                    r[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-                }
-                for (int j = 0; j < 4; ++j) {   // r[j]: column j (lane 0) / j + 4 (lane 1) of rows 0-3; r[4 + j]: rows 4-7
-                    _mm256_storeu_ps(wp + (k + j) * FN + 8 * h, _mm256_permute2f128_ps(r[j], r[4 + j], 0x20));
-                    _mm256_storeu_ps(wp + (k + j + 4) * FN + 8 * h, _mm256_permute2f128_ps(r[j], r[4 + j], 0x31));
-                }
+                transpose8(r);
+                for (int j = 0; j < 8; ++j) _mm256_storeu_ps(wp + (k + j) * FN + 8 * h, r[j]);
             }
     for (; k < kc; ++k)
         for (int64_t r = 0; r < FN; ++r) wp[k * FN + r] = r < nr ? w[r * K + k] : 0.f;
