@@ -107,6 +107,13 @@ def spec_tune(
                                       help="Tokens of a data passage per prompt, 8 to 8192."),
     max_new_tokens: int = typer.Option(defaults.SPEC_TUNE_MAX_NEW_TOKENS, "--max-new-tokens",
                                        callback=in_range(2, 32768), help="Tokens of each answer at most, 2 to 32768."),
+    text_sequences: int = typer.Option(defaults.SPEC_TUNE_TEXT_SEQUENCES, "--text-sequences",
+                                       callback=in_range(0, 1_000_000),
+                                       help=f"Sequences of {defaults.SPEC_TUNE_TEXT_TOKENS} tokens of the text itself "
+                                       "the target reads for more training features (no answers: ~6x cheaper a "
+                                       "token), 0 to 1000000."),
+    gen_batch: int = typer.Option(defaults.SPEC_TUNE_GEN_BATCH, "--gen-batch",
+                                  callback=in_range(1, defaults.MAX_NUM_SEQS), help=f"Prompts the target answers at once, 1 to {defaults.MAX_NUM_SEQS}."),
     chat: bool = typer.Option(None, "--chat/--no-chat", help="Prompts as chat turns with an instruction (default when "
                               "the tokenizer has a chat template) or plain passages."),
     epochs: int = typer.Option(defaults.SPEC_TUNE_EPOCHS, "--epochs", callback=in_range(1, 1000),
@@ -115,6 +122,8 @@ def spec_tune(
                              help="AdamW learning rate, (0, 1]."),
     train_batch_size: int = typer.Option(defaults.SPEC_TUNE_BATCH_SIZE, "--train-batch-size",
                                          callback=in_range(1, 4096), help="Sequences per optimizer step, 1 to 4096."),
+    prompt_loss: bool = typer.Option(defaults.SPEC_TUNE_PROMPT_LOSS, "--prompt-loss/--no-prompt-loss",
+                                     help="The head's loss counts the prompts' positions too, or the answers' only."),
     ttt_steps: int = typer.Option(defaults.SPEC_TUNE_TTT_STEPS, "--ttt-steps", callback=in_range(1, 16),
                                   help="EAGLE-3 training-time test: steps the head runs on its own features, 1 to 16."),
     draft_vocab_size: int = typer.Option(defaults.SPEC_TUNE_DRAFT_VOCAB, "--draft-vocab-size",
@@ -161,10 +170,12 @@ def spec_tune(
 
     settings = TrainSettings(method, epochs=epochs, lr=lr, batch_size=train_batch_size, ttt_steps=ttt_steps,
                              draft_vocab_size=draft_vocab_size, checkpoint_every=checkpoint_every, seed=seed,
+                             prompt_loss=prompt_loss,
                              max_seconds=None if max_minutes is None else 60.0 * max_minutes, max_steps=max_steps)
     cfg = SpecTuneConfig(model=model, method=method, output=out_dir, data=data, text_field=text_field, resume=resume,
                          overwrite=overwrite, num_prompts=num_prompts, eval_prompts=eval_prompts,
                          prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, chat=chat, train=settings,
+                         text_sequences=text_sequences, gen_batch=gen_batch,
                          batch_sizes=tuple(int(b) for b in batch_sizes.split(",") if b.strip()), max_k=max_k,
                          eval_k=eval_k, tune_max_tokens=tune_max_tokens, tune_repeats=tune_repeats,
                          draft_model=draft_model, self_draft_layers=self_draft_layers,

@@ -6,18 +6,20 @@ as chat prompts with an instruction when the tokenizer has a chat template, else
 passage); the target's own greedy answers to them (the engine, batched); and one forward of the
 target over prompt + answer with `capture_hidden`, keeping per token the target's feature (EAGLE-1:
 the final hidden state; EAGLE-3: the hidden states entering layers 2, L/2, L-3, concatenated) and
-its greedy choice (the argmax of its logits: what verification accepts). Written in parts under
+its greedy choice (the argmax of its logits: what verification accepts); the same for sequences
+of the text itself (no answer: the target's choices on real text, cheap). Written in parts under
 `DIR/data/` as they are made, so an interrupted run keeps what it made.
 
 Training (`train_head`): the head at position i reads the token at i+1 and the feature at i and
-predicts the target's choice at i+1 (the token at i+2), on the answers' positions only.
+predicts the target's choice at i+1 (the token at i+2), at every position with a next token
+(`prompt_loss`; else on the answers' positions only).
 - EAGLE-1: SmoothL1(head output, the target's final hidden state at i+1) + 0.1 x cross-entropy
   of the head's logits (through the target's LM head) against the target's distribution there.
 - EAGLE-3 with training-time test: step 0 as above (fc over the three features); step j feeds
   the head its own output of step j-1 with the token j positions further and predicts the choice
   j positions further; a query at step j sits at position i+j and attends to the step-0 keys at
   positions <= i and to its own chain's keys of steps 1..j, as when drafting. Loss: sum over steps
-  of decay^j x cross-entropy over the draft vocabulary (the most frequent tokens of the answers;
+  of decay^j x cross-entropy over the draft vocabulary (the target's most frequent choices;
   the head's lm_head and norm start as the target's rows of them).
 AdamW, constant learning rate after a linear warmup, gradient clipping. The batch order of epoch
 e is a permutation seeded by (seed, e), so a run resumed from a checkpoint (head, optimizer, step,
@@ -44,6 +46,7 @@ from llmopt.errors import DataError, UserInputError
 # progress(phase, total, advance): a new phase starts with its total (None: unknown), then advances
 Progress = Callable[[str, "int | None", int], None]
 DATA_DIR = "data"
+TEXT_PART = 64          # text sequences per data part
 CHECKPOINT = "checkpoint.pt"
 
 
@@ -53,32 +56,66 @@ def _noop(phase: str, total: int | None = None, advance: int = 0) -> None:
 
 # -- prompts ------------------------------------------------------------------------------------------
 
-def passages(text: str, tokenizer, n: int, tokens: int, seed: int) -> list[str]:
-    """`n` passages of the text of about `tokens` tokens each, from distinct places, shuffled by
-    `seed`: paragraphs (lines, headings skipped) cut at `tokens` tokens; short ones joined with the
-    next."""
+def paragraphs(text: str, min_chars: int) -> list[str]:
+    """The text's paragraphs (lines, headings skipped), a short one joined with the next until it has
+    at least `min_chars` characters."""
     paras, cur = [], ""
     for line in text.split("\n"):
         s = line.strip()
         if not s or (s.startswith("=") and s.endswith("=")):
             continue
         cur = f"{cur} {s}".strip()
-        if len(cur) >= 4 * tokens:    # about 4 characters a token: long enough to cut
+        if len(cur) >= min_chars:
             paras.append(cur)
             cur = ""
     if cur:
         paras.append(cur)
-    random.Random(seed).shuffle(paras)
+    return paras
+
+
+def pick_passages(text: str, tokenizer, n: int, tokens: int, seed: int) -> list[tuple[int, str]]:
+    """`n` passages of the text of about `tokens` tokens each, from distinct paragraphs (cut at `tokens`
+    tokens), shuffled by `seed`: (paragraph index, passage)."""
+    paras = paragraphs(text, 4 * tokens)     # about 4 characters a token: long enough to cut
+    order = list(range(len(paras)))
+    random.Random(seed).shuffle(order)
     out = []
-    for p in paras:
-        ids = tokenizer(p, add_special_tokens=False).input_ids[:tokens]
+    for i in order:
+        ids = tokenizer(paras[i], add_special_tokens=False).input_ids[:tokens]
         if len(ids) >= max(8, tokens // 2):
-            out.append(tokenizer.decode(ids).strip())
+            out.append((i, tokenizer.decode(ids).strip()))
         if len(out) == n:
             break
     if len(out) < n:
         raise DataError(f"the data holds {len(out)} passages of about {tokens} tokens, fewer than the {n} prompts "
                         "asked for: give a longer text, fewer prompts or shorter passages")
+    return out
+
+
+def passages(text: str, tokenizer, n: int, tokens: int, seed: int) -> list[str]:
+    """The passages of `pick_passages`, without their paragraph indices."""
+    return [p for _, p in pick_passages(text, tokenizer, n, tokens, seed)]
+
+
+def text_sequences(text: str, tokenizer, n: int, tokens: int, prompt_tokens: int, skip: set[int],
+                   seed: int) -> list[list[int]]:
+    """Up to `n` token sequences of `tokens` tokens of the text itself, for features read without an
+    answer (the target run over the text): whole paragraphs (as `pick_passages` splits them for
+    `prompt_tokens`), those in `skip` left out (the held-out prompts' own), in an order shuffled by
+    `seed`, joined and cut at `tokens`."""
+    paras = paragraphs(text, 4 * prompt_tokens)
+    order = [i for i in range(len(paras)) if i not in skip]
+    random.Random(seed + 1).shuffle(order)
+    out, cur = [], []
+    for i in order:
+        cur += tokenizer(paras[i] + "\n\n", add_special_tokens=False).input_ids
+        while len(cur) >= tokens:
+            out.append(cur[:tokens])
+            cur = cur[tokens:]
+            if len(out) == n:
+                return out
+    if len(cur) >= 16:
+        out.append(cur)
     return out
 
 
@@ -104,7 +141,9 @@ class DataSummary:
     prompts: int                 # training prompts answered
     sequences: int               # prompt + answer sequences kept (an answer of < 2 tokens is dropped)
     answer_tokens: int           # tokens the target generated
-    tokens: int                  # prompt + answer tokens
+    tokens: int                  # prompt + answer tokens, and text-sequence tokens
+    text_sequences: int          # sequences of the text itself, read without an answer (prompt_len 0)
+    text_tokens: int
     feature_width: int           # floats per token (EAGLE-1: hidden; EAGLE-3: 3 x hidden)
     seconds: float               # spent making data in this run (0 when all of it was there)
     reused_parts: int            # parts found on disk (--resume)
@@ -159,10 +198,14 @@ def _save_torch(path: Path, obj) -> None:
 
 
 def build_data(loaded, prompts: list[list[int]], folder: Path, method: str, max_new_tokens: int, gen_batch: int,
-               meta: dict, progress: Progress = _noop) -> tuple[list[dict], DataSummary]:
+               meta: dict, progress: Progress = _noop,
+               texts: list[list[int]] = ()) -> tuple[list[dict], DataSummary]:
     """Answer `prompts` with the target (greedy, batched) and capture its features, in parts of
-    `gen_batch` prompts written to `folder` (data/part-NNNNN.pt, atomically); parts already there
-    (a resumed run with the same `meta`) are read instead of made again."""
+    `gen_batch` prompts written to `folder` (data/part-NNNNN.pt, atomically); then capture the
+    features of `texts` (sequences of the text itself, no answer: every position is the target's
+    own prediction on real text, about 6x cheaper per token than an answer) in parts of 64
+    (data/text-NNNNN.pt, rows with prompt_len 0). Parts already there (a resumed run with the same
+    `meta`) are read instead of made again."""
     from llmopt.engine.llm import LLM
     from llmopt.engine.sampling_params import SamplingParams
     folder.mkdir(exist_ok=True)
@@ -177,7 +220,7 @@ def build_data(loaded, prompts: list[list[int]], folder: Path, method: str, max_
         fsutil.write_atomic(mfile, json.dumps(meta, indent=2) + "\n")
     layers = feature_layers(method, loaded.config.num_hidden_layers)
     parts = math.ceil(len(prompts) / gen_batch)
-    progress("answers + features", len(prompts), 0)
+    progress("answers + features", len(prompts) + len(texts), 0)
     t0, reused, llm, rows = time.perf_counter(), 0, None, []
     for p in range(parts):
         f = folder / f"part-{p:05d}.pt"
@@ -205,11 +248,27 @@ def build_data(loaded, prompts: list[list[int]], folder: Path, method: str, max_
         _save_torch(f, made)
         rows.extend(made)
         progress("answers + features", None, len(chunk))
+    for p in range(math.ceil(len(texts) / TEXT_PART)):
+        f = folder / f"text-{p:05d}.pt"
+        chunk = texts[p * TEXT_PART:(p + 1) * TEXT_PART]
+        if f.is_file():
+            made = torch.load(f, weights_only=True)
+            reused += 1
+        else:
+            made = capture(loaded, chunk, layers)
+            for r in made:
+                r["prompt_len"] = 0
+            _save_torch(f, made)
+        rows.extend(made)
+        progress("answers + features", None, len(chunk))
     if not rows:
         raise DataError("the target answered every prompt with fewer than 2 tokens: nothing to train on")
-    summary = DataSummary(len(prompts), len(rows), sum(len(r["tokens"]) - r["prompt_len"] for r in rows),
-                          sum(len(r["tokens"]) for r in rows), rows[0]["feats"].shape[-1],
-                          0.0 if llm is None else time.perf_counter() - t0, reused)
+    answers = [r for r in rows if r["prompt_len"]]
+    text_tokens = sum(len(r["tokens"]) for r in rows if not r["prompt_len"])
+    made_any = reused < parts + math.ceil(len(texts) / TEXT_PART)
+    summary = DataSummary(len(prompts), len(answers), sum(len(r["tokens"]) - r["prompt_len"] for r in answers),
+                          sum(len(r["tokens"]) for r in rows), len(rows) - len(answers), text_tokens,
+                          rows[0]["feats"].shape[-1], time.perf_counter() - t0 if made_any else 0.0, reused)
     return rows, summary
 
 
@@ -221,12 +280,12 @@ def kv_bytes(loaded, seqs: int, length: int) -> int:
 
 
 def draft_vocab(rows: list[dict], size: int, vocab_size: int) -> list[int]:
-    """EAGLE-3's draft vocabulary: the `size` target ids chosen most often on the answers (ties and
-    the rest by id), ascending."""
+    """EAGLE-3's draft vocabulary: the `size` target ids chosen most often on the answers and the text
+    sequences (ties and the rest by id), ascending."""
     size = min(size, vocab_size)
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for r in rows:
-        counts += torch.bincount(r["argmax"][r["prompt_len"] - 1:].long(), minlength=vocab_size)[:vocab_size]
+        counts += torch.bincount(r["argmax"][max(0, r["prompt_len"] - 1):].long(), minlength=vocab_size)[:vocab_size]
     order = sorted(range(vocab_size), key=lambda i: (-int(counts[i]), i))
     return sorted(order[:size])
 
@@ -279,16 +338,20 @@ def collate(rows: list[dict], steps: int, device) -> dict:
             "plens": plens.to(device)}
 
 
-def _valid(batch: dict, n: int, j: int) -> torch.Tensor:
+def _valid(batch: dict, n: int, j: int, prompts: bool = False) -> torch.Tensor:
     """[B, n]: query i at step j has a label: the choice at p = i + 1 + j lies on the answer
-    (p >= prompt_len - 1) and is followed by a token of the sequence (p <= len - 2)."""
+    (p >= prompt_len - 1; anywhere with `prompts`) and is followed by a token of the sequence
+    (p <= len - 2)."""
     p = torch.arange(n, device=batch["lens"].device)[None, :] + 1 + j
-    return (p >= batch["plens"][:, None] - 1) & (p <= batch["lens"][:, None] - 2)
+    last = p <= batch["lens"][:, None] - 2
+    return last if prompts else last & (p >= batch["plens"][:, None] - 1)
 
 
-def eagle3_loss(head, target, batch: dict, steps: int, decay: float) -> tuple[torch.Tensor, list[float], int]:
-    """Training-time-test loss of an EAGLE-3 head: sum_j decay^j x CE(step j); returns (loss, each
-    step's mean CE, rows counted at step 0)."""
+def eagle3_loss(head, target, batch: dict, steps: int, decay: float,
+                prompts: bool = False) -> tuple[torch.Tensor, list[float], int]:
+    """Training-time-test loss of an EAGLE-3 head: sum_j decay^j x CE(step j), over the answers'
+    positions (and the prompts' with `prompts`); returns (loss, each step's mean CE, rows counted at
+    step 0)."""
     t2d = head.t2d
     dmap = torch.cumsum(t2d.long(), 0) - 1                       # target id -> draft id (where t2d)
     n = batch["feats"].shape[1] - 1
@@ -301,7 +364,7 @@ def eagle3_loss(head, target, batch: dict, steps: int, decay: float) -> tuple[to
             emb = target.embed(tok)
         out = head(emb, hidden, pos0 + j, attn, fuse=j == 0)
         lab = batch["argmax"][:, 1 + j:1 + j + n]
-        m = _valid(batch, n, j) & t2d[lab]
+        m = _valid(batch, n, j, prompts) & t2d[lab]
         if not m.any():
             break
         logits = head.lm_head(head.norm(out[m]))
@@ -313,8 +376,8 @@ def eagle3_loss(head, target, batch: dict, steps: int, decay: float) -> tuple[to
     return total, parts, rows0
 
 
-def eagle1_loss(head, target, batch: dict, ce_weight: float,
-                noise: float = 0.0) -> tuple[torch.Tensor, list[float], int]:
+def eagle1_loss(head, target, batch: dict, ce_weight: float, noise: float = 0.0,
+                prompts: bool = False) -> tuple[torch.Tensor, list[float], int]:
     """EAGLE-1: SmoothL1(head output, the target's feature at i+1) + ce_weight x cross-entropy
     against the target's distribution at i+1 (both through the target's LM head)."""
     n = batch["feats"].shape[1] - 1
@@ -325,7 +388,7 @@ def eagle1_loss(head, target, batch: dict, ce_weight: float,
         emb = target.embed(batch["tokens"][:, 1:1 + n])
     pos = torch.arange(n, device=feats.device)[None, :].expand(feats.shape[0], n)
     out = head(emb, feats, pos, TTTAttention())
-    m = _valid(batch, n, 0)
+    m = _valid(batch, n, 0, prompts)
     if not m.any():
         return out.sum() * 0.0, [0.0, 0.0], 0
     pred, want = out[m], batch["feats"][:, 1:1 + n][m]
@@ -355,6 +418,7 @@ class TrainSettings:
     ce_weight: float = defaults.SPEC_TUNE_EAGLE1_CE_WEIGHT
     draft_vocab_size: int = defaults.SPEC_TUNE_DRAFT_VOCAB
     checkpoint_every: int = defaults.SPEC_TUNE_CHECKPOINT_EVERY
+    prompt_loss: bool = defaults.SPEC_TUNE_PROMPT_LOSS   # the loss counts the prompts' positions too
     seed: int = defaults.SPEC_TUNE_SEED
     max_seconds: float | None = None     # stop (with a checkpoint) after this much training in this run
     max_steps: int | None = None         # stop (with a checkpoint) at this global step (tests, chunks)
@@ -444,9 +508,10 @@ def train_head(loaded, rows: list[dict], folder: Path, settings: TrainSettings, 
             for g in opt.param_groups:
                 g["lr"] = settings.lr * min(1.0, (step + 1) / max(1, settings.warmup_steps))
             if method == "eagle3":
-                loss, lp, nrows = eagle3_loss(head, target, batch, settings.ttt_steps, settings.ttt_decay)
+                loss, lp, nrows = eagle3_loss(head, target, batch, settings.ttt_steps, settings.ttt_decay,
+                                              settings.prompt_loss)
             else:
-                loss, lp, nrows = eagle1_loss(head, target, batch, settings.ce_weight)
+                loss, lp, nrows = eagle1_loss(head, target, batch, settings.ce_weight, prompts=settings.prompt_loss)
             opt.zero_grad(set_to_none=True)
             if nrows:
                 loss.backward()

@@ -5,7 +5,8 @@ against plain decoding and write the spec_config.json that `serve`, `generate` a
 
 The output folder (checked before any work; `--overwrite` replaces only a folder llmopt wrote):
     llmopt.json        marker
-    data/              meta.json + part-NNNNN.pt: prompts' answers and the target's features
+    data/              meta.json + part-NNNNN.pt: prompts' answers and the target's features; text-NNNNN.pt:
+                       the target's features on sequences of the text itself (--text-sequences)
     checkpoint.pt      head, optimizer, step, RNG and loss curve (`--resume` continues from it)
     head/              the trained head (config.json + model.safetensors, the EAGLE repository's format, fp16)
     draft/             a self-draft (`--self-draft-layers N`, draft_model only)
@@ -34,7 +35,7 @@ from llmopt import defaults, fsutil
 from llmopt.errors import UserInputError
 from llmopt.spec.config import METHODS, SpeculativeConfig
 from llmopt.spec.train import (DATA_DIR, DataSummary, Progress, TrainSettings, TrainSummary, _noop, build_data,
-                               kv_bytes, make_prompts, passages, train_head)
+                               kv_bytes, make_prompts, pick_passages, text_sequences, train_head)
 
 HEAD_DIR = "head"
 DRAFT_DIR = "draft"
@@ -55,6 +56,7 @@ class SpecTuneConfig:
     prompt_tokens: int = defaults.SPEC_TUNE_PROMPT_TOKENS
     max_new_tokens: int = defaults.SPEC_TUNE_MAX_NEW_TOKENS
     gen_batch: int = defaults.SPEC_TUNE_GEN_BATCH
+    text_sequences: int = defaults.SPEC_TUNE_TEXT_SEQUENCES   # EAGLE: sequences of the text itself read for features
     chat: bool | None = None                 # None: chat prompts when the tokenizer has a chat template
     train: TrainSettings | None = None       # None: defaults for `method`
     batch_sizes: tuple[int, ...] = defaults.SPEC_TUNE_BATCH_SIZES
@@ -83,6 +85,8 @@ class SpecTuneConfig:
         self.batch_sizes = tuple(sorted(set(int(b) for b in self.batch_sizes)))
         if not self.batch_sizes or self.batch_sizes[0] < 1:
             raise UserInputError("--batch-sizes: give batch sizes >= 1, e.g. 1,8,32")
+        if self.text_sequences < 0:
+            raise UserInputError("--text-sequences must be at least 0")
         for name in ("num_prompts", "eval_prompts", "prompt_tokens", "max_new_tokens", "gen_batch", "max_k", "eval_k",
                      "tune_max_tokens", "tune_min_prompts", "tune_repeats"):
             if getattr(self, name) < 1:
@@ -283,7 +287,8 @@ def spec_tune(cfg: SpecTuneConfig, progress: Progress = _noop) -> SpecTuneResult
     n_train = cfg.num_prompts if trains else 0
     n_held = max(cfg.eval_prompts, max(cfg.batch_sizes), cfg.tune_min_prompts)
     text = read_dataset(cfg.data, cfg.text_field, defaults.CALIB_SPLIT).text
-    texts = passages(text, tok, n_train + n_held, cfg.prompt_tokens, cfg.seed)
+    picked = pick_passages(text, tok, n_train + n_held, cfg.prompt_tokens, cfg.seed)
+    texts = [p for _, p in picked]
     train_prompts = make_prompts(tok, texts[:n_train], chat)
     held = make_prompts(tok, texts[n_train:], chat, offset=n_train)
     data = tsum = acc = None
@@ -291,9 +296,13 @@ def spec_tune(cfg: SpecTuneConfig, progress: Progress = _noop) -> SpecTuneResult
     if trains:
         meta = {"model": str(loaded.path), "method": cfg.method, "data": cfg.data, "text_field": cfg.text_field,
                 "num_prompts": cfg.num_prompts, "prompt_tokens": cfg.prompt_tokens, "chat": chat,
-                "max_new_tokens": cfg.max_new_tokens, "gen_batch": cfg.gen_batch, "seed": cfg.seed}
+                "max_new_tokens": cfg.max_new_tokens, "gen_batch": cfg.gen_batch, "seed": cfg.seed,
+                "text_sequences": cfg.text_sequences, "text_tokens": defaults.SPEC_TUNE_TEXT_TOKENS}
+        seqs = text_sequences(text, tok, cfg.text_sequences, min(defaults.SPEC_TUNE_TEXT_TOKENS,
+                              loaded.config.max_position_embeddings), cfg.prompt_tokens,
+                              {i for i, _ in picked[n_train:]}, cfg.seed) if cfg.text_sequences else []
         rows, data = build_data(loaded, train_prompts, out / DATA_DIR, cfg.method, cfg.max_new_tokens, cfg.gen_batch,
-                                meta, progress)
+                                meta, progress, seqs)
         head, tsum = train_head(loaded, rows, out, cfg.train, cfg.resume, progress)
         del rows
         if not tsum.finished:

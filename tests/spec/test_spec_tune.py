@@ -20,7 +20,7 @@ from llmopt.spec.config import SpeculativeConfig, parse_speculative_config
 from llmopt.spec.train import TrainSettings, capture, make_prompts, passages, train_head
 
 ARGS = ["--method", "eagle", "--num-prompts", "8", "--eval-prompts", "2", "--prompt-tokens", "16",
-        "--max-new-tokens", "12", "--epochs", "2", "--train-batch-size", "2", "--checkpoint-every", "2",
+        "--max-new-tokens", "12", "--text-sequences", "3", "--epochs", "2", "--train-batch-size", "2", "--checkpoint-every", "2",
         "--batch-sizes", "1,2", "--max-k", "2", "--eval-k", "2", "--tune-max-tokens", "4", "--quiet", "--json"]
 
 
@@ -46,18 +46,21 @@ def _run(tiny, out, *extra):
 def test_train_stop_resume_reload_and_config(tiny, tmp_path):
     code, first = _run(tiny, tmp_path / "a", "--max-steps", "3")
     assert code == 0 and first["finished"] is False and first["spec_config_path"] is None
-    assert first["train"]["steps"] == 3 and first["train"]["total_steps"] == 8
+    assert first["train"]["steps"] == 3 and first["train"]["total_steps"] == 12      # 8 answers + 3 text sequences, 2 a step
+    assert first["data"]["text_sequences"] == 3 and first["data"]["sequences"] == 8
     assert (tmp_path / "a" / "checkpoint.pt").is_file() and not (tmp_path / "a" / "spec_config.json").exists()
     code, again = _run(tiny, tmp_path / "a")                      # without --resume: refused, nothing lost
     assert code == 2 and "--resume" in again["error"]["message"]
     code, done = _run(tiny, tmp_path / "a", "--resume")
     assert code == 0 and done["finished"] is True
     t = done["train"]
-    assert t["resumed_from_step"] == 3 and t["steps"] == 8 and done["data"]["reused_parts"] == 1
+    assert t["resumed_from_step"] == 3 and t["steps"] == 12 and done["data"]["reused_parts"] == 2
     assert t["step_losses"][:3] == first["train"]["step_losses"]
     # the same training never stopped (on the data parts the run wrote) takes the same steps
     loaded = load_model(str(tiny), "float32", "cpu", tokenizer=False)
-    rows = torch.load(tmp_path / "a" / "data" / "part-00000.pt", weights_only=True)
+    rows = [r for f in ("part-00000.pt", "text-00000.pt") for r in torch.load(tmp_path / "a" / "data" / f,
+                                                                                weights_only=True)]
+    assert [r["prompt_len"] for r in rows[8:]] == [0, 0, 0] and all(r["prompt_len"] > 0 for r in rows[:8])
     _, whole = train_head(loaded, rows, tmp_path, TrainSettings("eagle", epochs=2, batch_size=2), resume=False)
     torch.testing.assert_close(torch.tensor(t["step_losses"]), torch.tensor(whole.step_losses))
 
@@ -113,3 +116,34 @@ def test_loss_falls_on_the_targets_own_features(tiny_factory, tmp_path, method, 
     if method == "eagle3":      # every training-time-test step learns, not only the first
         first, last = s.step_parts[0], s.step_parts[-1]
         assert len(first) == settings.ttt_steps and all(b < a for a, b in zip(first, last))
+
+
+def test_text_sequences_leave_out_the_held_out_prompts_paragraphs(tiny):
+    """Text sequences are whole paragraphs, cut at the length asked, and never the paragraphs the
+    held-out prompts were made from (their passages do not occur in them)."""
+    from transformers import AutoTokenizer
+    from llmopt.data import read_dataset
+    from llmopt.spec.train import paragraphs, pick_passages, text_sequences
+    tok = AutoTokenizer.from_pretrained(str(tiny))
+    text = read_dataset("../shared/data/wikitext-2/wiki.valid.tokens", "text", "train").text
+    picked = pick_passages(text, tok, 40, 24, 0)
+    assert [p for _, p in picked] == passages(text, tok, 40, 24, 0)
+    held = {i for i, _ in picked[30:]}
+    seqs = text_sequences(text, tok, 50, 64, 24, held, 0)
+    assert len(seqs) == 50 and all(len(s) == 64 for s in seqs)
+    joined = tok.decode(sum(seqs, []))
+    paras = paragraphs(text, 4 * 24)
+    assert not any(paras[i][:60] in joined for i in held)
+    kept = [i for i in range(len(paras)) if i not in held]
+    assert sum(paras[i][:60] in joined for i in kept) > 10      # the others are read
+
+
+def test_prompt_loss_counts_every_position_with_a_next_token():
+    from llmopt.spec.train import _valid
+    batch = {"lens": torch.tensor([6, 4]), "plens": torch.tensor([3, 0])}
+    # query i at step j labels position p = i + 1 + j: answers from prompt_len - 1, all with prompts,
+    # and never the last position (it has no next token)
+    T, F = True, False
+    assert _valid(batch, 5, 0).tolist() == [[F, T, T, T, F], [T, T, F, F, F]]
+    assert _valid(batch, 5, 0, prompts=True).tolist() == [[T, T, T, T, F], [T, T, F, F, F]]
+    assert _valid(batch, 5, 1, prompts=True).tolist() == [[T, T, T, F, F], [T, F, F, F, F]]
