@@ -113,7 +113,8 @@ def spec_tune(
                                        "the target reads for more training features (no answers: ~6x cheaper a "
                                        "token), 0 to 1000000."),
     gen_batch: int = typer.Option(defaults.SPEC_TUNE_GEN_BATCH, "--gen-batch",
-                                  callback=in_range(1, defaults.MAX_NUM_SEQS), help=f"Prompts the target answers at once, 1 to {defaults.MAX_NUM_SEQS}."),
+                                  callback=in_range(1, defaults.MAX_NUM_SEQS),
+                                  help=f"Prompts the target answers at once, 1 to {defaults.MAX_NUM_SEQS}."),
     chat: bool = typer.Option(None, "--chat/--no-chat", help="Prompts as chat turns with an instruction (default when "
                               "the tokenizer has a chat template) or plain passages."),
     epochs: int = typer.Option(defaults.SPEC_TUNE_EPOCHS, "--epochs", callback=in_range(1, 1000),

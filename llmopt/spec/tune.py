@@ -296,11 +296,13 @@ def spec_tune(cfg: SpecTuneConfig, progress: Progress = _noop) -> SpecTuneResult
     if trains:
         meta = {"model": str(loaded.path), "method": cfg.method, "data": cfg.data, "text_field": cfg.text_field,
                 "num_prompts": cfg.num_prompts, "prompt_tokens": cfg.prompt_tokens, "chat": chat,
-                "max_new_tokens": cfg.max_new_tokens, "gen_batch": cfg.gen_batch, "seed": cfg.seed,
-                "text_sequences": cfg.text_sequences, "text_tokens": defaults.SPEC_TUNE_TEXT_TOKENS}
-        seqs = text_sequences(text, tok, cfg.text_sequences, min(defaults.SPEC_TUNE_TEXT_TOKENS,
-                              loaded.config.max_position_embeddings), cfg.prompt_tokens,
-                              {i for i, _ in picked[n_train:]}, cfg.seed) if cfg.text_sequences else []
+                "max_new_tokens": cfg.max_new_tokens, "gen_batch": cfg.gen_batch, "seed": cfg.seed}
+        seqs = []
+        if cfg.text_sequences:       # (keys absent without them: a run from before them still resumes)
+            length = min(defaults.SPEC_TUNE_TEXT_TOKENS, loaded.config.max_position_embeddings)
+            meta.update(text_sequences=cfg.text_sequences, text_tokens=length)
+            seqs = text_sequences(text, tok, cfg.text_sequences, length, cfg.prompt_tokens,
+                                  {i for i, _ in picked[n_train:]}, cfg.seed)
         rows, data = build_data(loaded, train_prompts, out / DATA_DIR, cfg.method, cfg.max_new_tokens, cfg.gen_batch,
                                 meta, progress, seqs)
         head, tsum = train_head(loaded, rows, out, cfg.train, cfg.resume, progress)
