@@ -116,6 +116,41 @@ class EagleHead(nn.Module):
         return ids + self.d2t[ids]
 
 
+class CpuLinear(nn.Module):
+    """An nn.Linear's float32 weights through the C++ float kernels (`llmopt_cpu::f32_gemm`): at the
+    one to a few rows of a draft step they stream the weights on both cores, where aten's GEMV uses
+    one (an EAGLE-3 head of SmolLM2 at a 700-token context, K = 2: drafting 11.8 -> 6.1 ms a step,
+    scripts/bench_spec_steps.py)."""
+
+    def __init__(self, linear: nn.Linear, op) -> None:
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.out_features = linear.out_features
+        self._op = op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = self._op(x.reshape(-1, x.shape[-1]).contiguous(), self.weight)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+
+def use_cpu_kernels(head: nn.Module) -> bool:
+    """Swap a float32 CPU head's linears for CpuLinear where the C++ kernels are built; whether it did."""
+    from llmopt.kernels import cpu_quant
+    ops = cpu_quant.ops()
+    w = next(head.parameters())
+    if ops is None or w.device.type != "cpu" or w.dtype != torch.float32:
+        return False
+    for parent in list(head.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.weight.is_contiguous():
+                setattr(parent, name, CpuLinear(child, ops.f32_gemm))
+    return True
+
+
 def load_eagle_head(path: str | Path, method: str, target_cfg, dtype, device) -> EagleHead:
     """A head from a folder with config.json and model.safetensors or pytorch_model.bin."""
     folder = Path(path).expanduser()
@@ -204,6 +239,7 @@ class EagleProposer:
         tcfg = engine.loaded.config
         self.eagle3 = config.method == "eagle3"
         self.head = load_eagle_head(config.model, config.method, tcfg, engine.loaded.dtype, engine.loaded.device)
+        use_cpu_kernels(self.head)
         self.target = target
         self.layers = eagle3_layers(tcfg.num_hidden_layers) if self.eagle3 else ()
         target.capture_hidden = self.layers

@@ -93,3 +93,32 @@ def test_eagle3_format_roundtrip_and_capture(setup, tmp_path):
         hs = hf(x, output_hidden_states=True).hidden_states   # hs[i] enters layer i
     for a, i in zip(aux, (2, 3)):
         torch.testing.assert_close(a, hs[i], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_cpu_kernel_linears_match_the_heads_torch_linears(setup, method):
+    """The proposer's head runs its linears through the C++ float kernels (llmopt_cpu::f32_gemm):
+    the same outputs as nn.Linear's, for 1, 3 and 40 rows (the tiles and the panels), bias included
+    (EAGLE-1's fc)."""
+    from llmopt.kernels import cpu_quant
+    from llmopt.spec.eagle import CpuLinear, use_cpu_kernels
+    from llmopt.spec.train import TTTAttention
+    _, loaded, heads = setup
+    assert cpu_quant.ops() is not None, "the C++ kernels did not build"
+    ref = load_eagle_head(heads[method], method, loaded.config, torch.float32, "cpu")
+    fast = load_eagle_head(heads[method], method, loaded.config, torch.float32, "cpu")
+    assert use_cpu_kernels(fast)
+    assert not any(type(m) is torch.nn.Linear for m in fast.modules())
+    assert sum(type(m) is CpuLinear for m in fast.modules()) == sum(type(m) is torch.nn.Linear for m in ref.modules())
+    h = loaded.config.hidden_size
+    width = 3 * h if method == "eagle3" else h
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 3, 40):
+        emb, hid = torch.randn(1, n, h, generator=g), torch.randn(1, n, width, generator=g)
+        pos = torch.arange(n)[None]
+        with torch.inference_mode():
+            a = ref(emb, hid, pos, TTTAttention())
+            b = fast(emb, hid, pos, TTTAttention())
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+        if method == "eagle3":
+            torch.testing.assert_close(fast.lm_head(fast.norm(b)), ref.lm_head(ref.norm(a)), atol=1e-4, rtol=1e-4)
