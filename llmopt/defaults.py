@@ -35,6 +35,8 @@ ENABLE_PREFIX_CACHING = True
 ATTENTION_BACKEND = "auto"   # auto: triton on CUDA, the PyTorch reference on the CPU
 SCHEDULING_POLICY = "fcfs"
 SPEC_PROMPT_LOOKUP = 5          # n-gram speculation: prompt_lookup_min/max when neither is given (vLLM's)
+SPEC_EAGLE_CPU_INT8_GROUP = 64   # EAGLE heads on the CPU draft with an int8 copy of their linears (this group
+                                 # size, round to nearest; 0: float32): drafts are verified, so outputs cannot change
 SPEC_CONFIG_FILE = "spec_config.json"   # what `llmopt spec-tune` writes and --speculative-config DIR reads
 BENCH_SPEC_NUM_TOKENS = 4       # bench --spec METHOD without --num-speculative-tokens
 CPU_QUANT_KERNEL_MAX_ROWS = 32   # quantized CPU GEMMs: own kernel up to this many rows, else dequantized slices + BLAS

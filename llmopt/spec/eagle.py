@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from llmopt import defaults
 from llmopt.errors import ModelLoadError, UserInputError
 from llmopt.models.config import parse_hf_config
 from llmopt.models.llama import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
@@ -117,28 +118,42 @@ class EagleHead(nn.Module):
 
 
 class CpuLinear(nn.Module):
-    """An nn.Linear's float32 weights through the C++ float kernels (`llmopt_cpu::f32_gemm`): at the
-    one to a few rows of a draft step they stream the weights on both cores, where aten's GEMV uses
-    one (an EAGLE-3 head of SmolLM2 at a 700-token context, K = 2: drafting 11.8 -> 6.1 ms a step,
-    scripts/bench_spec_steps.py)."""
+    """An nn.Linear through the C++ kernels, for the one to a few rows of a draft step: float32
+    weights (`llmopt_cpu::f32_gemm`), or an int8 copy (`gs` > 0: symmetric, round to nearest per
+    group of `gs` inputs, `w8_gemm`: 4x fewer bytes to stream). Both use the two cores where aten's
+    GEMV uses one. Measured for an EAGLE-3 head of SmolLM2 at K = 2 (scripts/bench_spec_steps.py,
+    docs/benchmarks.md): drafting 11.8 ms a step on aten, 6.1 on f32_gemm."""
 
-    def __init__(self, linear: nn.Linear, op) -> None:
+    def __init__(self, linear: nn.Linear, ops, gs: int = 0) -> None:
         super().__init__()
-        self.weight = linear.weight
-        self.bias = linear.bias
-        self.out_features = linear.out_features
-        self._op = op
+        self.bias, self.out_features, self.gs, self._ops = linear.bias, linear.out_features, gs, ops
+        w = linear.weight.detach()
+        if gs:
+            g = w.float().reshape(w.shape[0], -1, gs)
+            scales = (g.abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+            self.codes = torch.round(g / scales[..., None]).clamp(-127, 127).to(torch.int8).reshape(w.shape)
+            self.scales, self.weight = scales.contiguous(), None
+        else:
+            self.weight = linear.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = self._op(x.reshape(-1, x.shape[-1]).contiguous(), self.weight)
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        if self.gs:
+            y = self._ops.w8_gemm(x2, self.codes, self.scales, _NO_ZEROS, self.gs)
+        else:
+            y = self._ops.f32_gemm(x2, self.weight)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
 
 
-def use_cpu_kernels(head: nn.Module) -> bool:
-    """Swap a float32 CPU head's linears for CpuLinear where the C++ kernels are built; whether it did."""
+_NO_ZEROS = torch.empty(0)
+
+
+def use_cpu_kernels(head: nn.Module, int8_group: int = defaults.SPEC_EAGLE_CPU_INT8_GROUP) -> bool:
+    """Swap a float32 CPU head's linears for CpuLinear where the C++ kernels are built (int8 where
+    `int8_group` divides a linear's inputs, else float32); whether it did."""
     from llmopt.kernels import cpu_quant
     ops = cpu_quant.ops()
     w = next(head.parameters())
@@ -147,7 +162,8 @@ def use_cpu_kernels(head: nn.Module) -> bool:
     for parent in list(head.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.is_contiguous():
-                setattr(parent, name, CpuLinear(child, ops.f32_gemm))
+                gs = int8_group if int8_group and child.in_features % int8_group == 0 else 0
+                setattr(parent, name, CpuLinear(child, ops, gs))
     return True
 
 

@@ -96,10 +96,12 @@ def test_eagle3_format_roundtrip_and_capture(setup, tmp_path):
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_cpu_kernel_linears_match_the_heads_torch_linears(setup, method):
-    """The proposer's head runs its linears through the C++ float kernels (llmopt_cpu::f32_gemm):
-    the same outputs as nn.Linear's, for 1, 3 and 40 rows (the tiles and the panels), bias included
-    (EAGLE-1's fc)."""
+@pytest.mark.parametrize("int8_group", [0, 16])
+def test_cpu_kernel_linears_match_the_heads_torch_linears(setup, method, int8_group):
+    """The proposer's head runs its linears through the C++ kernels: float32 (llmopt_cpu::f32_gemm)
+    gives nn.Linear's outputs; the int8 drafting copy (w8_gemm) gives the outputs of nn.Linear over
+    its dequantized weights, which are within half a step of the float ones. 1, 3 and 40 rows (the
+    tiles and the panels), bias included (EAGLE-1's fc)."""
     from llmopt.kernels import cpu_quant
     from llmopt.spec.eagle import CpuLinear, use_cpu_kernels
     from llmopt.spec.train import TTTAttention
@@ -107,9 +109,19 @@ def test_cpu_kernel_linears_match_the_heads_torch_linears(setup, method):
     assert cpu_quant.ops() is not None, "the C++ kernels did not build"
     ref = load_eagle_head(heads[method], method, loaded.config, torch.float32, "cpu")
     fast = load_eagle_head(heads[method], method, loaded.config, torch.float32, "cpu")
-    assert use_cpu_kernels(fast)
+    assert use_cpu_kernels(fast, int8_group)
+    swapped = [m for m in fast.modules() if type(m) is CpuLinear]
     assert not any(type(m) is torch.nn.Linear for m in fast.modules())
-    assert sum(type(m) is CpuLinear for m in fast.modules()) == sum(type(m) is torch.nn.Linear for m in ref.modules())
+    assert len(swapped) == sum(type(m) is torch.nn.Linear for m in ref.modules())
+    if int8_group:
+        assert all(m.gs == int8_group for m in swapped)
+        for name, m in ref.named_modules():
+            if type(m) is torch.nn.Linear:       # the reference: nn.Linear over the dequantized weights
+                q = fast.get_submodule(name)
+                deq = (q.codes.float().view(m.out_features, -1, int8_group) * q.scales[..., None]).view_as(m.weight)
+                assert ((deq - m.weight).abs() <= q.scales.repeat_interleave(int8_group, 1) / 2 + 1e-7).all()
+                with torch.no_grad():
+                    m.weight.copy_(deq)
     h = loaded.config.hidden_size
     width = 3 * h if method == "eagle3" else h
     g = torch.Generator().manual_seed(0)
