@@ -24,8 +24,10 @@ import torch.nn as nn
 
 from llmopt import defaults
 from llmopt.errors import ModelLoadError, UserInputError
+from llmopt.kernels import cpu_quant
 from llmopt.models.config import parse_hf_config
 from llmopt.models.llama import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from llmopt.quant.modules_w8a8 import int8_rows
 from llmopt.spec.draft_model import DraftState
 from llmopt.spec.paged import DraftKVCache, prepare
 
@@ -128,25 +130,20 @@ class CpuLinear(nn.Module):
     def __init__(self, linear: nn.Linear, ops, gs: int = 0) -> None:
         super().__init__()
         self.bias, self.out_features, self.gs, self._ops = linear.bias, linear.out_features, gs, ops
-        w = linear.weight.detach()
-        if gs:
-            g = w.float().reshape(w.shape[0], -1, gs)
-            scales = (g.abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-            self.codes = torch.round(g / scales[..., None]).clamp(-127, 127).to(torch.int8).reshape(w.shape)
-            self.scales, self.weight = scales.contiguous(), None
+        if gs:   # int8_rows over rows of gs inputs: one symmetric scale per group
+            codes, scales = int8_rows(linear.weight.reshape(-1, gs))
+            self.codes, self.scales = codes.view(linear.weight.shape), scales.view(self.out_features, -1)
+            self.weight = None
         else:
             self.weight = linear.weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         if self.gs:
-            y = self._ops.w8_gemm(x2, self.codes, self.scales, _NO_ZEROS, self.gs)
-        else:
-            y = self._ops.f32_gemm(x2, self.weight)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*lead, self.out_features)
+            return cpu_quant.w8_gemm(x2, self.codes, self.scales, _NO_ZEROS, self.gs)
+        return self._ops.f32_gemm(x2, self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_quant.linear_2d(x, self._matmul, self.out_features, self.bias)
 
 
 _NO_ZEROS = torch.empty(0)
@@ -155,7 +152,6 @@ _NO_ZEROS = torch.empty(0)
 def use_cpu_kernels(head: nn.Module, int8_group: int = defaults.SPEC_EAGLE_CPU_INT8_GROUP) -> bool:
     """Swap a float32 CPU head's linears for CpuLinear where the C++ kernels are built (int8 where
     `int8_group` divides a linear's inputs, else float32); whether it did."""
-    from llmopt.kernels import cpu_quant
     ops = cpu_quant.ops()
     w = next(head.parameters())
     if ops is None or w.device.type != "cpu" or w.dtype != torch.float32:
