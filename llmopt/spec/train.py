@@ -221,15 +221,23 @@ def build_data(loaded, prompts: list[list[int]], folder: Path, method: str, max_
     layers = feature_layers(method, loaded.config.num_hidden_layers)
     parts = math.ceil(len(prompts) / gen_batch)
     progress("answers + features", len(prompts) + len(texts), 0)
-    t0, reused, llm, rows = time.perf_counter(), 0, None, []
-    for p in range(parts):
-        f = folder / f"part-{p:05d}.pt"
-        chunk = prompts[p * gen_batch:(p + 1) * gen_batch]
+    t0, reused, made, llm, rows = time.perf_counter(), 0, 0, None, []
+
+    def part(f: Path, n: int, make: Callable[[], list[dict]]) -> None:
+        """Read part f if it is there (a resumed run), else make and write it."""
+        nonlocal reused, made
         if f.is_file():
             rows.extend(torch.load(f, weights_only=True))
             reused += 1
-            progress("answers + features", None, len(chunk))
-            continue
+        else:
+            new = make()
+            _save_torch(f, new)
+            rows.extend(new)
+            made += 1
+        progress("answers + features", None, n)
+
+    def answer(chunk: list[list[int]]) -> list[dict]:
+        nonlocal llm
         if llm is None:
             length = min(max(map(len, prompts)) + max_new_tokens, loaded.config.max_position_embeddings)
             llm = LLM(loaded=loaded, model=str(loaded.path), detokenize=False, max_num_seqs=gen_batch,
@@ -242,33 +250,30 @@ def build_data(loaded, prompts: list[list[int]], folder: Path, method: str, max_
             if len(ans) >= 2:
                 seqs.append(pr + ans)
                 plens.append(len(pr))
-        made = capture(loaded, seqs, layers)
-        for r, pl in zip(made, plens):
+        new = capture(loaded, seqs, layers)
+        for r, pl in zip(new, plens):
             r["prompt_len"] = pl
-        _save_torch(f, made)
-        rows.extend(made)
-        progress("answers + features", None, len(chunk))
+        return new
+
+    def read(chunk: list[list[int]]) -> list[dict]:
+        new = capture(loaded, chunk, layers)
+        for r in new:
+            r["prompt_len"] = 0
+        return new
+
+    for p in range(parts):
+        chunk = prompts[p * gen_batch:(p + 1) * gen_batch]
+        part(folder / f"part-{p:05d}.pt", len(chunk), lambda: answer(chunk))
     for p in range(math.ceil(len(texts) / TEXT_PART)):
-        f = folder / f"text-{p:05d}.pt"
         chunk = texts[p * TEXT_PART:(p + 1) * TEXT_PART]
-        if f.is_file():
-            made = torch.load(f, weights_only=True)
-            reused += 1
-        else:
-            made = capture(loaded, chunk, layers)
-            for r in made:
-                r["prompt_len"] = 0
-            _save_torch(f, made)
-        rows.extend(made)
-        progress("answers + features", None, len(chunk))
+        part(folder / f"text-{p:05d}.pt", len(chunk), lambda: read(chunk))
     if not rows:
         raise DataError("the target answered every prompt with fewer than 2 tokens: nothing to train on")
     answers = [r for r in rows if r["prompt_len"]]
     text_tokens = sum(len(r["tokens"]) for r in rows if not r["prompt_len"])
-    made_any = reused < parts + math.ceil(len(texts) / TEXT_PART)
     summary = DataSummary(len(prompts), len(answers), sum(len(r["tokens"]) - r["prompt_len"] for r in answers),
                           sum(len(r["tokens"]) for r in rows), len(rows) - len(answers), text_tokens,
-                          rows[0]["feats"].shape[-1], time.perf_counter() - t0 if made_any else 0.0, reused)
+                          rows[0]["feats"].shape[-1], time.perf_counter() - t0 if made else 0.0, reused)
     return rows, summary
 
 
