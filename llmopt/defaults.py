@@ -121,6 +121,9 @@ BENCH_KEEPALIVE = 60.0                # seconds an idle client connection stays 
 # spec-tune (a smoke run of about 30 minutes on 2 idle cores for SmolLM2-135M; README: longer runs)
 SPEC_TUNE_METHOD = "eagle3"
 SPEC_TUNE_DATA = "../shared/data/wikitext-2/wiki.valid.tokens"   # never the Spec-Bench questions (evaluation)
+SPEC_TUNE_PROMPT_SOURCE = "text"   # text: prompts made from --data; self: requests the target writes itself (Magpie)
+SPEC_TUNE_SELF_PROMPT_TOKENS = 96  # --prompt-source self: a request's tokens at most (longer ones are dropped)
+SPEC_TUNE_SELF_PROMPT_MIN_TOKENS = 4   # --prompt-source self: shorter requests are dropped
 SPEC_TUNE_NUM_PROMPTS = 256        # training prompts (the target answers each; its answers are the training data)
 SPEC_TUNE_EVAL_PROMPTS = 8         # held-out prompts the acceptance length is measured on
 SPEC_TUNE_PROMPT_TOKENS = 96       # tokens of a data passage in each prompt

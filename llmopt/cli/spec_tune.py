@@ -115,6 +115,12 @@ def spec_tune(
     gen_batch: int = typer.Option(defaults.SPEC_TUNE_GEN_BATCH, "--gen-batch",
                                   callback=in_range(1, defaults.MAX_NUM_SEQS),
                                   help=f"Prompts the target answers at once, 1 to {defaults.MAX_NUM_SEQS}."),
+    prompt_source: str = typer.Option(defaults.SPEC_TUNE_PROMPT_SOURCE, "--prompt-source",
+                                      help="text: prompts made from --data passages; self: requests the target "
+                                      "writes itself from its chat template (Magpie), for the kinds of turns users "
+                                      "send."),
+    init_head: str = typer.Option(None, "--init-head", help="EAGLE / EAGLE-3: start training from this head folder "
+                                  "(its weights and draft vocabulary), e.g. to fine-tune on new prompts."),
     chat: bool = typer.Option(None, "--chat/--no-chat", help="Prompts as chat turns with an instruction (default when "
                               "the tokenizer has a chat template) or plain passages."),
     epochs: int = typer.Option(defaults.SPEC_TUNE_EPOCHS, "--epochs", callback=in_range(1, 1000),
@@ -171,12 +177,12 @@ def spec_tune(
 
     settings = TrainSettings(method, epochs=epochs, lr=lr, batch_size=train_batch_size, ttt_steps=ttt_steps,
                              draft_vocab_size=draft_vocab_size, checkpoint_every=checkpoint_every, seed=seed,
-                             prompt_loss=prompt_loss,
+                             prompt_loss=prompt_loss, init_from=init_head,
                              max_seconds=None if max_minutes is None else 60.0 * max_minutes, max_steps=max_steps)
     cfg = SpecTuneConfig(model=model, method=method, output=out_dir, data=data, text_field=text_field, resume=resume,
                          overwrite=overwrite, num_prompts=num_prompts, eval_prompts=eval_prompts,
                          prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, chat=chat, train=settings,
-                         text_sequences=text_sequences, gen_batch=gen_batch,
+                         text_sequences=text_sequences, gen_batch=gen_batch, prompt_source=prompt_source,
                          batch_sizes=tuple(int(b) for b in batch_sizes.split(",") if b.strip()), max_k=max_k,
                          eval_k=eval_k, tune_max_tokens=tune_max_tokens, tune_repeats=tune_repeats,
                          draft_model=draft_model, self_draft_layers=self_draft_layers,

@@ -427,6 +427,7 @@ class TrainSettings:
     seed: int = defaults.SPEC_TUNE_SEED
     max_seconds: float | None = None     # stop (with a checkpoint) after this much training in this run
     max_steps: int | None = None         # stop (with a checkpoint) at this global step (tests, chunks)
+    init_from: str | None = None         # start from this head (its weights and draft vocabulary), not a new one
 
 
 @dataclass
@@ -475,6 +476,12 @@ def train_head(loaded, rows: list[dict], folder: Path, settings: TrainSettings, 
     if state is not None and method == "eagle3":
         from llmopt.spec.eagle import new_head
         head = new_head(loaded.config, method, state["draft_vocab"], seed=settings.seed).float().to(dev)
+    elif state is None and settings.init_from:
+        from llmopt.spec.eagle import load_eagle_head
+        head = load_eagle_head(settings.init_from, method, loaded.config, torch.float32, dev)
+        if head.config.hidden_size != loaded.config.hidden_size:
+            raise UserInputError(f"--init-head {settings.init_from}: its hidden size {head.config.hidden_size} is not "
+                                 f"the target's {loaded.config.hidden_size}")
     else:
         head = init_head(loaded, method, rows, settings)
     params = [p for p in head.parameters() if p.requires_grad]

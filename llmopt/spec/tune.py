@@ -40,6 +40,7 @@ from llmopt.spec.train import (DATA_DIR, DataSummary, Progress, TrainSettings, T
 HEAD_DIR = "head"
 DRAFT_DIR = "draft"
 RESULT_FILE = "spec_tune.json"
+SELF_PROMPTS_FILE = "self_prompts.json"
 
 
 @dataclass
@@ -58,6 +59,7 @@ class SpecTuneConfig:
     gen_batch: int = defaults.SPEC_TUNE_GEN_BATCH
     text_sequences: int = defaults.SPEC_TUNE_TEXT_SEQUENCES   # EAGLE: sequences of the text itself read for features
     chat: bool | None = None                 # None: chat prompts when the tokenizer has a chat template
+    prompt_source: str = defaults.SPEC_TUNE_PROMPT_SOURCE   # text | self (llmopt/spec/self_instruct.py)
     train: TrainSettings | None = None       # None: defaults for `method`
     batch_sizes: tuple[int, ...] = defaults.SPEC_TUNE_BATCH_SIZES
     max_k: int = defaults.SPEC_TUNE_MAX_K
@@ -85,6 +87,15 @@ class SpecTuneConfig:
         self.batch_sizes = tuple(sorted(set(int(b) for b in self.batch_sizes)))
         if not self.batch_sizes or self.batch_sizes[0] < 1:
             raise UserInputError("--batch-sizes: give batch sizes >= 1, e.g. 1,8,32")
+        if self.prompt_source not in ("text", "self"):
+            raise UserInputError(f"--prompt-source {self.prompt_source!r}: choose text or self")
+        if self.prompt_source == "self" and self.chat is False:
+            raise UserInputError("--prompt-source self writes chat turns: drop --no-chat")
+        if self.train.init_from is not None:
+            if self.method not in ("eagle", "eagle3"):
+                raise UserInputError("--init-head is for --method eagle or eagle3")
+            if not (Path(self.train.init_from).expanduser() / "config.json").is_file():
+                raise UserInputError(f"--init-head {self.train.init_from}: no config.json there, so not a head folder")
         if self.text_sequences < 0:
             raise UserInputError("--text-sequences must be at least 0")
         for name in ("num_prompts", "eval_prompts", "prompt_tokens", "max_new_tokens", "gen_batch", "max_k", "eval_k",
@@ -286,17 +297,25 @@ def spec_tune(cfg: SpecTuneConfig, progress: Progress = _noop) -> SpecTuneResult
     trains = cfg.method in ("eagle", "eagle3")
     n_train = cfg.num_prompts if trains else 0
     n_held = max(cfg.eval_prompts, max(cfg.batch_sizes), cfg.tune_min_prompts)
-    text = read_dataset(cfg.data, cfg.text_field, defaults.CALIB_SPLIT).text
-    picked = pick_passages(text, tok, n_train + n_held, cfg.prompt_tokens, cfg.seed)
-    texts = [p for _, p in picked]
-    train_prompts = make_prompts(tok, texts[:n_train], chat)
-    held = make_prompts(tok, texts[n_train:], chat, offset=n_train)
+    text = read_dataset(cfg.data, cfg.text_field, defaults.CALIB_SPLIT).text \
+        if cfg.prompt_source == "text" or (trains and cfg.text_sequences) else ""
+    if cfg.prompt_source == "self":
+        picked = []
+        prompts = _self_prompts(loaded, cfg, n_train + n_held, out, progress)
+        train_prompts, held = prompts[:n_train], prompts[n_train:]
+    else:
+        picked = pick_passages(text, tok, n_train + n_held, cfg.prompt_tokens, cfg.seed)
+        texts = [p for _, p in picked]
+        train_prompts = make_prompts(tok, texts[:n_train], chat)
+        held = make_prompts(tok, texts[n_train:], chat, offset=n_train)
     data = tsum = acc = None
     base: dict = {"method": cfg.method}
     if trains:
         meta = {"model": str(loaded.path), "method": cfg.method, "data": cfg.data, "text_field": cfg.text_field,
                 "num_prompts": cfg.num_prompts, "prompt_tokens": cfg.prompt_tokens, "chat": chat,
                 "max_new_tokens": cfg.max_new_tokens, "gen_batch": cfg.gen_batch, "seed": cfg.seed}
+        if cfg.prompt_source != "text":   # (absent for text prompts: a run from before the key still resumes)
+            meta["prompt_source"] = cfg.prompt_source
         seqs = []
         if cfg.text_sequences:       # (keys absent without them: a run from before them still resumes)
             length = min(defaults.SPEC_TUNE_TEXT_TOKENS, loaded.config.max_position_embeddings)
@@ -359,6 +378,28 @@ def spec_tune(cfg: SpecTuneConfig, progress: Progress = _noop) -> SpecTuneResult
                              num_speculative_tokens_by_batch_size=choice))      # what serve and bench will parse
     fsutil.write_atomic(out / defaults.SPEC_CONFIG_FILE, json.dumps(spec, indent=2) + "\n")
     return _finish(cfg, out, loaded, t0, spec, choice, speedup, data, tsum, acc, points, True)
+
+
+def _self_prompts(loaded, cfg: SpecTuneConfig, n: int, out: Path, progress: Progress) -> list[list[int]]:
+    """`n` prompts the target writes itself; kept in DIR/data/self_prompts.json, which --resume reads
+    (sampling need not repeat exactly across runs)."""
+    from llmopt.engine.llm import LLM
+    from llmopt.spec.self_instruct import self_prompts, user_turn_prefix
+    f = out / DATA_DIR / SELF_PROMPTS_FILE
+    if f.is_file():
+        saved = json.loads(f.read_text())
+        if saved.get("seed") == cfg.seed and len(saved.get("prompts", [])) >= n:
+            return saved["prompts"][:n]
+    progress("self-written prompts", n, 0)
+    length = min(len(user_turn_prefix(loaded.tokenizer)) + defaults.SPEC_TUNE_SELF_PROMPT_TOKENS,
+                 loaded.config.max_position_embeddings)
+    llm = LLM(loaded=loaded, model=str(loaded.path), detokenize=False, max_num_seqs=cfg.gen_batch,
+              kv_cache_memory=kv_bytes(loaded, cfg.gen_batch, length), max_model_len=length)
+    prompts = self_prompts(llm, loaded.tokenizer, n, cfg.seed, cfg.gen_batch,
+                           kept=lambda k: progress("self-written prompts", None, k))
+    f.parent.mkdir(parents=True, exist_ok=True)
+    fsutil.write_atomic(f, json.dumps({"seed": cfg.seed, "prompts": prompts}) + "\n")
+    return prompts
 
 
 def _finish(cfg, out: Path, loaded, t0, spec, choice, speedup, data, tsum, acc, points, finished) -> SpecTuneResult:

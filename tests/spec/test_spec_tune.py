@@ -147,3 +147,92 @@ def test_prompt_loss_counts_every_position_with_a_next_token():
     assert _valid(batch, 5, 0).tolist() == [[F, T, T, T, F], [T, T, F, F, F]]
     assert _valid(batch, 5, 0, prompts=True).tolist() == [[T, T, T, T, F], [T, T, F, F, F]]
     assert _valid(batch, 5, 1, prompts=True).tolist() == [[T, T, T, F, F], [T, F, F, F, F]]
+
+
+class _ScriptedLLM:
+    """LLM.generate's shape, each request's output taken from a script by its seed."""
+
+    def __init__(self, tok, script):
+        self.tok, self.script, self.calls = tok, script, []
+
+    def generate(self, prompts, params):
+        from types import SimpleNamespace
+        self.calls.append((prompts, [p.seed for p in params]))
+        outs = []
+        for p in params:
+            text, reason = self.script(p.seed)
+            ids = self.tok(text, add_special_tokens=False).input_ids
+            outs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, finish_reason=reason)]))
+        return outs
+
+
+def test_self_prompts_keep_finished_unique_requests_in_the_chat_template(tiny):
+    """Magpie: the model is given the template up to a user's message; requests that ended by
+    themselves, long enough and not seen before, become chat prompts (the template's own
+    rendering); a model that writes too few is an error, not a short list."""
+    from transformers import AutoTokenizer
+    from llmopt.errors import DataError
+    from llmopt.spec.self_instruct import self_prompts, user_turn_prefix
+    tok = AutoTokenizer.from_pretrained(str(tiny))
+    prefix = user_turn_prefix(tok)
+    full = tok.apply_chat_template([{"role": "user", "content": "Write a haiku."}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert tok.decode(prefix) + "Write a haiku." == full[:full.index("Write a haiku.") + len("Write a haiku.")]
+
+    def script(seed):
+        i = seed - 7 * 1_000_003
+        return [("Explain how tides work in simple words.", "stop"), ("Cut off in the middle of a", "length"),
+                ("Hi", "stop"), ("Explain how tides work in simple words.", "stop"),
+                ("Write a Python function that sorts a list of names.", "stop")][i % 5]
+
+    llm = _ScriptedLLM(tok, script)
+    kept = []
+    got = self_prompts(llm, tok, 2, seed=7, batch=3, kept=kept.append)
+    want = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
+            for t in ("Explain how tides work in simple words.", "Write a Python function that sorts a list of names.")]
+    assert [tok.decode(p) for p in got] == want
+    assert [seeds for _, seeds in llm.calls] == [[7 * 1_000_003 + i for i in range(3)],
+                                                 [7 * 1_000_003 + i for i in range(3, 6)]]
+    assert all(p == [prefix] * len(p) for p, _ in llm.calls) and kept == [1, 1]
+    with pytest.raises(DataError, match="only 0 usable requests"):
+        self_prompts(_ScriptedLLM(tok, lambda s: ("never ends", "length")), tok, 3, seed=0, batch=8)
+
+
+def test_prompt_source_self_saves_its_prompts_and_init_head_starts_from_a_head(tiny, tmp_path, monkeypatch):
+    """--prompt-source self: the requests are written once to data/self_prompts.json, and --resume
+    reads them instead of sampling again; --init-head: training starts from that head's weights
+    (its first loss is the trained head's level, far below a fresh head's)."""
+    import llmopt.spec.self_instruct as si
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(tiny))
+    asks = ["Name three rivers in Europe.", "How do I boil an egg?", "Write a short poem about rain.",
+            "What is 12 times 7?", "Summarize the plot of Hamlet.", "Give me a tip for learning piano.",
+            "Translate 'good morning' into French.", "Why is the sky blue?", "List two prime numbers.",
+            "Describe a cat.", "Suggest a name for a dog.", "What is a verb?"]
+    calls = []
+
+    def chat(a):
+        return tok(tok.apply_chat_template([{"role": "user", "content": a}], tokenize=False,
+                                           add_generation_prompt=True), add_special_tokens=False).input_ids
+
+    def fake(llm, tokenizer, n, seed, batch, kept=lambda k: None):
+        calls.append(n)
+        return [chat(a) for a in asks[:n]]
+
+    monkeypatch.setattr(si, "self_prompts", fake)
+    code, fresh = _run(tiny, tmp_path / "a", "--prompt-source", "self", "--max-steps", "2")
+    assert code == 0 and calls == [12] and fresh["data"]["sequences"] == 8
+    saved = json.loads((tmp_path / "a" / "data" / "self_prompts.json").read_text())
+    assert saved["prompts"] == [chat(a) for a in asks]
+    code, done = _run(tiny, tmp_path / "a", "--prompt-source", "self", "--resume")
+    assert code == 0 and done["finished"] and calls == [12] and done["data"]["reused_parts"] == 2
+
+    # a second run that starts from the trained head: its first loss is about the head's last
+    code, again = _run(tiny, tmp_path / "b", "--prompt-source", "self", "--init-head", str(tmp_path / "a" / "head"),
+                       "--max-steps", "2")
+    assert code == 0
+    first_fresh, last = fresh["train"]["step_losses"][0], done["train"]["step_losses"][-1]
+    assert again["train"]["step_losses"][0] < first_fresh - 0.5 * (first_fresh - last), \
+        (first_fresh, last, again["train"]["step_losses"][0])
+    code, bad = _run(tiny, tmp_path / "c", "--init-head", str(tmp_path / "nowhere"))
+    assert code == 2 and "--init-head" in bad["error"]["message"] and not (tmp_path / "c" / "data").exists()
