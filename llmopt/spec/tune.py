@@ -386,10 +386,13 @@ def _self_prompts(loaded, cfg: SpecTuneConfig, n: int, out: Path, progress: Prog
     from llmopt.engine.llm import LLM
     from llmopt.spec.self_instruct import self_prompts, user_turn_prefix
     f = out / DATA_DIR / SELF_PROMPTS_FILE
-    if f.is_file():
+    if f.is_file():        # an earlier run in this folder: the same requests, or a refusal (nothing replaced)
         saved = json.loads(f.read_text())
-        if saved.get("seed") == cfg.seed and len(saved.get("prompts", [])) >= n:
-            return saved["prompts"][:n]
+        if saved.get("seed") != cfg.seed or len(saved.get("prompts", [])) != n:
+            raise UserInputError(f"--resume: {out} holds {len(saved.get('prompts', []))} self-written prompts of seed "
+                                 f"{saved.get('seed')}, not {n} of seed {cfg.seed}: give the same settings or a new "
+                                 "--output")
+        return saved["prompts"]
     progress("self-written prompts", n, 0)
     length = min(len(user_turn_prefix(loaded.tokenizer)) + defaults.SPEC_TUNE_SELF_PROMPT_TOKENS,
                  loaded.config.max_position_embeddings)

@@ -226,6 +226,10 @@ def test_prompt_source_self_saves_its_prompts_and_init_head_starts_from_a_head(t
     assert saved["prompts"] == [chat(a) for a in asks]
     code, done = _run(tiny, tmp_path / "a", "--prompt-source", "self", "--resume")
     assert code == 0 and done["finished"] and calls == [12] and done["data"]["reused_parts"] == 2
+    kept = (tmp_path / "a" / "data" / "self_prompts.json").read_bytes()
+    code, other = _run(tiny, tmp_path / "a", "--prompt-source", "self", "--resume", "--num-prompts", "6")
+    assert code == 2 and "self-written prompts" in other["error"]["message"] and calls == [12]
+    assert (tmp_path / "a" / "data" / "self_prompts.json").read_bytes() == kept
 
     # a second run that starts from the trained head: its first loss is about the head's last
     code, again = _run(tiny, tmp_path / "b", "--prompt-source", "self", "--init-head", str(tmp_path / "a" / "head"),
