@@ -6,7 +6,8 @@ against plain decoding and write the spec_config.json that `serve`, `generate` a
 The output folder (checked before any work; `--overwrite` replaces only a folder llmopt wrote):
     llmopt.json        marker
     data/              meta.json + part-NNNNN.pt: prompts' answers and the target's features; text-NNNNN.pt:
-                       the target's features on sequences of the text itself (--text-sequences)
+                       the target's features on sequences of the text itself (--text-sequences);
+                       self_prompts.json: the requests the target wrote (--prompt-source self)
     checkpoint.pt      head, optimizer, step, RNG and loss curve (`--resume` continues from it)
     head/              the trained head (config.json + model.safetensors, the EAGLE repository's format, fp16)
     draft/             a self-draft (`--self-draft-layers N`, draft_model only)
