@@ -180,6 +180,9 @@ def load_eagle_head(path: str | Path, method: str, target_cfg, dtype, device) ->
     cfg = parse_hf_config(hf, str(folder / "config.json"))
     if cfg.vocab_size != target_cfg.vocab_size:
         raise UserInputError(f"the head's vocabulary ({cfg.vocab_size}) is not the target's ({target_cfg.vocab_size})")
+    if cfg.hidden_size != target_cfg.hidden_size:   # it reads the target's embeddings
+        raise UserInputError(f"{folder}: the head's hidden size ({cfg.hidden_size}) is not the target's "
+                             f"({target_cfg.hidden_size})")
     state = _read_weights(folder)
     head = EagleHead(cfg, eagle3, d.get("draft_vocab_size"), fc_bias="fc.bias" in state,
                      target_hidden_size=d.get("target_hidden_size") or target_cfg.hidden_size)

@@ -36,6 +36,7 @@ def self_prompts(llm, tokenizer, n: int, seed: int, batch: int,
     """`n` chat prompts (token ids, generation prompt included) around requests the model behind
     `llm` (an llmopt LLM) writes itself, in the order of their seeds; `kept(k)` after each batch."""
     from llmopt.engine.sampling_params import SamplingParams
+    from llmopt.spec.train import chat_prompt
     prefix = user_turn_prefix(tokenizer)
     seen: set[str] = set()
     out: list[list[int]] = []
@@ -56,8 +57,6 @@ def self_prompts(llm, tokenizer, n: int, seed: int, batch: int,
                     or not text or text in seen or len(out) == n:
                 continue
             seen.add(text)
-            s = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                              add_generation_prompt=True)
-            out.append(list(tokenizer(s, add_special_tokens=False).input_ids))
+            out.append(chat_prompt(tokenizer, text))
         kept(len(out) - before)
     return out

@@ -119,6 +119,13 @@ def text_sequences(text: str, tokenizer, n: int, tokens: int, prompt_tokens: int
     return out
 
 
+def chat_prompt(tokenizer, content: str) -> list[int]:
+    """Token ids of one user turn with `content` in the chat template, the generation prompt included
+    (the template's text, its special tokens not added again)."""
+    s = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(s, add_special_tokens=False).input_ids)
+
+
 def make_prompts(tokenizer, texts: list[str], chat: bool, offset: int = 0) -> list[list[int]]:
     """Token ids of a prompt per passage: a chat turn (an instruction of SPEC_TUNE_INSTRUCTIONS, in turn,
     then the passage) with the generation prompt, or the plain passage."""
@@ -126,9 +133,7 @@ def make_prompts(tokenizer, texts: list[str], chat: bool, offset: int = 0) -> li
     for i, t in enumerate(texts):
         if chat:
             inst = defaults.SPEC_TUNE_INSTRUCTIONS[(offset + i) % len(defaults.SPEC_TUNE_INSTRUCTIONS)]
-            s = tokenizer.apply_chat_template([{"role": "user", "content": f"{inst}\n\n{t}"}], tokenize=False,
-                                              add_generation_prompt=True)
-            out.append(list(tokenizer(s, add_special_tokens=False).input_ids))
+            out.append(chat_prompt(tokenizer, f"{inst}\n\n{t}"))
         else:
             out.append(list(tokenizer(t).input_ids))
     return out
@@ -479,9 +484,6 @@ def train_head(loaded, rows: list[dict], folder: Path, settings: TrainSettings, 
     elif state is None and settings.init_from:
         from llmopt.spec.eagle import load_eagle_head
         head = load_eagle_head(settings.init_from, method, loaded.config, torch.float32, dev)
-        if head.config.hidden_size != loaded.config.hidden_size:
-            raise UserInputError(f"--init-head {settings.init_from}: its hidden size {head.config.hidden_size} is not "
-                                 f"the target's {loaded.config.hidden_size}")
     else:
         head = init_head(loaded, method, rows, settings)
     params = [p for p in head.parameters() if p.requires_grad]
