@@ -130,6 +130,7 @@ SPEC_TUNE_PROMPT_TOKENS = 96       # tokens of a data passage in each prompt
 SPEC_TUNE_MAX_NEW_TOKENS = 128     # the target's greedy answer per prompt, at most
 SPEC_TUNE_TEXT_SEQUENCES = 64     # sequences of the text itself the target reads (features without an answer)
 SPEC_TUNE_TEXT_TOKENS = 512        # tokens per text sequence
+SPEC_TUNE_SOFT_LABELS = False     # EAGLE-3: CE against the target's distribution on the draft vocabulary, not its choice
 SPEC_TUNE_PROMPT_LOSS = True       # the head's loss counts the prompts' positions, not only the answers'
 SPEC_TUNE_GEN_BATCH = 16           # prompts the engine answers at once (training data and acceptance)
 SPEC_TUNE_EPOCHS = 6

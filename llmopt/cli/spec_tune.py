@@ -129,6 +129,10 @@ def spec_tune(
                              help="AdamW learning rate, (0, 1]."),
     train_batch_size: int = typer.Option(defaults.SPEC_TUNE_BATCH_SIZE, "--train-batch-size",
                                          callback=in_range(1, 4096), help="Sequences per optimizer step, 1 to 4096."),
+    soft_labels: bool = typer.Option(defaults.SPEC_TUNE_SOFT_LABELS, "--soft-labels/--hard-labels",
+                                     help="EAGLE-3: cross-entropy against the target's distribution on the draft "
+                                     "vocabulary (EAGLE-3's loss; the data keeps the target's final hidden states) "
+                                     "or against its greedy choice."),
     prompt_loss: bool = typer.Option(defaults.SPEC_TUNE_PROMPT_LOSS, "--prompt-loss/--no-prompt-loss",
                                      help="The head's loss counts the prompts' positions too, or the answers' only."),
     ttt_steps: int = typer.Option(defaults.SPEC_TUNE_TTT_STEPS, "--ttt-steps", callback=in_range(1, 16),
@@ -177,7 +181,7 @@ def spec_tune(
 
     settings = TrainSettings(method, epochs=epochs, lr=lr, batch_size=train_batch_size, ttt_steps=ttt_steps,
                              draft_vocab_size=draft_vocab_size, checkpoint_every=checkpoint_every, seed=seed,
-                             prompt_loss=prompt_loss, init_from=init_head,
+                             prompt_loss=prompt_loss, init_from=init_head, soft_labels=soft_labels,
                              max_seconds=None if max_minutes is None else 60.0 * max_minutes, max_steps=max_steps)
     cfg = SpecTuneConfig(model=model, method=method, output=out_dir, data=data, text_field=text_field, resume=resume,
                          overwrite=overwrite, num_prompts=num_prompts, eval_prompts=eval_prompts,

@@ -20,7 +20,9 @@ predicts the target's choice at i+1 (the token at i+2), at every position with a
   j positions further; a query at step j sits at position i+j and attends to the step-0 keys at
   positions <= i and to its own chain's keys of steps 1..j, as when drafting. Loss: sum over steps
   of decay^j x cross-entropy over the draft vocabulary (the target's most frequent choices;
-  the head's lm_head and norm start as the target's rows of them).
+  the head's lm_head and norm start as the target's rows of them), against the target's choice
+  (hard labels) or its distribution there (`soft_labels`, as EAGLE-3 trains: the data then keeps
+  the target's final hidden states).
 AdamW, constant learning rate after a linear warmup, gradient clipping. The batch order of epoch
 e is a permutation seeded by (seed, e), so a run resumed from a checkpoint (head, optimizer, step,
 RNG, loss curve) takes the same steps as one that was never stopped.
@@ -166,9 +168,12 @@ def feature_layers(method: str, num_layers: int) -> tuple[int, ...]:
 
 
 @torch.inference_mode()
-def capture(loaded, seqs: list[list[int]], layers: tuple[int, ...], batch: int = 8) -> list[dict]:
+def capture(loaded, seqs: list[list[int]], layers: tuple[int, ...], batch: int = 8,
+            keep_final: bool = False) -> list[dict]:
     """One forward of the target per sequence (batched, right-padded) with capture: per sequence the
-    token ids, its feature per token (float16) and its greedy choice per token."""
+    token ids, its feature per token (float16) and its greedy choice per token; with `keep_final`
+    also its final hidden state per token (float16: the target's distribution there is
+    softmax(lm_head(final)), for soft labels)."""
     from llmopt.models.attention import DenseCausalAttention
     model, dev = loaded.model, loaded.device
     old = model.capture_hidden
@@ -191,6 +196,8 @@ def capture(loaded, seqs: list[list[int]], layers: tuple[int, ...], batch: int =
                 am = torch.cat([model.compute_logits(final[b, c:min(c + 512, n)]).argmax(-1) for c in range(0, n, 512)])
                 out.append({"tokens": torch.tensor(g, dtype=torch.int32), "feats": feats[b, :n].half().cpu(),
                             "argmax": am.to(torch.int32).cpu()})
+                if keep_final:
+                    out[-1]["final"] = final[b, :n].half().cpu()
     finally:
         model.capture_hidden, model.captured = old, None
     return out
@@ -203,14 +210,15 @@ def _save_torch(path: Path, obj) -> None:
 
 
 def build_data(loaded, prompts: list[list[int]], folder: Path, method: str, max_new_tokens: int, gen_batch: int,
-               meta: dict, progress: Progress = _noop,
-               texts: list[list[int]] = ()) -> tuple[list[dict], DataSummary]:
+               meta: dict, progress: Progress = _noop, texts: list[list[int]] = (),
+               keep_final: bool = False) -> tuple[list[dict], DataSummary]:
     """Answer `prompts` with the target (greedy, batched) and capture its features, in parts of
     `gen_batch` prompts written to `folder` (data/part-NNNNN.pt, atomically); then capture the
     features of `texts` (sequences of the text itself, no answer: every position is the target's
     own prediction on real text, about 6x cheaper per token than an answer) in parts of 64
-    (data/text-NNNNN.pt, rows with prompt_len 0). Parts already there (a resumed run with the same
-    `meta`) are read instead of made again."""
+    (data/text-NNNNN.pt, rows with prompt_len 0). `keep_final`: rows also hold the target's final
+    hidden states (soft labels). Parts already there (a resumed run with the same `meta`) are read
+    instead of made again."""
     from llmopt.engine.llm import LLM
     from llmopt.engine.sampling_params import SamplingParams
     folder.mkdir(exist_ok=True)
@@ -255,13 +263,13 @@ def build_data(loaded, prompts: list[list[int]], folder: Path, method: str, max_
             if len(ans) >= 2:
                 seqs.append(pr + ans)
                 plens.append(len(pr))
-        new = capture(loaded, seqs, layers)
+        new = capture(loaded, seqs, layers, keep_final=keep_final)
         for r, pl in zip(new, plens):
             r["prompt_len"] = pl
         return new
 
     def read(chunk: list[list[int]]) -> list[dict]:
-        new = capture(loaded, chunk, layers)
+        new = capture(loaded, chunk, layers, keep_final=keep_final)
         for r in new:
             r["prompt_len"] = 0
         return new
@@ -333,7 +341,8 @@ class TTTAttention:
 
 def collate(rows: list[dict], steps: int, device) -> dict:
     """Right-padded tensors for a batch: tokens, features, choices, prompt and total lengths (with
-    `steps` extra padding, so step j can read j positions further)."""
+    `steps` extra padding, so step j can read j positions further), and the target's final hidden
+    states where the rows hold them (soft labels)."""
     B, T = len(rows), max(len(r["tokens"]) for r in rows)
     W = T + steps + 1
     tok = torch.zeros(B, W, dtype=torch.long)
@@ -344,8 +353,14 @@ def collate(rows: list[dict], steps: int, device) -> dict:
         tok[b, :n], am[b, :n], feats[b, :n] = r["tokens"].long(), r["argmax"].long(), r["feats"].float()
     lens = torch.tensor([len(r["tokens"]) for r in rows])
     plens = torch.tensor([r["prompt_len"] for r in rows])
-    return {"tokens": tok.to(device), "argmax": am.to(device), "feats": feats.to(device), "lens": lens.to(device),
-            "plens": plens.to(device)}
+    out = {"tokens": tok.to(device), "argmax": am.to(device), "feats": feats.to(device), "lens": lens.to(device),
+           "plens": plens.to(device)}
+    if "final" in rows[0]:
+        final = torch.zeros(B, W, rows[0]["final"].shape[-1])
+        for b, r in enumerate(rows):
+            final[b, :len(r["tokens"])] = r["final"].float()
+        out["final"] = final.to(device)
+    return out
 
 
 def _valid(batch: dict, n: int, j: int, prompts: bool = False) -> torch.Tensor:
@@ -357,13 +372,19 @@ def _valid(batch: dict, n: int, j: int, prompts: bool = False) -> torch.Tensor:
     return last if prompts else last & (p >= batch["plens"][:, None] - 1)
 
 
-def eagle3_loss(head, target, batch: dict, steps: int, decay: float,
-                prompts: bool = False) -> tuple[torch.Tensor, list[float], int]:
+def eagle3_loss(head, target, batch: dict, steps: int, decay: float, prompts: bool = False,
+                soft: bool = False) -> tuple[torch.Tensor, list[float], int]:
     """Training-time-test loss of an EAGLE-3 head: sum_j decay^j x CE(step j), over the answers'
-    positions (and the prompts' with `prompts`); returns (loss, each step's mean CE, rows counted at
-    step 0)."""
+    positions (and the prompts' with `prompts`) where the target's choice is in the draft vocabulary;
+    CE against the target's choice, or with `soft` against the target's distribution restricted to
+    the draft vocabulary and renormalized (softmax of its logits there, from the final hidden states
+    in `batch`), as EAGLE-3 trains; returns (loss, each step's mean CE, rows counted at step 0)."""
     t2d = head.t2d
     dmap = torch.cumsum(t2d.long(), 0) - 1                       # target id -> draft id (where t2d)
+    if soft:
+        if "final" not in batch:
+            raise DataError("soft labels need the target's final hidden states in the training data")
+        tw = target.lm_head.weight.detach()[t2d].float()         # the target's rows of the draft vocabulary
     n = batch["feats"].shape[1] - 1
     attn = TTTAttention()
     hidden, total, parts, rows0 = batch["feats"][:, :n], 0.0, [], 0
@@ -378,7 +399,12 @@ def eagle3_loss(head, target, batch: dict, steps: int, decay: float,
         if not m.any():
             break
         logits = head.lm_head(head.norm(out[m]))
-        ce = F.cross_entropy(logits, dmap[lab[m]])
+        if soft:
+            with torch.no_grad():
+                p = torch.softmax(batch["final"][:, 1 + j:1 + j + n][m] @ tw.T, -1)
+            ce = -(p * torch.log_softmax(logits.float(), -1)).sum(-1).mean()
+        else:
+            ce = F.cross_entropy(logits, dmap[lab[m]])
         total = total + (decay ** j) * ce
         parts.append(ce.item())
         rows0 = rows0 or int(m.sum())
@@ -433,6 +459,7 @@ class TrainSettings:
     max_seconds: float | None = None     # stop (with a checkpoint) after this much training in this run
     max_steps: int | None = None         # stop (with a checkpoint) at this global step (tests, chunks)
     init_from: str | None = None         # start from this head (its weights and draft vocabulary), not a new one
+    soft_labels: bool = defaults.SPEC_TUNE_SOFT_LABELS   # EAGLE-3: CE against the target's distribution, not its choice
 
 
 @dataclass
@@ -450,6 +477,7 @@ class TrainSummary:
     seconds: float               # training time in this run
     tokens_per_step: float       # answer positions the loss counted per step (mean)
     draft_vocab_size: int | None
+    soft_labels: bool = False    # EAGLE-3 trained against the target's distribution (else its choice)
 
 
 def init_head(loaded, method: str, rows: list[dict], settings: TrainSettings):
@@ -523,7 +551,7 @@ def train_head(loaded, rows: list[dict], folder: Path, settings: TrainSettings, 
                 g["lr"] = settings.lr * min(1.0, (step + 1) / max(1, settings.warmup_steps))
             if method == "eagle3":
                 loss, lp, nrows = eagle3_loss(head, target, batch, settings.ttt_steps, settings.ttt_decay,
-                                              settings.prompt_loss)
+                                              settings.prompt_loss, settings.soft_labels)
             else:
                 loss, lp, nrows = eagle1_loss(head, target, batch, settings.ce_weight, prompts=settings.prompt_loss)
             opt.zero_grad(set_to_none=True)
@@ -550,5 +578,5 @@ def train_head(loaded, rows: list[dict], folder: Path, settings: TrainSettings, 
     summary = TrainSummary(step, total, per_epoch, start, step >= total, losses[0] if losses else None,
                            sum(recent) / len(recent) if recent else None, epoch_losses, losses, parts,
                            time.perf_counter() - t0, sum(rows_seen) / len(rows_seen) if rows_seen else 0.0,
-                           len(dvocab) if dvocab else None)
+                           len(dvocab) if dvocab else None, settings.soft_labels and method == "eagle3")
     return head, summary

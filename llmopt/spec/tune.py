@@ -97,6 +97,9 @@ class SpecTuneConfig:
                 raise UserInputError("--init-head is for --method eagle or eagle3")
             if not (Path(self.train.init_from).expanduser() / "config.json").is_file():
                 raise UserInputError(f"--init-head {self.train.init_from}: no config.json there, so not a head folder")
+        if self.train.soft_labels and self.method != "eagle3":
+            raise UserInputError("--soft-labels is for --method eagle3 (EAGLE-1's loss always reads the target's "
+                                 "distribution)")
         if self.text_sequences < 0:
             raise UserInputError("--text-sequences must be at least 0")
         for name in ("num_prompts", "eval_prompts", "prompt_tokens", "max_new_tokens", "gen_batch", "max_k", "eval_k",
@@ -317,6 +320,8 @@ def spec_tune(cfg: SpecTuneConfig, progress: Progress = _noop) -> SpecTuneResult
                 "max_new_tokens": cfg.max_new_tokens, "gen_batch": cfg.gen_batch, "seed": cfg.seed}
         if cfg.prompt_source != "text":   # (absent for text prompts: a run from before the key still resumes)
             meta["prompt_source"] = cfg.prompt_source
+        if cfg.train.soft_labels:         # the data keeps the target's final hidden states (same rule)
+            meta["final_hidden"] = True
         seqs = []
         if cfg.text_sequences:       # (keys absent without them: a run from before them still resumes)
             length = min(defaults.SPEC_TUNE_TEXT_TOKENS, loaded.config.max_position_embeddings)
@@ -324,7 +329,7 @@ def spec_tune(cfg: SpecTuneConfig, progress: Progress = _noop) -> SpecTuneResult
             seqs = text_sequences(text, tok, cfg.text_sequences, length, cfg.prompt_tokens,
                                   {i for i, _ in picked[n_train:]}, cfg.seed)
         rows, data = build_data(loaded, train_prompts, out / DATA_DIR, cfg.method, cfg.max_new_tokens, cfg.gen_batch,
-                                meta, progress, seqs)
+                                meta, progress, seqs, keep_final=cfg.train.soft_labels)
         head, tsum = train_head(loaded, rows, out, cfg.train, cfg.resume, progress)
         del rows
         if not tsum.finished:

@@ -93,8 +93,8 @@ def test_train_stop_resume_reload_and_config(tiny, tmp_path):
     assert spec_out == plain and st.num_drafts > 0
 
 
-@pytest.mark.parametrize("method,layers", [("eagle", 2), ("eagle3", 4)])
-def test_loss_falls_on_the_targets_own_features(tiny_factory, tmp_path, method, layers):
+@pytest.mark.parametrize("method,layers,soft", [("eagle", 2, False), ("eagle3", 4, False), ("eagle3", 4, True)])
+def test_loss_falls_on_the_targets_own_features(tiny_factory, tmp_path, method, layers, soft):
     path = tiny_factory(tokenizer=True) if layers == 2 else tiny_factory(tokenizer=True, num_hidden_layers=layers)
     loaded = load_model(str(path), "float32", "cpu")
     from llmopt.data import read_dataset
@@ -105,17 +105,65 @@ def test_loss_falls_on_the_targets_own_features(tiny_factory, tmp_path, method, 
         prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
     from llmopt.spec.train import feature_layers
-    rows = capture(loaded, seqs, feature_layers(method, layers))
+    rows = capture(loaded, seqs, feature_layers(method, layers), keep_final=soft)
     for r, p in zip(rows, prompts):
         r["prompt_len"] = len(p)
     settings = TrainSettings(method, epochs=30, lr=5e-3, batch_size=4, warmup_steps=1, draft_vocab_size=256,
-                             checkpoint_every=1000)
+                             checkpoint_every=1000, soft_labels=soft)
     _, s = train_head(loaded, rows, tmp_path, settings, resume=False)
-    assert s.finished and len(s.epoch_losses) == 30
+    assert s.finished and len(s.epoch_losses) == 30 and s.soft_labels == soft
     assert s.epoch_losses[-1] < 0.7 * s.epoch_losses[0], s.epoch_losses
     if method == "eagle3":      # every training-time-test step learns, not only the first
         first, last = s.step_parts[0], s.step_parts[-1]
         assert len(first) == settings.ttt_steps and all(b < a for a, b in zip(first, last))
+
+
+def test_soft_labels_are_the_targets_distribution_and_sharpen_to_hard_labels(tiny_factory):
+    """capture(keep_final=True) keeps the final hidden states whose logits are Hugging Face
+    transformers' for the same sequence; EAGLE-3's soft loss is the cross-entropy against the target's
+    distribution on the draft vocabulary (a float64 computation from transformers' logits), and with
+    that distribution sharpened to one-hot it equals the hard-label loss."""
+    from transformers import AutoModelForCausalLM
+    from llmopt.spec.train import collate, eagle3_loss, feature_layers, init_head
+    path = tiny_factory(tokenizer=True, num_hidden_layers=4)
+    loaded = load_model(str(path), "float32", "cpu")
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, loaded.config.vocab_size, (n,), generator=g).tolist() for n in (14, 9)]
+    rows = capture(loaded, seqs, feature_layers("eagle3", 4), keep_final=True)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32).eval()
+    ref = []
+    for r, s in zip(rows, seqs):
+        r["prompt_len"] = 3
+        with torch.no_grad():
+            ref.append(hf(torch.tensor([s])).logits[0].double())
+        mine = r["final"].double() @ loaded.model.lm_head.weight.double().T
+        torch.testing.assert_close(mine, ref[-1], atol=2e-2, rtol=0)     # final kept in float16
+        assert r["final"].shape == (len(s), loaded.config.hidden_size) and r["final"].dtype == torch.float16
+    head = init_head(loaded, "eagle3", rows, TrainSettings("eagle3", draft_vocab_size=64))
+    batch = collate(rows, 1, "cpu")
+    with torch.no_grad():
+        soft, _, n_soft = eagle3_loss(head, loaded.model, batch, 1, 0.8, prompts=True, soft=True)
+        hard, _, n_hard = eagle3_loss(head, loaded.model, batch, 1, 0.8, prompts=True)
+    # the reference: transformers' logits at the labelled positions (p = i + 1), restricted to the
+    # draft vocabulary, against the head's log-probabilities there
+    from llmopt.spec.train import TTTAttention
+    n = batch["feats"].shape[1] - 1
+    with torch.no_grad():
+        out = head(loaded.model.embed(batch["tokens"][:, 1:1 + n]), batch["feats"][:, :n],
+                   torch.arange(n)[None].expand(2, n), TTTAttention(), fuse=True)
+        logq = torch.log_softmax(head.lm_head(head.norm(out)).double(), -1)
+    vocab, total, count = head.t2d, 0.0, 0
+    for b, r in enumerate(rows):
+        for i in range(len(seqs[b]) - 2):
+            if vocab[r["argmax"][i + 1]]:
+                p = torch.softmax(ref[b][i + 1][vocab], -1)
+                total, count = total - float((p * logq[b, i]).sum()), count + 1
+    assert n_soft == n_hard == count > 0
+    assert float(soft) == pytest.approx(total / count, abs=2e-3)
+    batch["final"] = batch["final"] * 1e4          # the target's distribution made one-hot on its choice
+    with torch.no_grad():
+        sharp, _, _ = eagle3_loss(head, loaded.model, batch, 1, 0.8, prompts=True, soft=True)
+    assert float(sharp) == pytest.approx(float(hard), rel=1e-4) and float(soft) != pytest.approx(float(hard), rel=1e-2)
 
 
 def test_text_sequences_leave_out_the_held_out_prompts_paragraphs(tiny):
@@ -240,3 +288,27 @@ def test_prompt_source_self_saves_its_prompts_and_init_head_starts_from_a_head(t
         (first_fresh, last, again["train"]["step_losses"][0])
     code, bad = _run(tiny, tmp_path / "c", "--init-head", str(tmp_path / "nowhere"))
     assert code == 2 and "--init-head" in bad["error"]["message"] and not (tmp_path / "c" / "data").exists()
+
+
+def test_soft_labels_keep_final_states_in_the_data_and_resume_needs_the_same_labels(tiny_factory, tmp_path):
+    """--soft-labels (EAGLE-3): the data parts hold the target's final hidden states and the summary
+    says soft; a --resume with hard labels is refused (its data lacks nothing, but the data settings
+    differ), and --soft-labels with EAGLE-1 exits 2 before any work."""
+    path = tiny_factory(tokenizer=True, num_hidden_layers=4)
+    eagle3 = [a if a != "eagle" else "eagle3" for a in ARGS]
+
+    def run(out, *extra):
+        res = CliRunner().invoke(app, ["spec-tune", "-m", str(path), "-o", str(out), *eagle3, *extra])
+        return res.exit_code, json.loads(res.stdout.strip().splitlines()[-1])
+
+    code, first = run(tmp_path / "a", "--soft-labels", "--max-steps", "2")
+    assert code == 0 and first["train"]["soft_labels"] is True and first["train"]["steps"] == 2
+    for part in ("part-00000.pt", "text-00000.pt"):
+        for r in torch.load(tmp_path / "a" / "data" / part, weights_only=True):
+            assert r["final"].shape == (len(r["tokens"]), 64) and r["final"].dtype == torch.float16
+    code, hard = run(tmp_path / "a", "--resume")
+    assert code == 2 and "final_hidden" in hard["error"]["message"]
+    code, done = run(tmp_path / "a", "--resume", "--soft-labels")
+    assert code == 0 and done["finished"] and done["train"]["resumed_from_step"] == 2
+    code, bad = _run(tiny_factory(tokenizer=True), tmp_path / "b", "--soft-labels")
+    assert code == 2 and "--soft-labels" in bad["error"]["message"] and not (tmp_path / "b").exists()
