@@ -3,7 +3,8 @@ length: chain drafting of K tokens at batch 1, greedy, over the first N question
 (chat template, max_tokens as the benchmark's); at each depth d, among the steps whose drafts
 before d were all accepted, how often the target's token there is the head's top-1 (what the
 chain accepts) or within its top-k (what a draft tree of k siblings at that depth could accept).
-Rates are over all verifying steps, so the top-1 column sums to the acceptance length minus 1.
+Rates are over all verifying steps, so the top-1 column sums to the acceptance length minus 1;
+the acceptance length per category comes with them.
 
     python scripts/spec_draft_ranks.py --spec-model out/smollm2-eagle3-self2/head --per-category 3 --k 3
 
@@ -62,6 +63,8 @@ def main() -> None:
 
     head.logits_to_target = logits_to_target
     hits: collections.Counter = collections.Counter()
+    cat_steps: collections.Counter = collections.Counter()      # per category: verifying steps, drafts accepted
+    cat_accepted: collections.Counter = collections.Counter()
     steps = 0
     record = eng.drafter.record
 
@@ -73,11 +76,14 @@ def main() -> None:
                 continue
             tops = ranked[-len(drafts):]
             steps += 1
+            cat = s.request_id.rsplit("-", 1)[0]
+            cat_steps[cat] += 1
             for d, want in enumerate(got.token_ids[:len(drafts)]):
                 for k in TOPS:
                     hits[d, k] += want in tops[d][:k]
                 if want != drafts[d]:
                     break
+                cat_accepted[cat] += 1
         ranked.clear()
         return record(sched, sampled)
 
@@ -96,7 +102,8 @@ def main() -> None:
     st = eng.stats().spec_decoding
     print(json.dumps({"spec_model": args.spec_model, "k": args.k, "questions": sum(
         min(len(v), args.per_category) for v in by_cat.values()), "steps": steps,
-        "acceptance_length": round(st.mean_acceptance_length, 4), "depth_topk_rates": rates}))
+        "acceptance_length": round(st.mean_acceptance_length, 4), "depth_topk_rates": rates,
+        "acceptance_length_by_category": {c: round(1 + cat_accepted[c] / n, 4) for c, n in sorted(cat_steps.items())}}))
 
 
 if __name__ == "__main__":
