@@ -56,7 +56,7 @@ def test_smollm2_greedy_identity_per_method(smol):
 
 
 def test_the_committed_benchmark_head_drafts_what_smollm2_says(smol):
-    """recipes/smollm2-135m-eagle3 (the head the Spec-Bench tables use, with its tuned spec_config.json)
+    """recipes/smollm2-135m-eagle3 (the trained head committed for the default model, with its spec_config.json)
     loads through --speculative-config DIR, keeps greedy outputs identical, and its drafts are taken
     far more often than an untrained head's (a broken or mismatched file would draft noise)."""
     from pathlib import Path
