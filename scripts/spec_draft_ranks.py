@@ -65,17 +65,14 @@ def main() -> None:
     hits: collections.Counter = collections.Counter()
     cat_steps: collections.Counter = collections.Counter()      # per category: verifying steps, drafts accepted
     cat_accepted: collections.Counter = collections.Counter()
-    steps = 0
     record = eng.drafter.record
 
     def counting_record(sched, sampled):
-        nonlocal steps
         for s in sched.scheduled:
             got, drafts = sampled.get(s.request_id), s.spec_token_ids
             if not drafts or got is None:
                 continue
             tops = ranked[-len(drafts):]
-            steps += 1
             cat = s.request_id.rsplit("-", 1)[0]
             cat_steps[cat] += 1
             for d, want in enumerate(got.token_ids[:len(drafts)]):
@@ -98,6 +95,7 @@ def main() -> None:
             eng.add_request(f"{cat}-{i}", eng.tokenize(chat_text(tok, r.prompt), add_special_tokens=False), params)
             while eng.has_unfinished_requests():
                 eng.step()
+    steps = sum(cat_steps.values())
     rates = {d + 1: {k: round(hits[d, k] / max(steps, 1), 4) for k in TOPS} for d in range(args.k)}
     st = eng.stats().spec_decoding
     print(json.dumps({"spec_model": args.spec_model, "k": args.k, "questions": sum(

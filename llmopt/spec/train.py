@@ -348,17 +348,17 @@ def collate(rows: list[dict], steps: int, device) -> dict:
     tok = torch.zeros(B, W, dtype=torch.long)
     am = torch.zeros(B, W, dtype=torch.long)
     feats = torch.zeros(B, T, rows[0]["feats"].shape[-1])
+    final = torch.zeros(B, W, rows[0]["final"].shape[-1]) if "final" in rows[0] else None
     for b, r in enumerate(rows):
         n = len(r["tokens"])
         tok[b, :n], am[b, :n], feats[b, :n] = r["tokens"].long(), r["argmax"].long(), r["feats"].float()
+        if final is not None:
+            final[b, :n] = r["final"].float()
     lens = torch.tensor([len(r["tokens"]) for r in rows])
     plens = torch.tensor([r["prompt_len"] for r in rows])
     out = {"tokens": tok.to(device), "argmax": am.to(device), "feats": feats.to(device), "lens": lens.to(device),
            "plens": plens.to(device)}
-    if "final" in rows[0]:
-        final = torch.zeros(B, W, rows[0]["final"].shape[-1])
-        for b, r in enumerate(rows):
-            final[b, :len(r["tokens"])] = r["final"].float()
+    if final is not None:
         out["final"] = final.to(device)
     return out
 
@@ -384,7 +384,8 @@ def eagle3_loss(head, target, batch: dict, steps: int, decay: float, prompts: bo
     if soft:
         if "final" not in batch:
             raise DataError("soft labels need the target's final hidden states in the training data")
-        tw = target.lm_head.weight.detach()[t2d].float()         # the target's rows of the draft vocabulary
+        with torch.no_grad():    # the target's distribution on the draft vocabulary per position, once for all steps
+            target_p = torch.softmax(batch["final"] @ target.lm_head.weight.detach()[t2d].float().T, -1)
     n = batch["feats"].shape[1] - 1
     attn = TTTAttention()
     hidden, total, parts, rows0 = batch["feats"][:, :n], 0.0, [], 0
@@ -400,9 +401,7 @@ def eagle3_loss(head, target, batch: dict, steps: int, decay: float, prompts: bo
             break
         logits = head.lm_head(head.norm(out[m]))
         if soft:
-            with torch.no_grad():
-                p = torch.softmax(batch["final"][:, 1 + j:1 + j + n][m] @ tw.T, -1)
-            ce = -(p * torch.log_softmax(logits.float(), -1)).sum(-1).mean()
+            ce = -(target_p[:, 1 + j:1 + j + n][m] * torch.log_softmax(logits.float(), -1)).sum(-1).mean()
         else:
             ce = F.cross_entropy(logits, dmap[lab[m]])
         total = total + (decay ** j) * ce
