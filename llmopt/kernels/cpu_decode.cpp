@@ -542,11 +542,14 @@ at::Tensor idot_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 // isa: the integer tiles' instruction set, 0 AVX2, 1 AVX-512 VNNI (refused without it), -1 the best this
 // CPU has; panel: with VNNI, int8-activation linears of at least this many rows take the integer
 // panels; f32_panel: float linears of at least this many rows take the float panels (0: keep a
-// setting). Returns the instruction set in use.
-int64_t tiles_config(int64_t isa, int64_t panel, int64_t f32_panel) {
+// setting); f32_stream: float linears of at most this many rows stream each weight row alone
+// (row_f32; 0 = never, -1: keep). Returns the instruction set in use.
+int64_t tiles_config(int64_t isa, int64_t panel, int64_t f32_panel, int64_t f32_stream) {
     TORCH_CHECK(panel >= 0 && f32_panel >= 0, "panel and f32_panel must be >= 0");
+    TORCH_CHECK(f32_stream >= -1 && f32_stream <= 4, "f32_stream must be -1 (keep) or 0 to 4");
     if (panel > 0) panel_rows = panel;
     if (f32_panel > 0) f32_panel_rows = f32_panel;
+    if (f32_stream >= 0) f32_stream_rows = f32_stream;
     const bool has = cpu_has_vnni();
     TORCH_CHECK(isa >= -1 && isa <= 1, "isa must be -1, 0 or 1");
     TORCH_CHECK(isa != 1 || has, "this CPU has no AVX-512 VNNI");
@@ -557,7 +560,7 @@ int64_t tiles_config(int64_t isa, int64_t panel, int64_t f32_panel) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmopt_cpu, m) {
-    m.def("tiles_config(int isa=-1, int panel=0, int f32_panel=0) -> int", TORCH_FN(tiles_config));   // no tensors: a catch-all kernel
+    m.def("tiles_config(int isa=-1, int panel=0, int f32_panel=0, int f32_stream=-1) -> int", TORCH_FN(tiles_config));   // no tensors: a catch-all kernel
     m.def("decode_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
           "float scale, int window) -> Tensor");
     m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));

@@ -85,7 +85,8 @@ def ops():
     if not _OPS:
         if available():
             _register_fakes()
-            torch.ops.llmopt_cpu.tiles_config(-1, defaults.CPU_IDOT_PANEL_MIN_ROWS, defaults.CPU_F32_PANEL_MIN_ROWS)
+            torch.ops.llmopt_cpu.tiles_config(-1, defaults.CPU_IDOT_PANEL_MIN_ROWS, defaults.CPU_F32_PANEL_MIN_ROWS,
+                                              defaults.CPU_F32_STREAM_MAX_ROWS)
             _OPS.append(torch.ops.llmopt_cpu)
         else:
             _OPS.append(None)

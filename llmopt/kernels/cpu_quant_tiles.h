@@ -4,6 +4,7 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 #ifdef _OPENMP
 #include <omp.h>
@@ -14,6 +15,9 @@ namespace llmopt_cpu_tiles {
 // software prefetch distance, in tiles of rows: the hardware prefetchers do not follow NR interleaved
 // row streams (a 2-thread GEMV read ~8 GB/s from memory without, ~15 with; 1, 4, 8 measured no better)
 constexpr int64_t PF = 2;
+// float linears of at most this many rows stream their weight rows one at a time (row_f32);
+// set by llmopt_cpu::tiles_config (llmopt/defaults.py: CPU_F32_STREAM_MAX_ROWS)
+inline int64_t f32_stream_rows = 3;
 // M > 1: output rows per cache block (a multiple of 4; 32 float rows of 1536 columns are 192 KB, in L2)
 constexpr int64_t RB = 32;
 
@@ -85,6 +89,27 @@ template <int NR, int MT>
 inline void zero(__m256 (&v)[NR][MT]) {
     for (int r = 0; r < NR; ++r)
         for (int i = 0; i < MT; ++i) v[r][i] = _mm256_setzero_ps();
+}
+
+// One float output row for MT rows of x (decode, speculative verification): the weight row read
+// alone, front to back, with no software prefetch: one sequential stream a thread is what the
+// hardware prefetchers follow. On the AMD EPYC machine the float linears of a SmolLM2 decode step
+// (540 MB) took 24-26 ms with 4 weight rows interleaved (tile8), 12-14 ms so; 2 rows of x 27-30 ->
+// 14-16 ms, 3 rows 19-22 -> 17-19. One FMA chain per x row, as tile8 sums a float row (gs = K): the
+// same bits whichever path and however many rows of x (verified drafts get plain decoding's logits);
+// 2 or 4 chains measured no faster.
+template <int MT>
+inline void row_f32(const Args& a, const float* w, int64_t n, int64_t m0) {
+    const int64_t K = a.K;
+    const float* r = w + n * K;
+    const float* x = a.x + m0 * K;
+    __m256 acc[MT];
+    for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < K; c += 8) {
+        __m256 wv = _mm256_loadu_ps(r + c);
+        for (int i = 0; i < MT; ++i) acc[i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i * K + c), acc[i]);
+    }
+    for (int i = 0; i < MT; ++i) a.y[(m0 + i) * a.ldy + n] = hsum(acc[i]) * a.s[n * a.s_stride];
 }
 
 // Rows n0..n0+NR of the output for x rows m0..m0+MT; int8 / fp8 codes or floats, K a multiple of 8.
@@ -181,11 +206,24 @@ inline void tile4(const Args& a, const uint8_t* w, int64_t n0, int64_t m0) {
 
 // One kernel over all rows: KERNEL<NR, MT>(args, w, n0, m0). M == 1 (decode) takes 4 output rows at a
 // time (4 independent FMA chains share each x load); M == 2 two rows by two; else 1 row by up to 4.
+// Float weights with at most f32_stream_rows rows of x take one output row at a time (row_f32).
 template <int NR, int MT, class Fn>
 inline void rows(const Args& a, int64_t n0, int64_t n1, int64_t m0, Fn fn) {
     int64_t n = n0;
     for (; n + NR <= n1; n += NR) fn.template operator()<NR, MT>(a, n, m0);
     for (; n < n1; ++n) fn.template operator()<1, MT>(a, n, m0);
+}
+
+// Kernels that stream their weight rows one at a time for up to f32_stream_rows rows of x (Fn::stream_rows)
+template <class Fn, class = void>
+struct streams_rows : std::false_type {};
+template <class Fn>
+struct streams_rows<Fn, std::void_t<decltype(Fn::stream_rows)>> : std::bool_constant<Fn::stream_rows> {};
+
+template <class Fn>
+inline bool streamed(const Args& a) {
+    if constexpr (streams_rows<Fn>::value) return a.M <= f32_stream_rows;
+    return false;
 }
 
 template <class Fn>
@@ -203,7 +241,8 @@ void run(const Args& a, Fn fn) {
         int64_t n0 = std::min<int64_t>(N, t * per), n1 = std::min<int64_t>(N, n0 + per);
         if (n0 < n1) {
             if (a.M == 1) {
-                rows<4, 1>(a, n0, n1, 0, fn);
+                if (streamed<Fn>(a)) rows<1, 1>(a, n0, n1, 0, fn);
+                else rows<4, 1>(a, n0, n1, 0, fn);
             } else {   // a block of RB rows stays in cache while every 4 rows of x pass over it
                 for (int64_t b0 = n0; b0 < n1; b0 += RB) {
                     const int64_t b1 = std::min(n1, b0 + RB);
@@ -211,7 +250,10 @@ void run(const Args& a, Fn fn) {
                     for (; m + 4 <= a.M; m += 4) rows<1, 4>(a, b0, b1, m, fn);
                     switch (a.M - m) {
                         case 3: rows<1, 3>(a, b0, b1, m, fn); break;
-                        case 2: rows<2, 2>(a, b0, b1, m, fn); break;
+                        case 2:
+                            if (streamed<Fn>(a)) rows<1, 2>(a, b0, b1, m, fn);
+                            else rows<2, 2>(a, b0, b1, m, fn);
+                            break;
                         case 1: rows<4, 1>(a, b0, b1, m, fn); break;
                         default: break;
                     }
@@ -380,8 +422,13 @@ void f32_panels(const Args& a, Src src) {
 template <class D>
 struct Fn8 {
     const uint8_t* w;
+    static constexpr bool stream_rows = std::is_same_v<D, F32>;   // few rows: row_f32, a weight row at a time
     template <int NR, int MT>
-    void operator()(const Args& a, int64_t n, int64_t m) const { tile8<D, NR, MT>(a, w, n, m); }
+    void operator()(const Args& a, int64_t n, int64_t m) const {
+        if constexpr (std::is_same_v<D, F32> && NR == 1)
+            if (a.M <= f32_stream_rows) return row_f32<MT>(a, reinterpret_cast<const float*>(w), n, m);
+        tile8<D, NR, MT>(a, w, n, m);
+    }
 };
 
 struct Fn4 {

@@ -1,7 +1,9 @@
 """The C++ quantized CPU kernels' tiling (llmopt/kernels/cpu_quant_tiles.h) called directly: ragged
 row counts (not a multiple of the 4-row tile) and every M tile (1, 2, 3, 4 and mixes) against a
 float64 reference, and each output element independent of the tiling, bit for bit: a slice of the
-weight's rows, or one row of x, gives the same numbers as the whole call (what fused q/k/v rely on)."""
+weight's rows, or one row of x, gives the same numbers as the whole call (what fused q/k/v rely on).
+Float weights read their rows one at a time for few rows of x (row_f32): the same bits as the
+4-row tiles, so a verified draft's logits are plain decoding's."""
 
 from __future__ import annotations
 
@@ -84,3 +86,31 @@ def test_int4_group_off_the_64_column_blocks_uses_int8_codes(ops):
     assert torch.allclose(mod(x).double(), x.double() @ w.t(), rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="int4 group size"):
         ops.w4_gemm(x, cpu_quant.pack_int4(q.remainder(16)), s, torch.empty(0), 96)
+
+
+@pytest.mark.parametrize("k", [8, 40, 200, 576, 1536])
+def test_float_rows_streamed_or_tiled_give_the_same_bits(ops, k):
+    """f32_gemm for 1-9 rows of x, its few-row rows streamed one at a time (tiles_config f32_stream
+    1-4) or through the 4-row tiles (0): within float32 rounding of a float64 product, and the same
+    bits whichever path, and row by row as in one call."""
+    from llmopt import defaults
+    g = torch.Generator().manual_seed(k)
+    try:
+        for n in (1, 7, 193):
+            w = torch.randn(n, k, generator=g)
+            for m in range(1, 10):
+                x = torch.randn(m, k, generator=g)
+                ref = x.double() @ w.double().t()
+                bound = 1e-6 * (x.double().abs() @ w.double().abs().t()) + 1e-7
+                ops.tiles_config(-1, 0, 0, 0)
+                tiled = ops.f32_gemm(x, w)
+                assert bool(((tiled.double() - ref).abs() <= bound).all()), (n, m)
+                for stream in (1, 2, 3, 4):
+                    ops.tiles_config(-1, 0, 0, stream)
+                    assert torch.equal(ops.f32_gemm(x, w), tiled), (n, m, stream)
+                    rows = torch.cat([ops.f32_gemm(x[i:i + 1].contiguous(), w) for i in range(m)])
+                    assert torch.equal(rows, tiled), (n, m, stream)
+        with pytest.raises(RuntimeError, match="f32_stream"):
+            ops.tiles_config(-1, 0, 0, 5)
+    finally:
+        ops.tiles_config(-1, 0, 0, defaults.CPU_F32_STREAM_MAX_ROWS)
