@@ -3,12 +3,14 @@
 For each row count M: the int8-activation kernels (`llmopt_cpu::idot_gemm`: the AVX2 path (integer
 tiles, and from CPU_F32_PANEL_MIN_ROWS rows the float panels, as a CPU without VNNI runs them), VNNI
 tiles, VNNI panels, switched through `llmopt_cpu::tiles_config`) on int4 and int8 codes, the float ones
-(`llmopt_cpu::f32_gemm`: the float tile below CPU_F32_PANEL_MIN_ROWS rows, the panels from there)
+(`llmopt_cpu::f32_gemm`: one weight row at a time up to CPU_F32_STREAM_MAX_ROWS rows, also timed
+through the tile it replaced; the float tile below CPU_F32_PANEL_MIN_ROWS rows, the panels from there)
 against MKL's `x @ w.t()`, each over `--matrices` distinct 1536 x 576 weights (streamed from memory
 where they outgrow the L3), in G multiply-adds/s; then `llmopt_cpu::decode_attention` for 64 rows
 over 200 keys with one distinct cache per layer, as a decode step reads them.
 
     python scripts/bench_cpu_linears.py
+    python scripts/bench_cpu_linears.py --rows 1,2,3,4     # decode and speculative verification rows
 """
 
 from __future__ import annotations
@@ -77,10 +79,17 @@ def main() -> None:
                 print(f"{m:>4} {f'int8 x {codes}, {name}':<28} {s * 1e3:>8.3f} {rate(s):>8.1f}")
         if config is not None:
             config(-1, defaults.CPU_IDOT_PANEL_MIN_ROWS, f32_rows)
+        stream_rows = getattr(defaults, "CPU_F32_STREAM_MAX_ROWS", 0)
         ours = best_of(lambda w: ops.f32_gemm(x, w), floats)
         mkl = best_of(lambda w: x @ w.t(), floats)
-        kind = "panels" if config is not None and m >= f32_rows else "tile"
+        kind = "panels" if config is not None and m >= f32_rows else "rows" if m <= stream_rows else "tile"
         print(f"{m:>4} {f'float32, ours ({kind})':<28} {ours * 1e3:>8.3f} {rate(ours):>8.1f}")
+        if kind == "rows":   # the tile these rows took before row_f32, in the same run
+            config(-1, 0, 0, 0)
+            tile = best_of(lambda w: ops.f32_gemm(x, w), floats)
+            config(-1, 0, 0, stream_rows)
+            print(f"{m:>4} {'float32, ours (tile, before)':<28} {tile * 1e3:>8.3f} {rate(tile):>8.1f}   "
+                  f"rows/tile {tile / ours:.2f}x")
         print(f"{m:>4} {'float32, MKL x @ w.t()':<28} {mkl * 1e3:>8.3f} {rate(mkl):>8.1f}   ours/MKL {mkl / ours:.2f}x")
     rows, hq, hkv, d, bs, ctx, layers = 64, 9, 3, 64, 16, 200, 30
     w = (ctx + bs - 1) // bs
