@@ -17,7 +17,7 @@ namespace llmopt_cpu_tiles {
 constexpr int64_t PF = 2;
 // float linears of at most this many rows stream their weight rows one at a time (row_f32);
 // set by llmopt_cpu::tiles_config (llmopt/defaults.py: CPU_F32_STREAM_MAX_ROWS)
-inline int64_t f32_stream_rows = 3;
+inline int64_t f32_stream_rows = 4;
 // M > 1: output rows per cache block (a multiple of 4; 32 float rows of 1536 columns are 192 KB, in L2)
 constexpr int64_t RB = 32;
 
@@ -92,12 +92,13 @@ inline void zero(__m256 (&v)[NR][MT]) {
 }
 
 // One float output row for MT rows of x (decode, speculative verification): the weight row read
-// alone, front to back, with no software prefetch: one sequential stream a thread is what the
-// hardware prefetchers follow. On the AMD EPYC machine the float linears of a SmolLM2 decode step
-// (540 MB) took 24-26 ms with 4 weight rows interleaved (tile8), 12-14 ms so; 2 rows of x 27-30 ->
-// 14-16 ms, 3 rows 19-22 -> 17-19. One FMA chain per x row, as tile8 sums a float row (gs = K): the
-// same bits whichever path and however many rows of x (verified drafts get plain decoding's logits);
-// 2 or 4 chains measured no faster.
+// alone, front to back: one sequential stream a thread, which the hardware prefetchers follow. On
+// the AMD EPYC machine the float linears of a SmolLM2 decode step (540 MB) took 24-26 ms with 4
+// weight rows interleaved (tile8), 12-15 ms so. With 2-4 rows of x the stream is read more slowly
+// and the prefetchers fall behind, so those rows ask for L2 4 weight rows ahead: 3 rows 21-23 ->
+// 16-17 ms, 4 rows 25-28 -> 16-17 (at 1 row the same hint measured no faster). One FMA chain per
+// x row, as tile8 sums a float row (gs = K): the same bits whichever path and however many rows of
+// x (verified drafts get plain decoding's logits); 2 or 4 chains measured no faster.
 template <int MT>
 inline void row_f32(const Args& a, const float* w, int64_t n, int64_t m0) {
     const int64_t K = a.K;
@@ -106,6 +107,8 @@ inline void row_f32(const Args& a, const float* w, int64_t n, int64_t m0) {
     __m256 acc[MT];
     for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t c = 0; c < K; c += 8) {
+        if constexpr (MT > 1)
+            if ((c & 15) == 0) _mm_prefetch(reinterpret_cast<const char*>(r + 4 * K + c), _MM_HINT_T1);
         __m256 wv = _mm256_loadu_ps(r + c);
         for (int i = 0; i < MT; ++i) acc[i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i * K + c), acc[i]);
     }
