@@ -542,11 +542,11 @@ at::Tensor idot_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 // isa: the integer tiles' instruction set, 0 AVX2, 1 AVX-512 VNNI (refused without it), -1 the best this
 // CPU has; panel: with VNNI, int8-activation linears of at least this many rows take the integer
 // panels; f32_panel: float linears of at least this many rows take the float panels (0: keep a
-// setting); f32_stream: float linears of at most this many rows stream each weight row alone
-// (row_f32; 0 = never, -1: keep). Returns the instruction set in use.
+// setting); f32_stream: float linears of at most this many rows (8 at most) stream each weight row
+// alone (row_f32; 0 = never, -1: keep). Returns the instruction set in use.
 int64_t tiles_config(int64_t isa, int64_t panel, int64_t f32_panel, int64_t f32_stream) {
     TORCH_CHECK(panel >= 0 && f32_panel >= 0, "panel and f32_panel must be >= 0");
-    TORCH_CHECK(f32_stream >= -1 && f32_stream <= 4, "f32_stream must be -1 (keep) or 0 to 4");
+    TORCH_CHECK(f32_stream >= -1 && f32_stream <= 8, "f32_stream must be -1 (keep) or 0 to 8");
     if (panel > 0) panel_rows = panel;
     if (f32_panel > 0) f32_panel_rows = f32_panel;
     if (f32_stream >= 0) f32_stream_rows = f32_stream;

@@ -17,7 +17,7 @@ namespace llmopt_cpu_tiles {
 constexpr int64_t PF = 2;
 // float linears of at most this many rows stream their weight rows one at a time (row_f32);
 // set by llmopt_cpu::tiles_config (llmopt/defaults.py: CPU_F32_STREAM_MAX_ROWS)
-inline int64_t f32_stream_rows = 4;
+inline int64_t f32_stream_rows = 8;
 // M > 1: output rows per cache block (a multiple of 4; 32 float rows of 1536 columns are 192 KB, in L2)
 constexpr int64_t RB = 32;
 
@@ -91,14 +91,15 @@ inline void zero(__m256 (&v)[NR][MT]) {
         for (int i = 0; i < MT; ++i) v[r][i] = _mm256_setzero_ps();
 }
 
-// One float output row for MT rows of x (decode, speculative verification): the weight row read
-// alone, front to back: one sequential stream a thread, which the hardware prefetchers follow. On
-// the AMD EPYC machine the float linears of a SmolLM2 decode step (540 MB) took 24-26 ms with 4
-// weight rows interleaved (tile8), 12-15 ms so. With 2-4 rows of x the stream is read more slowly
-// and the prefetchers fall behind, so those rows ask for L2 4 weight rows ahead: 3 rows 21-23 ->
-// 16-17 ms, 4 rows 25-28 -> 16-17 (at 1 row the same hint measured no faster). One FMA chain per
-// x row, as tile8 sums a float row (gs = K): the same bits whichever path and however many rows of
-// x (verified drafts get plain decoding's logits); 2 or 4 chains measured no faster.
+// One float output row for MT (1-8) rows of x (decoding a few sequences, speculative verification):
+// the weight row read alone, front to back, every row of x in the one pass: one sequential stream a
+// thread, which the hardware prefetchers follow. On the AMD EPYC machine the float linears of a
+// SmolLM2 step (540 MB) took 24-26 ms at 1 row with 4 weight rows interleaved (tile8), 12-15 ms so.
+// With 2+ rows of x the stream is read more slowly and the prefetchers fall behind, so those rows
+// ask for L2 4 weight rows ahead: 3 rows 21-23 -> 13-17 ms, 5 rows 30 -> 16, 8 rows 35 -> 24 (at 1 row
+// the hint measured no faster). One FMA chain per x row, as tile8 sums a float row (gs = K): the
+// same bits whichever path and however many rows of x (verified drafts get plain decoding's
+// logits); 2 or 4 chains a row measured no faster.
 template <int MT>
 inline void row_f32(const Args& a, const float* w, int64_t n, int64_t m0) {
     const int64_t K = a.K;
@@ -209,7 +210,7 @@ inline void tile4(const Args& a, const uint8_t* w, int64_t n0, int64_t m0) {
 
 // One kernel over all rows: KERNEL<NR, MT>(args, w, n0, m0). M == 1 (decode) takes 4 output rows at a
 // time (4 independent FMA chains share each x load); M == 2 two rows by two; else 1 row by up to 4.
-// Float weights with at most f32_stream_rows rows of x take one output row at a time (row_f32).
+// Float weights with at most f32_stream_rows (<= 8) rows of x take one output row at a time (row_f32).
 template <int NR, int MT, class Fn>
 inline void rows(const Args& a, int64_t n0, int64_t n1, int64_t m0, Fn fn) {
     int64_t n = n0;
@@ -243,9 +244,19 @@ void run(const Args& a, Fn fn) {
         int64_t per = ((N + T - 1) / T + 3) / 4 * 4;
         int64_t n0 = std::min<int64_t>(N, t * per), n1 = std::min<int64_t>(N, n0 + per);
         if (n0 < n1) {
-            if (a.M == 1) {
-                if (streamed<Fn>(a)) rows<1, 1>(a, n0, n1, 0, fn);
-                else rows<4, 1>(a, n0, n1, 0, fn);
+            if (streamed<Fn>(a)) {   // every row of x in one pass over each weight row
+                switch (a.M) {
+                    case 1: rows<1, 1>(a, n0, n1, 0, fn); break;
+                    case 2: rows<1, 2>(a, n0, n1, 0, fn); break;
+                    case 3: rows<1, 3>(a, n0, n1, 0, fn); break;
+                    case 4: rows<1, 4>(a, n0, n1, 0, fn); break;
+                    case 5: rows<1, 5>(a, n0, n1, 0, fn); break;
+                    case 6: rows<1, 6>(a, n0, n1, 0, fn); break;
+                    case 7: rows<1, 7>(a, n0, n1, 0, fn); break;
+                    default: rows<1, 8>(a, n0, n1, 0, fn); break;
+                }
+            } else if (a.M == 1) {
+                rows<4, 1>(a, n0, n1, 0, fn);
             } else {   // a block of RB rows stays in cache while every 4 rows of x pass over it
                 for (int64_t b0 = n0; b0 < n1; b0 += RB) {
                     const int64_t b1 = std::min(n1, b0 + RB);
@@ -253,10 +264,7 @@ void run(const Args& a, Fn fn) {
                     for (; m + 4 <= a.M; m += 4) rows<1, 4>(a, b0, b1, m, fn);
                     switch (a.M - m) {
                         case 3: rows<1, 3>(a, b0, b1, m, fn); break;
-                        case 2:
-                            if (streamed<Fn>(a)) rows<1, 2>(a, b0, b1, m, fn);
-                            else rows<2, 2>(a, b0, b1, m, fn);
-                            break;
+                        case 2: rows<2, 2>(a, b0, b1, m, fn); break;
                         case 1: rows<4, 1>(a, b0, b1, m, fn); break;
                         default: break;
                     }

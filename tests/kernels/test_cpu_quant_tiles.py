@@ -90,27 +90,27 @@ def test_int4_group_off_the_64_column_blocks_uses_int8_codes(ops):
 
 @pytest.mark.parametrize("k", [8, 40, 200, 576, 1536])
 def test_float_rows_streamed_or_tiled_give_the_same_bits(ops, k):
-    """f32_gemm for 1-9 rows of x, its few-row rows streamed one at a time (tiles_config f32_stream
-    1-4) or through the 4-row tiles (0): within float32 rounding of a float64 product, and the same
-    bits whichever path, and row by row as in one call."""
+    """f32_gemm for 1-10 rows of x, weight rows streamed one at a time for up to tiles_config's
+    f32_stream rows (1, 2, 4, 8) or through the tiles (0): within float32 rounding of a float64
+    product, and the same bits whichever path, and row by row as in one call."""
     from llmopt import defaults
     g = torch.Generator().manual_seed(k)
     try:
         for n in (1, 7, 193):
             w = torch.randn(n, k, generator=g)
-            for m in range(1, 10):
+            for m in range(1, 11):
                 x = torch.randn(m, k, generator=g)
                 ref = x.double() @ w.double().t()
                 bound = 1e-6 * (x.double().abs() @ w.double().abs().t()) + 1e-7
                 ops.tiles_config(-1, 0, 0, 0)
                 tiled = ops.f32_gemm(x, w)
                 assert bool(((tiled.double() - ref).abs() <= bound).all()), (n, m)
-                for stream in (1, 2, 3, 4):
+                for stream in (1, 2, 4, 8):
                     ops.tiles_config(-1, 0, 0, stream)
                     assert torch.equal(ops.f32_gemm(x, w), tiled), (n, m, stream)
                     rows = torch.cat([ops.f32_gemm(x[i:i + 1].contiguous(), w) for i in range(m)])
                     assert torch.equal(rows, tiled), (n, m, stream)
         with pytest.raises(RuntimeError, match="f32_stream"):
-            ops.tiles_config(-1, 0, 0, 5)
+            ops.tiles_config(-1, 0, 0, 9)
     finally:
         ops.tiles_config(-1, 0, 0, defaults.CPU_F32_STREAM_MAX_ROWS)
