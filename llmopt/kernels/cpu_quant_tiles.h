@@ -226,7 +226,7 @@ struct streams_rows<Fn, std::void_t<decltype(Fn::stream_rows)>> : std::bool_cons
 
 template <class Fn>
 inline bool streamed(const Args& a) {
-    if constexpr (streams_rows<Fn>::value) return a.M <= f32_stream_rows;
+    if constexpr (streams_rows<Fn>::value) return a.M >= 1 && a.M <= f32_stream_rows;
     return false;
 }
 
@@ -253,7 +253,8 @@ void run(const Args& a, Fn fn) {
                     case 5: rows<1, 5>(a, n0, n1, 0, fn); break;
                     case 6: rows<1, 6>(a, n0, n1, 0, fn); break;
                     case 7: rows<1, 7>(a, n0, n1, 0, fn); break;
-                    default: rows<1, 8>(a, n0, n1, 0, fn); break;
+                    case 8: rows<1, 8>(a, n0, n1, 0, fn); break;
+                    default: break;
                 }
             } else if (a.M == 1) {
                 rows<4, 1>(a, n0, n1, 0, fn);

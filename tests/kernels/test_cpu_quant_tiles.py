@@ -92,7 +92,7 @@ def test_int4_group_off_the_64_column_blocks_uses_int8_codes(ops):
 def test_float_rows_streamed_or_tiled_give_the_same_bits(ops, k):
     """f32_gemm for 1-10 rows of x, weight rows streamed one at a time for up to tiles_config's
     f32_stream rows (1, 2, 4, 8) or through the tiles (0): within float32 rounding of a float64
-    product, and the same bits whichever path, and row by row as in one call."""
+    product, and the same bits whichever path, and row by row as in one call; no rows, no output."""
     from llmopt import defaults
     g = torch.Generator().manual_seed(k)
     try:
@@ -110,6 +110,7 @@ def test_float_rows_streamed_or_tiled_give_the_same_bits(ops, k):
                     assert torch.equal(ops.f32_gemm(x, w), tiled), (n, m, stream)
                     rows = torch.cat([ops.f32_gemm(x[i:i + 1].contiguous(), w) for i in range(m)])
                     assert torch.equal(rows, tiled), (n, m, stream)
+            assert ops.f32_gemm(torch.empty(0, k), w).shape == (0, n)   # a step that scores no row
         with pytest.raises(RuntimeError, match="f32_stream"):
             ops.tiles_config(-1, 0, 0, 9)
     finally:
