@@ -120,6 +120,7 @@ void float_linear(Args a, int64_t kind, const uint8_t* w, std::vector<float>& xs
     switch (kind) {
         case KF32:
             if (panels) f32_panels(a, SrcF32{reinterpret_cast<const float*>(w)});
+            else if (a.M <= f32_stream_rows) f32_rows(a, reinterpret_cast<const float*>(w));
             else run(a, Fn8<F32>{w});
             break;
         case KW8:

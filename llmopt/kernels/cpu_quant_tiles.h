@@ -15,7 +15,7 @@ namespace llmopt_cpu_tiles {
 // software prefetch distance, in tiles of rows: the hardware prefetchers do not follow NR interleaved
 // row streams (a 2-thread GEMV read ~8 GB/s from memory without, ~15 with; 1, 4, 8 measured no better)
 constexpr int64_t PF = 2;
-// float linears of at most this many rows stream their weight rows one at a time (row_f32);
+// float linears of at most this many rows (8 at most) take f32_rows, a weight row at a time;
 // set by llmopt_cpu::tiles_config (llmopt/defaults.py: CPU_F32_STREAM_MAX_ROWS)
 inline int64_t f32_stream_rows = 8;
 // M > 1: output rows per cache block (a multiple of 4; 32 float rows of 1536 columns are 192 KB, in L2)
@@ -100,6 +100,7 @@ inline void zero(__m256 (&v)[NR][MT]) {
 // the hint measured no faster). One FMA chain per x row, as tile8 sums a float row (gs = K): the
 // same bits whichever path and however many rows of x (verified drafts get plain decoding's
 // logits); 2 or 4 chains a row measured no faster.
+// Float weights only: their scale is 1 (tile8's s * d adds nothing).
 template <int MT>
 inline void row_f32(const Args& a, const float* w, int64_t n, int64_t m0) {
     const int64_t K = a.K;
@@ -113,7 +114,7 @@ inline void row_f32(const Args& a, const float* w, int64_t n, int64_t m0) {
         __m256 wv = _mm256_loadu_ps(r + c);
         for (int i = 0; i < MT; ++i) acc[i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i * K + c), acc[i]);
     }
-    for (int i = 0; i < MT; ++i) a.y[(m0 + i) * a.ldy + n] = hsum(acc[i]) * a.s[n * a.s_stride];
+    for (int i = 0; i < MT; ++i) a.y[(m0 + i) * a.ldy + n] = hsum(acc[i]);
 }
 
 // Rows n0..n0+NR of the output for x rows m0..m0+MT; int8 / fp8 codes or floats, K a multiple of 8.
@@ -210,7 +211,6 @@ inline void tile4(const Args& a, const uint8_t* w, int64_t n0, int64_t m0) {
 
 // One kernel over all rows: KERNEL<NR, MT>(args, w, n0, m0). M == 1 (decode) takes 4 output rows at a
 // time (4 independent FMA chains share each x load); M == 2 two rows by two; else 1 row by up to 4.
-// Float weights with at most f32_stream_rows (<= 8) rows of x take one output row at a time (row_f32).
 template <int NR, int MT, class Fn>
 inline void rows(const Args& a, int64_t n0, int64_t n1, int64_t m0, Fn fn) {
     int64_t n = n0;
@@ -218,22 +218,9 @@ inline void rows(const Args& a, int64_t n0, int64_t n1, int64_t m0, Fn fn) {
     for (; n < n1; ++n) fn.template operator()<1, MT>(a, n, m0);
 }
 
-// Kernels that stream their weight rows one at a time for up to f32_stream_rows rows of x (Fn::stream_rows)
-template <class Fn, class = void>
-struct streams_rows : std::false_type {};
-template <class Fn>
-struct streams_rows<Fn, std::void_t<decltype(Fn::stream_rows)>> : std::bool_constant<Fn::stream_rows> {};
-
-template <class Fn>
-inline bool streamed(const Args& a) {
-    if constexpr (streams_rows<Fn>::value) return a.M >= 1 && a.M <= f32_stream_rows;
-    return false;
-}
-
-template <class Fn>
-void run(const Args& a, Fn fn) {
-    // contiguous row ranges per thread, aligned to 4 rows
-    int64_t N = a.N;
+// body(n0, n1) on each thread's contiguous range of the N output rows, aligned to 4 rows
+template <class Body>
+inline void split_rows(int64_t N, Body body) {
 #pragma omp parallel
     {
 #ifdef _OPENMP
@@ -243,36 +230,49 @@ void run(const Args& a, Fn fn) {
 #endif
         int64_t per = ((N + T - 1) / T + 3) / 4 * 4;
         int64_t n0 = std::min<int64_t>(N, t * per), n1 = std::min<int64_t>(N, n0 + per);
-        if (n0 < n1) {
-            if (streamed<Fn>(a)) {   // every row of x in one pass over each weight row
-                switch (a.M) {
-                    case 1: rows<1, 1>(a, n0, n1, 0, fn); break;
-                    case 2: rows<1, 2>(a, n0, n1, 0, fn); break;
-                    case 3: rows<1, 3>(a, n0, n1, 0, fn); break;
-                    case 4: rows<1, 4>(a, n0, n1, 0, fn); break;
-                    case 5: rows<1, 5>(a, n0, n1, 0, fn); break;
-                    case 6: rows<1, 6>(a, n0, n1, 0, fn); break;
-                    case 7: rows<1, 7>(a, n0, n1, 0, fn); break;
-                    case 8: rows<1, 8>(a, n0, n1, 0, fn); break;
+        if (n0 < n1) body(n0, n1);
+    }
+}
+
+// Float weights [N, K] for 1 to 8 rows of x: row_f32 over every output row (no rows: nothing)
+inline void f32_rows(const Args& a, const float* w) {
+    split_rows(a.N, [&](int64_t n0, int64_t n1) {
+        auto each = [&](auto mt) {
+            for (int64_t n = n0; n < n1; ++n) row_f32<decltype(mt)::value>(a, w, n, 0);
+        };
+        switch (a.M) {
+            case 1: each(std::integral_constant<int, 1>{}); break;
+            case 2: each(std::integral_constant<int, 2>{}); break;
+            case 3: each(std::integral_constant<int, 3>{}); break;
+            case 4: each(std::integral_constant<int, 4>{}); break;
+            case 5: each(std::integral_constant<int, 5>{}); break;
+            case 6: each(std::integral_constant<int, 6>{}); break;
+            case 7: each(std::integral_constant<int, 7>{}); break;
+            case 8: each(std::integral_constant<int, 8>{}); break;
+            default: break;
+        }
+    });
+}
+
+template <class Fn>
+void run(const Args& a, Fn fn) {
+    split_rows(a.N, [&](int64_t n0, int64_t n1) {
+        if (a.M == 1) {
+            rows<4, 1>(a, n0, n1, 0, fn);
+        } else {   // a block of RB rows stays in cache while every 4 rows of x pass over it
+            for (int64_t b0 = n0; b0 < n1; b0 += RB) {
+                const int64_t b1 = std::min(n1, b0 + RB);
+                int64_t m = 0;
+                for (; m + 4 <= a.M; m += 4) rows<1, 4>(a, b0, b1, m, fn);
+                switch (a.M - m) {
+                    case 3: rows<1, 3>(a, b0, b1, m, fn); break;
+                    case 2: rows<2, 2>(a, b0, b1, m, fn); break;
+                    case 1: rows<4, 1>(a, b0, b1, m, fn); break;
                     default: break;
-                }
-            } else if (a.M == 1) {
-                rows<4, 1>(a, n0, n1, 0, fn);
-            } else {   // a block of RB rows stays in cache while every 4 rows of x pass over it
-                for (int64_t b0 = n0; b0 < n1; b0 += RB) {
-                    const int64_t b1 = std::min(n1, b0 + RB);
-                    int64_t m = 0;
-                    for (; m + 4 <= a.M; m += 4) rows<1, 4>(a, b0, b1, m, fn);
-                    switch (a.M - m) {
-                        case 3: rows<1, 3>(a, b0, b1, m, fn); break;
-                        case 2: rows<2, 2>(a, b0, b1, m, fn); break;
-                        case 1: rows<4, 1>(a, b0, b1, m, fn); break;
-                        default: break;
-                    }
                 }
             }
         }
-    }
+    });
 }
 
 // Float GEMM for many rows (the decode layer's linears with float activations and the float head at
@@ -434,13 +434,8 @@ void f32_panels(const Args& a, Src src) {
 template <class D>
 struct Fn8 {
     const uint8_t* w;
-    static constexpr bool stream_rows = std::is_same_v<D, F32>;   // few rows: row_f32, a weight row at a time
     template <int NR, int MT>
-    void operator()(const Args& a, int64_t n, int64_t m) const {
-        if constexpr (std::is_same_v<D, F32> && NR == 1)
-            if (a.M <= f32_stream_rows) return row_f32<MT>(a, reinterpret_cast<const float*>(w), n, m);
-        tile8<D, NR, MT>(a, w, n, m);
-    }
+    void operator()(const Args& a, int64_t n, int64_t m) const { tile8<D, NR, MT>(a, w, n, m); }
 };
 
 struct Fn4 {
