@@ -1,6 +1,7 @@
 """AsyncLLMEngine: the engine behind an asyncio server. One background task owns the engine: it
-queues and aborts requests between steps, runs each step in a worker thread (so the event loop
-keeps serving), and routes outputs to one stream per request.
+queues and aborts requests between steps, runs each step in one long-lived compute thread
+(engine/threads.py: the same OS thread every step, so the process keeps one OpenMP team; the event
+loop keeps serving meanwhile), and routes outputs to one stream per request.
 
     engine = AsyncLLMEngine(LLMEngine(args))
     stream = engine.add_request("a", "Hello", SamplingParams(max_tokens=8))   # validated here
@@ -28,6 +29,7 @@ from llmopt.engine.args import EngineArgs
 from llmopt.engine.engine import EngineDeadError, LLMEngine
 from llmopt.engine.outputs import RequestOutput
 from llmopt.engine.sampling_params import SamplingParams
+from llmopt.engine.threads import ComputeThread
 from llmopt.errors import LLMOptError, UserInputError
 
 log = logging.getLogger("llmopt.engine")
@@ -97,6 +99,7 @@ class AsyncLLMEngine:
         self._aborts: list[tuple[str, BaseException | None]] = []
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+        self._compute: ComputeThread | None = None   # made by the first loop: the thread that steps
         self._ids = itertools.count()
         self._seen: dict[str, int] = {}             # request id -> output tokens counted so far
         self._dead: EngineDeadError | None = None   # set once a step failed for no request's reason
@@ -126,6 +129,8 @@ class AsyncLLMEngine:
     def _ensure_loop(self) -> None:
         if self._wake is None:
             self._wake = asyncio.Event()
+        if self._compute is None:
+            self._compute = ComputeThread(name="llmopt-engine")
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run(), name="llmopt-engine")
 
@@ -179,6 +184,9 @@ class AsyncLLMEngine:
         if self._task is not None and not self._task.done():
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self._compute is not None:
+            self._compute.close()
+            self._compute = None
 
     # -- the loop ------------------------------------------------------------------------------
     def _apply(self) -> None:
@@ -237,7 +245,7 @@ class AsyncLLMEngine:
                     await self._wake.wait()
                 continue
             try:
-                outputs = await asyncio.to_thread(self.engine.step)
+                outputs = await self._compute.run_async(self.engine.step)
             except Exception as e:  # noqa: BLE001 - no request explains it: the engine is dead
                 self._die(e)
                 return
