@@ -205,6 +205,7 @@ _COUNTERS = {
     "spec_decode_num_draft_tokens": "spec_draft_tokens", "spec_decode_num_accepted_tokens": "spec_accepted_tokens",
 }
 _KV_GAUGES = ("kv_cache_usage_perc", "gpu_cache_usage_perc")
+_HISTOGRAMS = {"request_time_per_output_token_seconds": "tpot"}   # their _sum and _count, as tpot_sum, tpot_count
 
 
 @dataclass
@@ -231,6 +232,10 @@ def parse_prometheus(text: str) -> ServerCounters:
                 out.values[key] = out.values.get(key, 0.0) + s.value
             elif name in _KV_GAUGES:
                 kv.append(s.value)
+            elif name.endswith(("_sum", "_count")) and name.rsplit("_", 1)[0] in _HISTOGRAMS:
+                stem, part = name.rsplit("_", 1)
+                key = f"{_HISTOGRAMS[stem]}_{part}"
+                out.values[key] = out.values.get(key, 0.0) + s.value
     if kv:
         out.kv_usage = float(np.mean(kv))
     return out
@@ -251,6 +256,7 @@ class ServerStats:
     spec_decode_acceptance_rate: float | None = None       # percent, as vLLM
     spec_decode_acceptance_length: float | None = None     # 1 + accepted / drafts
     spec_decode_per_position_acceptance_rates: list[float] | None = None
+    server_mean_tpot_ms: float | None = None   # the server's request_time_per_output_token over the run
 
 
 def server_stats(before: ServerCounters | None, after: ServerCounters | None,
@@ -273,6 +279,10 @@ def server_stats(before: ServerCounters | None, after: ServerCounters | None,
     elif st.prefix_cache_queries == 0:
         st.prefix_cache_hit_rate = 0.0
     st.num_preemptions = diff("num_preemptions")
+    if "tpot_count" in after.values:   # float sums: not through diff's rounding
+        n = after.values["tpot_count"] - before.values.get("tpot_count", 0.0)
+        if n > 0:
+            st.server_mean_tpot_ms = 1000 * (after.values["tpot_sum"] - before.values.get("tpot_sum", 0.0)) / n
     drafts, draft_tokens, accepted = diff("spec_num_drafts"), diff("spec_draft_tokens"), diff("spec_accepted_tokens")
     if draft_tokens:
         st.spec_decode_num_drafts, st.spec_decode_draft_tokens, st.spec_decode_accepted_tokens = \

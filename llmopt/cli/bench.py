@@ -92,7 +92,8 @@ def _result_tables(d: dict[str, Any]) -> list[Table]:
     server = [("Prefix cache hit rate", d["prefix_cache_hit_rate"]), ("KV cache usage mean", d["kv_cache_usage_mean"]),
               ("KV cache usage max", d["kv_cache_usage_max"]), ("Preemptions", d["num_preemptions"]),
               ("Spec acceptance rate (%)", d["spec_decode_acceptance_rate"]),
-              ("Spec acceptance length", d["spec_decode_acceptance_length"])]
+              ("Spec acceptance length", d["spec_decode_acceptance_length"]),
+              ("Server mean TPOT (ms)", d["server_mean_tpot_ms"])]
     rows += [(k, v) for k, v in server if v is not None]
     tables = [output.kv_table(title, rows)]
     if d["failed_reasons"]:

@@ -81,12 +81,16 @@ class ServerMetrics:
                              buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to finish.", names,
                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram(PREFIX + "request_time_per_output_token_seconds",
+                              "Decode time over the output tokens after the first, per request.", names,
+                              buckets=ITL_BUCKETS, registry=r)
         self.queue_time = Histogram(PREFIX + "request_queue_time_seconds", "Arrival to first scheduled.", names,
                                     buckets=LATENCY_BUCKETS, registry=r)
         for reason in ("stop", "length", "abort", "error"):
             self.request_success.labels(**self.labels, finished_reason=reason)
-        self.prompt_tokens.labels(**self.labels)
-        self.generation_tokens.labels(**self.labels)
+        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.tpot,
+                       self.queue_time):   # present (at zero) from the first scrape, as vLLM's
+            metric.labels(**self.labels)
 
     def finished(self, output, arrival: float) -> None:
         """Record a finished RequestOutput (`arrival`: time.monotonic() when the server got it)."""
@@ -104,6 +108,11 @@ class ServerMetrics:
                 self.queue_time.labels(**lb).observe(max(m.first_scheduled_time - arrival, 0.0))
             if m.finished_time is not None:
                 self.e2e.labels(**lb).observe(max(m.finished_time - arrival, 0.0))
+            # vLLM's request_time_per_output_token: decode time over the tokens after the first (with
+            # n > 1 the samples decode side by side: the longest one's tokens)
+            n = max((len(c.token_ids) for c in output.outputs), default=0)
+            if m.first_token_time is not None and m.finished_time is not None and n > 1:
+                self.tpot.labels(**lb).observe(max(m.finished_time - m.first_token_time, 0.0) / (n - 1))
 
     def aborted(self, num_sequences: int, reason: str = "abort") -> None:
         """Sequences that ended without finishing: request_success{abort} when the client left or the

@@ -30,7 +30,7 @@ SCHEMA = [
     "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "num_preemptions",
     "kv_cache_usage_mean", "kv_cache_usage_max", "spec_decode_num_drafts", "spec_decode_draft_tokens",
     "spec_decode_accepted_tokens", "spec_decode_acceptance_rate", "spec_decode_acceptance_length",
-    "spec_decode_per_position_acceptance_rates", "per_category", "compare_hf", "compare_spec",
+    "spec_decode_per_position_acceptance_rates", "server_mean_tpot_ms", "per_category", "compare_hf", "compare_spec",
     "input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times", "errors", "comparison",
 ]
 

@@ -369,3 +369,26 @@ def test_raw_sse_format(http):
     assert events[-1] == "data: [DONE]"
     for e in events[:-1]:
         assert json.loads(e[len("data: "):])["object"] == "text_completion"
+
+
+def test_server_tpot_agrees_with_the_client(server, http):
+    """The server's request_time_per_output_token (/metrics) against what `llmopt bench` measures as
+    a client, over the same streamed requests (one at a time, so the stream's delivery is all that
+    separates the two)."""
+    from llmopt.bench.config import BenchConfig, SamplingSpec
+    from llmopt.bench.datasets import WorkloadSpec
+    from llmopt.bench.runner import run_benchmark
+    from llmopt.bench.schedule import Load
+    before = metrics(http)
+    cfg = BenchConfig(workload=WorkloadSpec("random", num_prompts=4, random_input_len=16, random_output_len=48,
+                                            seed=3),
+                      load=Load(max_concurrency=1), base_url=server.url, api_key=API_KEY, model=MODEL_NAME,
+                      tokenizer=str(server.model_path), sampling=SamplingSpec(ignore_eos=True))
+    d = run_benchmark(cfg).to_dict()
+    after = metrics(http)
+    key = "llmopt:request_time_per_output_token_seconds"
+    n = after[key + "_count"] - before[key + "_count"]
+    server_ms = 1000 * (after[key + "_sum"] - before[key + "_sum"]) / n
+    assert d["completed"] == 4 and n == 4
+    assert d["server_mean_tpot_ms"] == pytest.approx(server_ms, rel=1e-6)   # bench read the same figure
+    assert server_ms == pytest.approx(d["mean_tpot_ms"], rel=0.15, abs=0.5)
