@@ -1,7 +1,8 @@
-"""AsyncLLMEngine: the engine behind an asyncio server. One background task owns the engine: it
-queues and aborts requests between steps, runs each step in one long-lived compute thread
-(engine/threads.py: the same OS thread every step, so the process keeps one OpenMP team; the event
-loop keeps serving meanwhile), and routes outputs to one stream per request.
+"""AsyncLLMEngine: the engine behind an asyncio server. One step loop owns the engine: it
+runs in one long-lived compute thread (engine/threads.py: the same OS thread every step, so the
+process keeps one OpenMP team): it queues and aborts requests between steps and steps again at once,
+never waiting for the event loop, which routes each step's outputs to one stream per request while
+the next step runs.
 
     engine = AsyncLLMEngine(LLMEngine(args))
     stream = engine.add_request("a", "Hello", SamplingParams(max_tokens=8))   # validated here
@@ -19,8 +20,10 @@ it never spins.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -94,16 +97,19 @@ class RequestStream:
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._streams: dict[str, RequestStream] = {}
-        self._adds: list = []                       # prepared prompts to queue before the next step
+        self._streams: dict[str, RequestStream] = {}   # event-loop side only
+        self._lock = threading.Lock()                   # guards _adds and _aborts (loop <-> compute thread)
+        self._adds: list = []                           # prepared prompts to queue before the next step
         self._aborts: list[tuple[str, BaseException | None]] = []
-        self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
-        self._compute: ComputeThread | None = None   # made by the first loop: the thread that steps
+        self._work = threading.Event()                  # set when there is something to queue or abort
+        self._compute: ComputeThread | None = None      # made by the first request: the thread that steps
+        self._stepping: concurrent.futures.Future | None = None   # the step loop running in it
+        self._stopping = False
+        self._event_loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count()
-        self._seen: dict[str, int] = {}             # request id -> output tokens counted so far
-        self._dead: EngineDeadError | None = None   # set once a step failed for no request's reason
-        self.num_steps = 0                          # steps run (a loop that waits runs none)
+        self._seen: dict[str, int] = {}                 # request id -> output tokens counted so far
+        self._dead: EngineDeadError | None = None       # set once a step failed for no request's reason
+        self.num_steps = 0                              # steps run (a loop that waits runs none)
         self.throughput = Throughput()
 
     @classmethod
@@ -126,13 +132,18 @@ class AsyncLLMEngine:
         """Requests added and not yet finished, aborted or failed."""
         return len(self._streams)
 
+    @property
+    def stepping(self) -> bool:
+        """Whether the step loop runs (it waits, without spinning, while there is no work)."""
+        return self._stepping is not None and not self._stepping.done()
+
     def _ensure_loop(self) -> None:
-        if self._wake is None:
-            self._wake = asyncio.Event()
+        self._event_loop = asyncio.get_running_loop()
         if self._compute is None:
             self._compute = ComputeThread(name="llmopt-engine")
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="llmopt-engine")
+        if not self.stepping:
+            self._stopping = False
+            self._stepping = self._compute.submit(self._step_loop)
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None,
@@ -150,9 +161,10 @@ class AsyncLLMEngine:
                                              prompt_token_ids)
         stream = RequestStream(self, rid)
         self._streams[rid] = stream
-        self._adds.append(parent)
+        with self._lock:
+            self._adds.append(parent)
         self._ensure_loop()
-        self._wake.set()
+        self._work.set()
         return stream
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -170,9 +182,9 @@ class AsyncLLMEngine:
     def abort(self, request_id: str, error: BaseException | None = None) -> None:
         """Stop a request before the next step; its stream ends (raising `error` if given)."""
         if request_id in self._streams:
-            self._aborts.append((request_id, error))
-            if self._wake is not None:
-                self._wake.set()
+            with self._lock:
+                self._aborts.append((request_id, error))
+            self._work.set()
 
     def abort_all(self, error: BaseException | None = None) -> None:
         """Abort every open request (a shutdown); their streams raise `error` if given."""
@@ -180,30 +192,61 @@ class AsyncLLMEngine:
             self.abort(rid, error)
 
     async def stop(self) -> None:
-        """Stop the background loop (the server is going away)."""
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        """Stop the step loop and its thread (the server is going away)."""
+        self._stopping = True
+        self._work.set()
         if self._compute is not None:
-            self._compute.close()
-            self._compute = None
+            compute, self._compute = self._compute, None
+            await asyncio.to_thread(compute.close)   # after the step in flight
 
-    # -- the loop ------------------------------------------------------------------------------
-    def _apply(self) -> None:
-        """Queue the new requests and apply the aborts (between steps: the engine is not stepping)."""
-        adds, self._adds = self._adds, []
-        for parent in adds:
-            stream = self._streams.get(parent.request_id)
-            if stream is None:   # aborted before it was queued
+    # -- the step loop, in the compute thread ----------------------------------------------------
+    def _post(self, fn, *args) -> bool:
+        """Run fn(*args) in the event loop's thread (the streams live there); False once it is closed."""
+        try:
+            self._event_loop.call_soon_threadsafe(fn, *args)
+            return True
+        except RuntimeError:
+            return False
+
+    def _step_loop(self) -> None:
+        """Queue the new requests and apply the aborts, then step, until stopped: the engine's next
+        step never waits for the event loop, which routes each step's outputs meanwhile."""
+        engine = self.engine
+        while not self._stopping:
+            self._work.clear()
+            with self._lock:
+                adds, self._adds = self._adds, []
+                aborts, self._aborts = self._aborts, []
+            failed = []
+            for parent in adds:
+                try:
+                    engine.add_prepared(parent)
+                except Exception as e:  # noqa: BLE001 - a bad request fails alone
+                    failed.append((parent.request_id, e))
+            for rid, _ in aborts:
+                engine.abort_request(rid)
+            if (failed or aborts) and not self._post(self._end_streams, failed, aborts):
+                return
+            if not engine.has_unfinished_requests():
+                self._work.wait()
                 continue
             try:
-                self.engine.add_prepared(parent)
-            except Exception as e:  # noqa: BLE001 - a bad request fails alone
-                del self._streams[parent.request_id]
-                stream.queue.put_nowait(e)
-        aborts, self._aborts = self._aborts, []
+                outputs = engine.step()
+            except Exception as e:  # noqa: BLE001 - no request explains it: the engine is dead
+                self._post(self._die, e)
+                return
+            self.num_steps += 1
+            if not self._post(self._route, outputs):
+                return
+
+    # -- the event loop's side -------------------------------------------------------------------
+    def _end_streams(self, failed: list[tuple[str, BaseException]],
+                     aborts: list[tuple[str, BaseException | None]]) -> None:
+        for rid, error in failed:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.queue.put_nowait(error)
         for rid, error in aborts:
-            self.engine.abort_request(rid)
             self._seen.pop(rid, None)
             stream = self._streams.pop(rid, None)
             if stream is not None:
@@ -233,21 +276,6 @@ class AsyncLLMEngine:
         for stream in self._streams.values():
             stream.queue.put_nowait(EngineDeadError(message))
         self._streams.clear()
-        self._adds.clear()
-        self._aborts.clear()
-
-    async def _run(self) -> None:
-        while True:
-            self._apply()
-            if not self.engine.has_unfinished_requests():
-                self._wake.clear()
-                if not self._adds and not self._aborts:
-                    await self._wake.wait()
-                continue
-            try:
-                outputs = await self._compute.run_async(self.engine.step)
-            except Exception as e:  # noqa: BLE001 - no request explains it: the engine is dead
-                self._die(e)
-                return
-            self.num_steps += 1
-            self._route(outputs)
+        with self._lock:
+            self._adds.clear()
+            self._aborts.clear()

@@ -251,7 +251,7 @@ def test_a_failure_no_request_explains_kills_the_engine(model, loaded, monkeypat
         assert r.status_code == 503 and r.json()["error"]["code"] == 503
         steps = engine.num_steps
         time.sleep(0.5)
-        assert engine.num_steps == steps and engine._task.done()   # stopped, not spinning
+        assert engine.num_steps == steps and not engine.stepping   # stopped, not spinning
 
 
 # -- scheduling policy -------------------------------------------------------------------------------
