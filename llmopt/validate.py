@@ -7,7 +7,8 @@ of llmopt.errors' one-line errors that says what was given and what is allowed:
 - `decode_utf8`: text the user wrote (prompts from --file or stdin, a YAML recipe), strict UTF-8.
 - `available_memory` / `check_kv_cache_memory`: a KV cache larger than the device is refused up
   front, as vLLM refuses one, instead of failing inside the allocator.
-- `SEED_MIN`, `SEED_MAX`: a seed is a 64-bit integer (vLLM's range: torch.long).
+- `SEED_MIN`, `SEED_MAX`: a seed is a 64-bit integer (vLLM's range: torch.long); `sample_seed`:
+  the seed of sample i of n, inside that range.
 
 No torch at import time (kv-estimate imports this and stays fast)."""
 
@@ -22,8 +23,13 @@ from typing import Any
 from llmopt.errors import ModelLoadError, UserInputError
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1      # torch.iinfo(torch.long), as vLLM's seed field
-GENERATOR_SEED_MAX = (1 << 64) - 1                  # torch.Generator takes up to this (n > 1: seed + i)
 SAFETENSORS_MAX_HEADER = 100 << 20                  # the safetensors library refuses larger headers
+
+
+def sample_seed(seed: int, i: int) -> int:
+    """Sample i's seed for a request of n samples seeded with `seed`: seed + i, wrapped into
+    [SEED_MIN, SEED_MAX] (the same as seed + i for every seed but the last n - 1)."""
+    return (seed + i - SEED_MIN) % (1 << 64) + SEED_MIN
 
 
 def safetensors_header(path: str | Path) -> dict[str, Any]:

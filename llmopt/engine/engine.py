@@ -37,6 +37,7 @@ from llmopt.engine.sampling_params import SamplingParams
 from llmopt.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from llmopt.errors import LLMOptError, UserInputError
 from llmopt.models.loader import LoadedModel, load_model
+from llmopt.validate import sample_seed
 
 if TYPE_CHECKING:
     from llmopt.spec.decoder import SpecDecodingStats
@@ -202,7 +203,7 @@ class LLMEngine:
         children = []
         for i in range(params.n):
             p = params if params.n == 1 else dataclasses.replace(
-                params, n=1, seed=None if params.seed is None else params.seed + i)
+                params, n=1, seed=None if params.seed is None else sample_seed(params.seed, i))
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             detok = IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens) \
                 if self.args.detokenize and self.tokenizer is not None else None

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from llmopt import defaults
 from llmopt.errors import UserInputError
-from llmopt.validate import GENERATOR_SEED_MAX, SEED_MAX, SEED_MIN
+from llmopt.validate import SEED_MAX, SEED_MIN
 
 
 @dataclass
@@ -50,7 +50,7 @@ class SamplingParams:
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens must be <= max_tokens"),
             (self.logprobs is None or 0 <= self.logprobs <= defaults.MAX_LOGPROBS,
              f"logprobs must be in [0, {defaults.MAX_LOGPROBS}] (vLLM's max_logprobs), got {self.logprobs}"),
-            (self.seed is None or SEED_MIN <= self.seed <= GENERATOR_SEED_MAX, f"seed must fit in 64 bits "
+            (self.seed is None or SEED_MIN <= self.seed <= SEED_MAX, f"seed must fit in 64 bits "
              f"([{SEED_MIN}, {SEED_MAX}]), got {self.seed}"),
             (all(s for s in self.stop), "stop strings must not be empty"),
         ]

@@ -41,7 +41,7 @@ from llmopt.engine.outputs import RequestOutput
 from llmopt.engine.sampling_params import SamplingParams
 from llmopt.errors import LLMOptError, UserInputError
 from llmopt.serve.metrics import CONTENT_TYPE, ServerMetrics
-from llmopt.serve.protocol import (MAX_LOGPROBS, SEED_MAX, SEED_MIN, ChatCompletionRequest, CompletionRequest,
+from llmopt.serve.protocol import (ChatCompletionRequest, CompletionRequest,
                                    DetokenizeRequest, OpenAIError, TokenizeRequest, error_body, message_text)
 
 log = logging.getLogger("llmopt.serve")
@@ -222,17 +222,6 @@ class OpenAIServer:
     def sampling_params(self, r, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if r.n > self.max_n:
             raise OpenAIError(f"n must be at most {self.max_n}, got {r.n}", 400, "n")
-        if r.seed is not None and not SEED_MIN <= r.seed <= SEED_MAX:
-            raise OpenAIError("seed must fit in 64 bits", 400, "seed")
-        if logprobs is not None and logprobs > MAX_LOGPROBS:
-            raise OpenAIError(f"logprobs must be at most {MAX_LOGPROBS}, got {logprobs}", 400, "logprobs")
-        if r.top_k is not None and r.top_k > self.vocab_size:
-            raise OpenAIError(f"top_k must be at most the vocabulary size {self.vocab_size}, got {r.top_k}",
-                              400, "top_k")
-        if max_tokens is not None and max_tokens < 1:
-            raise OpenAIError(f"max_tokens must be at least 1, got {max_tokens}", 400, "max_tokens")
-        if r.stop_token_ids and any(not 0 <= t < self.vocab_size for t in r.stop_token_ids):
-            raise OpenAIError(f"stop_token_ids must be token ids in [0, {self.vocab_size})", 400, "stop_token_ids")
         if r.priority and self.llm.args.scheduling_policy != "priority":
             raise OpenAIError(f"priority {r.priority} is only allowed with --scheduling-policy priority (this "
                               f"server runs {self.llm.args.scheduling_policy}): send 0 or omit it", 400, "priority")
@@ -719,12 +708,8 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig) -> FastAPI:
         server.check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise OpenAIError("top_logprobs needs logprobs: true", 400, "top_logprobs")
-        if body.top_logprobs is not None and body.top_logprobs < 0:
-            raise OpenAIError(f"top_logprobs must be >= 0, got {body.top_logprobs}", 400, "top_logprobs")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        if logprobs is not None and logprobs > MAX_LOGPROBS:
-            raise OpenAIError(f"top_logprobs must be at most {MAX_LOGPROBS}, got {logprobs}", 400, "top_logprobs")
         text = server.chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
         ids = server.tokenize_text(text, add_special_tokens=False, what="messages")
         params = server.sampling_params(body, max_tokens, logprobs)

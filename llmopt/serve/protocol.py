@@ -12,8 +12,6 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
-MAX_LOGPROBS = 20          # OpenAI's and vLLM's cap on logprobs / top_logprobs
-SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1   # vLLM: a seed must fit 64 bits
 
 
 class OpenAIError(Exception):

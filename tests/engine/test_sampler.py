@@ -130,3 +130,20 @@ def test_min_tokens_blocks_eos_and_logprobs_are_the_model_distribution():
 def test_bad_params_are_user_errors(bad):
     with pytest.raises(UserInputError):
         SamplingParams(**bad)
+
+
+def test_one_seed_range_and_the_seeds_of_n_samples():
+    """A seed is a torch.long (vLLM's range) everywhere; sample i of n gets seed + i, wrapped into it."""
+    import pytest
+
+    from llmopt.engine.sampling_params import SamplingParams
+    from llmopt.errors import UserInputError
+    from llmopt.validate import SEED_MAX, SEED_MIN, sample_seed
+    assert (SEED_MIN, SEED_MAX) == (-(2 ** 63), 2 ** 63 - 1)
+    assert SamplingParams(seed=SEED_MAX).seed == SEED_MAX and SamplingParams(seed=SEED_MIN).seed == SEED_MIN
+    for bad in (SEED_MAX + 1, SEED_MIN - 1, 2 ** 64 - 1):
+        with pytest.raises(UserInputError, match="seed must fit in 64 bits"):
+            SamplingParams(seed=bad)
+    assert [sample_seed(5, i) for i in range(3)] == [5, 6, 7]
+    assert sample_seed(SEED_MAX, 1) == SEED_MIN and sample_seed(-1, 1) == 0
+    assert all(SEED_MIN <= sample_seed(SEED_MAX - 1, i) <= SEED_MAX for i in range(4))
