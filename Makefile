@@ -1,7 +1,7 @@
 # Two commands do all the set-up on a fresh clone:
 #   make run    creates .venv, installs llmopt and the default model, runs the main job
 #   make test   creates .venv, installs llmopt with its test and interop extras (peer loaders:
-#               gptqmodel, optimum, compressed-tensors), runs the test suite
+#               gptqmodel, optimum, compressed-tensors), runs ruff and the test suite
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -22,6 +22,7 @@ run: $(STAMP)
 	$(BIN)/python scripts/main_job.py $(ARGS)
 
 test: $(STAMP)
+	$(BIN)/ruff check llmopt tests scripts
 	$(BIN)/python -m pytest -q
 
 clean:

@@ -41,11 +41,17 @@ SPEC_CONFIG_FILE = "spec_config.json"   # what `llmopt spec-tune` writes and --s
 BENCH_SPEC_NUM_TOKENS = 4       # bench --spec METHOD without --num-speculative-tokens
 CPU_QUANT_KERNEL_MAX_ROWS = 32   # quantized CPU GEMMs: own kernel up to this many rows, else dequantized slices + BLAS
 LM_HEAD_DTYPE = "auto"           # auto: int8 head for quantized models on the CPU | float | int8
-ENFORCE_EAGER = True             # never compile the decode step unless --no-enforce-eager (docs/benchmarks.md: +5-8%, 27 s cold compile)
-CPU_DECODE_MAX_ROWS = MAX_NUM_BATCHED_TOKENS   # CPU steps of up to this many tokens run one C++ call per layer (engine/cpu_decode.py)
-CPU_IDOT_PANEL_MIN_ROWS = 17     # with AVX-512 VNNI, int8-activation linears of this many rows or more run as panels (cpu_idot_tiles.h)
-CPU_F32_PANEL_MIN_ROWS = 32      # the C++ layer's float linears: float panels from this many rows (beat MKL there), else the float tile
-CPU_F32_STREAM_MAX_ROWS = 8      # float linears of 1 to this many rows (at most 8) read each weight row once, front to back (cpu_quant_tiles.h row_f32: 1.5-2x the tiles on the AMD EPYC machine)
+# never compile the decode step unless --no-enforce-eager (docs/benchmarks.md: +5-8%, 27 s cold compile)
+ENFORCE_EAGER = True
+# CPU steps of up to this many tokens run one C++ call per layer (engine/cpu_decode.py)
+CPU_DECODE_MAX_ROWS = MAX_NUM_BATCHED_TOKENS
+# with AVX-512 VNNI, int8-activation linears of this many rows or more run as panels (cpu_idot_tiles.h)
+CPU_IDOT_PANEL_MIN_ROWS = 17
+# the C++ layer's float linears: float panels from this many rows (beat MKL there), else the float tile
+CPU_F32_PANEL_MIN_ROWS = 32
+# float linears of 1 to this many rows (at most 8) read each weight row once, front to back
+# (cpu_quant_tiles.h row_f32: 1.5-2x the tiles on the AMD EPYC machine)
+CPU_F32_STREAM_MAX_ROWS = 8
 CPU_DECODE_INT8_ACTIVATIONS = True   # those steps: int8 / int4 weights times int8 activations (per 32 columns, as llama.cpp)
 COMPILE_BATCH_BUCKETS = (1, 2, 4, 8, 16)  # decode steps of up to 16 sequences run a compiled graph, padded to these
 COMPILE_GEMV_MAX_ROWS = 2        # compiled step: float linears of at most this many rows as an inductor multiply-sum

@@ -67,7 +67,8 @@ def main() -> None:
     port = free_port()
     log_path = REPO / f".bench-serve-{port}.log"
     log = open(log_path, "wb")
-    server = subprocess.Popen(serve_command(["--uvicorn-log-level", "warning"], port), stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+    server = subprocess.Popen(serve_command(["--uvicorn-log-level", "warning"], port), stdout=log,
+                              stderr=subprocess.STDOUT, cwd=REPO,
                               env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
     url = f"http://127.0.0.1:{port}"
     runs: dict[str, dict[int, list[dict]]] = {"online": {c: [] for c in levels}, "offline": {c: [] for c in levels}}

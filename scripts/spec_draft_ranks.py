@@ -47,7 +47,7 @@ def main() -> None:
                                speculative_config={"method": args.method, "model": args.spec_model,
                                                    "num_speculative_tokens": args.k}))
     tok = eng.tokenizer
-    head, target = eng.drafter.proposer.head, eng.loaded.model
+    head = eng.drafter.proposer.head
     ranked: list[list[int]] = []          # the head's top ids per draft row, in drafting order
     pick = head.logits_to_target
 

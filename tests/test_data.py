@@ -4,7 +4,6 @@ same file, .jsonl and Hugging Face rules, differing only in the default split (t
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest

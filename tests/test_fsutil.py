@@ -122,7 +122,7 @@ def test_check_output_folder_refusals(tmp_path, monkeypatch):
         fsutil.check_output_folder(tmp_path / "afile", True, [src])
     with pytest.raises(UserInputError, match="is a file"):
         fsutil.check_output_folder(tmp_path / "afile" / "out", True, [src])
-    monkeypatch.chdir(notes_parent := tmp_path / "elsewhere")
+    monkeypatch.chdir(tmp_path / "elsewhere")
     with pytest.raises(UserInputError, match="working directory"):
         fsutil.check_output_folder(tmp_path, True, [])
     monkeypatch.chdir(tmp_path)

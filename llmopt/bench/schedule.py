@@ -16,7 +16,6 @@ A sweep (GuideLLM's): synchronous (one request at a time), then throughput (all 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Iterator
 
@@ -111,7 +110,3 @@ def synchronous(base: Load) -> Load:
 
 def throughput(base: Load) -> Load:
     return replace(base, request_rate=INF, strategy="throughput")
-
-
-def rate_text(rate: float) -> str:
-    return "inf" if math.isinf(rate) else f"{rate:g}"

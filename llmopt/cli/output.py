@@ -20,12 +20,12 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
 from rich.table import Table
 from typer.core import TyperGroup
 
+from llmopt import fsutil
+from llmopt.errors import LLMOptError
+
 # click's exceptions as the installed Typer raises them (recent Typer vendors click as typer._click)
 _click = sys.modules[typer.BadParameter.__module__]
 _ABORTS = tuple({typer.Abort, getattr(_click, "Abort", typer.Abort)})
-
-from llmopt import fsutil
-from llmopt.errors import LLMOptError
 
 out = Console(soft_wrap=True)
 err = Console(stderr=True)

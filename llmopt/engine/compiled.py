@@ -26,10 +26,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from llmopt import defaults
 from llmopt.quant.fuse import drop_stale

@@ -111,7 +111,8 @@ def param_bytes(p: Param, shape: tuple[int, ...], fmt: str, group: int, base: in
     return numel * base
 
 
-_GROUP_PATTERNS = (("embed_tokens", "embed"), ("token_embd", "embed"), ("lm_head", "head"), ("norm", "norm"), ("experts", "experts"), ("ffn_", "mlp"), ("mlp", "mlp"), ("gate.", "router"))
+_GROUP_PATTERNS = (("embed_tokens", "embed"), ("token_embd", "embed"), ("lm_head", "head"), ("norm", "norm"),
+                   ("experts", "experts"), ("ffn_", "mlp"), ("mlp", "mlp"), ("gate.", "router"))
 
 
 def _file_group(name: str) -> str:

@@ -1,7 +1,8 @@
 """Run windows through the model and score them: batched forward (the last decoder layer only from
-the first scored position on), logits only for the scored positions, computed `defaults.LOSS_CHUNK_TOKENS` rows at a time (a chunked cross-entropy: never a
-full float32 [tokens, vocab] logits tensor for a window). Optionally the same rows through a base
-model, for KL divergence and top-1 agreement in the same pass."""
+the first scored position on), logits only for the scored positions, computed
+`defaults.LOSS_CHUNK_TOKENS` rows at a time (a chunked cross-entropy: never a full float32
+[tokens, vocab] logits tensor for a window). Optionally the same rows through a base model, for KL
+divergence and top-1 agreement in the same pass."""
 
 from __future__ import annotations
 

@@ -130,9 +130,9 @@ def _merge_kernel(part_ptr, ml_ptr, qsl_ptr, o_ptr, stride_on, stride_oh, num_sp
     mask_p = offs_p < num_splits
     base = (s * HQ + hq) * num_splits + offs_p
     m = tl.load(ml_ptr + base * 2, mask=mask_p, other=float("-inf"))
-    l = tl.load(ml_ptr + base * 2 + 1, mask=mask_p, other=0.0)
+    lsum = tl.load(ml_ptr + base * 2 + 1, mask=mask_p, other=0.0)
     m_max = tl.max(m, 0)
-    w = tl.where(l > 0, l * tl.exp2(m - m_max), 0.0)
+    w = tl.where(lsum > 0, lsum * tl.exp2(m - m_max), 0.0)
     part = tl.load(part_ptr + base[:, None] * D + offs_d[None, :], mask=mask_p[:, None] & (offs_d[None, :] < D),
                    other=0.0)
     o = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)

@@ -122,11 +122,6 @@ def _key(sha: str) -> str:
     return f"gguf-{sha[:24]}-v{CONVERTER_VERSION}"
 
 
-def cache_key(path: Path, cache_dir: Path) -> str:
-    """The cache folder's name: the GGUF's content (not its path or mtime) and the converter version."""
-    return _key(_lookup_hash(Path(path), cache_dir)[0])
-
-
 def cache_problem(folder: Path) -> str | None:
     """Why a cached conversion cannot be used (a missing manifest or file, a wrong size or hash), or None."""
     try:

@@ -20,12 +20,6 @@ import torch.nn as nn
 from llmopt.quant.rtn import fake_quantize
 
 
-def channel_mean_abs(xs: list[torch.Tensor]) -> torch.Tensor:
-    total = sum(x.abs().reshape(-1, x.shape[-1]).sum(0, dtype=torch.float64) for x in xs)
-    count = sum(x.reshape(-1, x.shape[-1]).shape[0] for x in xs)
-    return (total / count).float()
-
-
 def weight_mean_abs(weights: list[torch.Tensor], group_size: int) -> torch.Tensor:
     """Mean over rows of |w| normalised by its group's absmax, per input channel (duo scaling)."""
     w = torch.cat([w.float() for w in weights], dim=0)

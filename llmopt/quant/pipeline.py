@@ -12,7 +12,6 @@ llmopt wrote (its llmopt.json marker), and never the input of the same command.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -291,7 +291,7 @@ class EagleProposer:
 
     @torch.inference_mode()
     def propose(self, reqs, ks, block_ids) -> dict[str, list[int]]:
-        seqs, hid, fuse, todo = [], [], [], []
+        seqs, hid, todo = [], [], []
         for r in reqs:
             buf = self.feats.get(r.request_id)
             if buf is None:

@@ -23,7 +23,8 @@ FUNCTIONS = {"eval-ppl": eval_ppl.eval_ppl, "quantize": quantize.quantize, "kv-e
 EXAMPLES = {"kv-estimate": 50, "eval-ppl": 30, "quantize": 25, "generate": 30}
 PATH_FLAGS = {"--model", "--base-model", "--dataset", "--file", "--recipe", "--calib-data", "--output"}
 # string flags that hold numbers: sizes (8GiB), token counts (32k), lists (1,8,32)
-NUMERIC_TEXT_FLAGS = {"--kv-cache-memory", "--kv-cache-memory-bytes", "--max-model-len", "--max-num-batched-tokens", "--batch-sizes",
+NUMERIC_TEXT_FLAGS = {"--kv-cache-memory", "--kv-cache-memory-bytes", "--max-model-len", "--max-num-batched-tokens",
+                      "--batch-sizes",
                       "--seq-lens"}
 EXTREME_INTS = [0, -1, 1, 2, 3, 7, 64, 100, 2 ** 31, 2 ** 63 - 1, 2 ** 63, 2 ** 64, -2 ** 63 - 1, 10 ** 30]
 

@@ -8,7 +8,6 @@ import asyncio
 import logging
 
 import pytest
-import torch
 
 from engine_helpers import check_no_leak, hf_greedy, hf_model, mixed_prompts, run_engine, run_outputs
 from llmopt.engine.args import EngineArgs

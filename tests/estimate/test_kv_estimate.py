@@ -150,7 +150,8 @@ def test_uniform_type_and_page_unification():
     full = [LayerKV(i, "full", None, h, 64, Fraction(2 * h * 64 * 2)) for i, h in enumerate((4, 8, 4))]
     layout = build_layout(full, 16)                  # same type, different page sizes: one group, summed pages
     assert layout.mode == "uniform-type" and layout.block_bytes == 16 * 2 * 64 * 2 * 16
-    mixed = [LayerKV(0, "full", None, 8, 64, Fraction(2 * 8 * 64 * 2)), LayerKV(1, "sliding", 128, 4, 64, Fraction(2 * 4 * 64 * 2))]
+    mixed = [LayerKV(0, "full", None, 8, 64, Fraction(2 * 8 * 64 * 2)),
+             LayerKV(1, "sliding", 128, 4, 64, Fraction(2 * 4 * 64 * 2))]
     layout = build_layout(mixed, 16)                 # smaller page: block size doubled to unify pages
     assert layout.mode == "hybrid" and {g.kind: g.block_size for g in layout.groups} == {"full": 16, "sliding": 32}
 

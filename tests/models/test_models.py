@@ -1,7 +1,8 @@
 """Our Llama-family runtime against transformers' own modeling code, logits in float32.
 
 Tiny random models come from conftest's make_tiny (transformers' own model classes, saved with
-save_pretrained) and are loaded back through llmopt's loader and by transformers as the reference, so the test covers config parsing and weight loading too.
+save_pretrained) and are loaded back through llmopt's loader and by transformers as the reference, so the
+test covers config parsing and weight loading too.
 Weights use a large initializer_range so attention is sharp: a wrong RoPE, mask or norm then
 moves the logits far beyond the tolerance (each test also checks it can tell a broken variant).
 """

@@ -20,7 +20,7 @@ from llmopt.quant.activations import quantize_tokens
 from llmopt.quant.formats import pack_linear
 from llmopt.quant.modules import AWQLinear, CTPackedLinear, GPTQLinear
 from llmopt.quant.modules_w8a8 import Int8Embedding, Int8Head, W8Linear, int8_rows
-from llmopt.quant.types import FloatQuantized, Int8Quantized, IntQuantized
+from llmopt.quant.types import IntQuantized
 
 OUT, IN = 96, 384            # IN a multiple of 64 and 128
 MS = (1, 4, 16, 64)

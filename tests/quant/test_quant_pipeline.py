@@ -14,7 +14,6 @@ from safetensors import safe_open
 
 from llmopt.errors import UserInputError
 from llmopt.models.attention import DenseCausalAttention
-from llmopt.models.config import ModelConfig
 from llmopt.models.llama import rope_cos_sin, rope_inv_freq
 from llmopt.models.loader import load_model, load_tokenizer
 from llmopt.quant.calib import load_calibration

@@ -3,7 +3,6 @@ plain decoding's token for token, also with repetition / frequency / presence pe
 (EOS and stop ids blocked until the drafts before a row reach it) and stop strings; seeded sampling
 with speculation runs and finishes with the same lengths and stop reasons rules."""
 
-from collections import Counter
 
 import pytest
 
