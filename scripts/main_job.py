@@ -3,8 +3,11 @@
 eval-ppl (base) -> quantize (AWQ w4 g64) -> eval-ppl (quantized, KL against base) -> kv-estimate
 -> generate (a chat prompt through the paged-KV engine on the quantized model) -> serve (the same
 checkpoint behind `llmopt serve` on a free port, asked one chat completion over HTTP and measured
-by a short `llmopt bench` (8 requests, concurrency 4), then stopped with SIGTERM, which must exit 0). Each step is the real CLI with --json; progress bars go to
-stderr. Exits non-zero on the first failing step.
+by a short `llmopt bench` (8 requests, concurrency 4), then stopped with SIGTERM, which must exit 0).
+One stream is benched offline (the engine in-process) and through the server, and the second run
+compares itself with the first (`--compare-to`): serving more than 25% below the engine's tokens/s
+or time per output token is flagged in the summary and exits 4. Each step is the real CLI with
+--json; progress bars go to stderr. Exits non-zero on the first failing step.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,21 +30,30 @@ ENGINE = ["--device", "auto", "--dtype", "auto", "--kv-cache-dtype", "auto", "--
           "--kv-cache-memory", "1GiB", "--max-model-len", "8192"]
 
 
-def llmopt(*args: str) -> tuple[dict, float]:
-    """Run one `llmopt ... --json` command; return its JSON object and wall time."""
+# one stream, offline and through the server: `--compare-to` fails (exit 4) when serving costs more
+# than SERVE_GAP_PCT of the engine's tokens/s or time per output token
+ONE_STREAM = ["--num-prompts", "4", "--max-concurrency", "1", "--random-input-len", "64", "--random-output-len", "64",
+              "--ignore-eos", "--num-warmups", "1", "--quiet"]
+SERVE_GAP_PCT = 25
+
+
+def llmopt(*args: str, ok: tuple[int, ...] = (0,)) -> tuple[dict, float]:
+    """Run one `llmopt ... --json` command; return its JSON object and wall time (exit codes other
+    than `ok` end the main job)."""
     cmd = [sys.executable, "-m", "llmopt", *args, "--json"]
     Console(stderr=True).print(f"[bold cyan]$ llmopt {' '.join(args)} --json")
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    if proc.returncode != 0:
+    if proc.returncode not in ok:
         sys.exit(f"main job: `llmopt {args[0]}` failed with exit code {proc.returncode}")
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     return json.loads(lines[-1]), time.perf_counter() - t0
 
 
-def serve_and_query(model: str, question: str, max_tokens: int = 48) -> tuple[dict, float]:
+def serve_and_query(model: str, question: str, offline: Path, max_tokens: int = 48) -> tuple[dict, float]:
     """Start `llmopt serve` on `model` (the ENGINE flags) on a free port, ask one chat completion
-    over HTTP, stop it with SIGTERM; returns the answer and the server's timings."""
+    over HTTP, bench it (concurrency 4, then one stream against the `offline` result), stop it with
+    SIGTERM; returns the answer and the server's timings."""
     import httpx
 
     from llmopt.errors import LLMOptError
@@ -63,14 +76,18 @@ def serve_and_query(model: str, question: str, max_tokens: int = 48) -> tuple[di
         bench, _ = llmopt("bench", "--base-url", server.url, "--model", "main-job", "--tokenizer", model,
                           "--num-prompts", "8", "--max-concurrency", "4", "--random-input-len", "64",
                           "--random-output-len", "16", "--ignore-eos", "--quiet")
+        one, _ = llmopt("bench", "--base-url", server.url, "--model", "main-job", "--tokenizer", model, *ONE_STREAM,
+                        "--compare-to", str(offline), "--compare-metrics", "output_throughput,mean_tpot_ms",
+                        "--fail-threshold", str(SERVE_GAP_PCT), ok=(0, 4))
     finally:
         code = stop(server.proc, grace=60)
     if code != 0:
         sys.exit(f"main job: `llmopt serve` exited with code {code} after SIGTERM (expected 0)")
     return {"text": answer["choices"][0]["message"]["content"], "usage": answer["usage"],
             "seconds_to_ready": server.seconds_to_ready, "seconds_query": query,
-            "bench": {k: bench[k] for k in ("completed", "failed", "output_throughput", "mean_ttft_ms", "mean_tpot_ms")}}, \
-        time.perf_counter() - t0
+            "bench": {k: bench[k] for k in ("completed", "failed", "output_throughput", "mean_ttft_ms", "mean_tpot_ms")},
+            "one_stream": {k: one[k] for k in ("output_throughput", "mean_tpot_ms", "server_mean_tpot_ms", "comparison")}
+            }, time.perf_counter() - t0
 
 
 def main() -> None:
@@ -89,14 +106,20 @@ def main() -> None:
     kv, _ = llmopt("kv-estimate", "--model", a.out, *ENGINE)
     gen, t_gen = llmopt("generate", "--model", a.out, *ENGINE, "--chat", "What is the capital of France?",
                         "--max-tokens", "48")
-    served, t_serve = serve_and_query(a.out, "What is the capital of France?")
+    with tempfile.TemporaryDirectory(prefix="llmopt-main-job-") as tmp:
+        offline_json = Path(tmp) / "offline.json"
+        offline, _ = llmopt("bench", "--model", a.out, *ENGINE, *ONE_STREAM, "--output", str(offline_json))
+        served, t_serve = serve_and_query(a.out, "What is the capital of France?", offline_json)
+    served["one_stream"]["offline_output_throughput"] = offline["output_throughput"]
+    served["one_stream"]["offline_mean_tpot_ms"] = offline["mean_tpot_ms"]
+    regressed = [d["metric"] for d in served["one_stream"]["comparison"]["deltas"] if d["regressed"]]
 
     summary = {"base": base, "quantize": quant, "quantized": after, "kv_estimate": kv, "generate": gen,
                "serve": served, "seconds": {"eval_base": t_base, "quantize": t_quant, "eval_quantized": t_after,
                                             "generate": t_gen, "serve": t_serve}}
     if a.json:
         print(json.dumps(summary))
-        return
+        sys.exit(4 if regressed else 0)
     t = Table(title="llmopt main job: SmolLM2-135M-Instruct, AWQ w4 g64", title_justify="left")
     t.add_column("step", style="bold")
     t.add_column("result")
@@ -116,7 +139,16 @@ def main() -> None:
     t.add_row("bench", f"llmopt bench against the server: {b['completed']} of 8 requests (random 64 in / 16 out, "
               f"concurrency 4), {b['output_throughput']:.1f} output tok/s, mean TTFT {b['mean_ttft_ms']:.0f} ms, "
               f"mean TPOT {b['mean_tpot_ms']:.0f} ms", "")
+    o = served["one_stream"]
+    verdict = (f"REGRESSED beyond {SERVE_GAP_PCT}%: {', '.join(regressed)}" if regressed
+               else f"within {SERVE_GAP_PCT}% (--compare-to)")
+    t.add_row("serve vs offline", f"one stream (64 in / 64 out): served {o['output_throughput']:.1f} tok/s against "
+              f"the engine offline {o['offline_output_throughput']:.1f} "
+              f"({o['output_throughput'] / o['offline_output_throughput']:.2f}x); TPOT {o['mean_tpot_ms']:.1f} ms "
+              f"(server's own: {o['server_mean_tpot_ms']:.1f}) against {o['offline_mean_tpot_ms']:.1f}; {verdict}", "")
     Console().print(t)
+    if regressed:
+        sys.exit(4)
 
 
 def _quant_line(q: dict) -> str:

@@ -13,7 +13,9 @@ latency metrics; percentiles for those of --percentile-metrics. A sweep is
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+import io
 import json
 import math
 import re
@@ -22,15 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from llmopt.bench.metrics import METRICS, RequestRecord, ServerStats, Summary, percentile_key
-from llmopt.errors import LLMOptError, UserInputError
+from llmopt.errors import UserInputError
 
 EXIT_REGRESSION = 4   # --compare-to: a metric got worse than --fail-threshold allows
-
-
-class RegressionError(LLMOptError):
-    """A metric regressed beyond --fail-threshold against --compare-to (exit 4)."""
-
-    exit_code = EXIT_REGRESSION
 
 
 @dataclass
@@ -157,8 +153,13 @@ def scalar_rows(report_dict: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def to_csv(report_dict: dict[str, Any]) -> str:
-    import pandas as pd
-    return pd.DataFrame(scalar_rows(report_dict)).to_csv(index=False)
+    rows = scalar_rows(report_dict)
+    columns = list(dict.fromkeys(k for row in rows for k in row))   # every key, in first-seen order
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buf.getvalue()
 
 
 def check_matplotlib() -> None:
@@ -278,9 +279,23 @@ def _num(v: Any) -> float | None:
     return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
 
 
-def _compare_one(name: str, prev: dict, cur: dict, threshold: float) -> list[Delta]:
+def comparable_metrics(names: str | None) -> tuple[str, ...] | None:
+    """--compare-metrics: the comma-separated metrics --compare-to checks (None: all of them)."""
+    if names is None:
+        return None
+    chosen = tuple(n.strip() for n in names.split(",") if n.strip())
+    bad = [n for n in chosen if n not in HIGHER_IS_BETTER and not _LATENCY_KEY.match(n)]
+    if bad or not chosen:
+        raise UserInputError(f"--compare-metrics {names!r}: give throughputs ({', '.join(HIGHER_IS_BETTER)}) or "
+                             "latencies such as mean_tpot_ms, median_ttft_ms, p99_itl_ms, comma-separated")
+    return chosen
+
+
+def _compare_one(name: str, prev: dict, cur: dict, threshold: float, only: tuple[str, ...] | None) -> list[Delta]:
     out = []
     keys = [k for k in HIGHER_IS_BETTER] + [k for k in cur if _LATENCY_KEY.match(k)]
+    if only is not None:
+        keys = [k for k in keys if k in only]
     for k in keys:
         a, b = _num(prev.get(k)), _num(cur.get(k))
         if a is None or b is None:
@@ -298,10 +313,11 @@ def _compare_one(name: str, prev: dict, cur: dict, threshold: float) -> list[Del
     return out
 
 
-def compare(previous: dict[str, Any], current: dict[str, Any], threshold_pct: float, previous_file: str) -> Comparison:
+def compare(previous: dict[str, Any], current: dict[str, Any], threshold_pct: float, previous_file: str,
+            only: tuple[str, ...] | None = None) -> Comparison:
     """Deltas of the throughputs (higher is better), the mean/median/percentile latencies (lower is
     better) and the failed count between two results; a metric regresses when it is worse by more
-    than `threshold_pct` percent (failed: any increase)."""
+    than `threshold_pct` percent (failed: any increase). `only`: the metrics to compare (and failed)."""
     if not threshold_pct >= 0:
         raise UserInputError(f"--fail-threshold {threshold_pct}: use a percentage >= 0")
     comp = Comparison(previous_file, threshold_pct)
@@ -311,5 +327,5 @@ def compare(previous: dict[str, Any], current: dict[str, Any], threshold_pct: fl
         raise UserInputError(f"--compare-to {previous_file}: it holds {len(prev_runs)} benchmark(s), this run "
                              f"{len(cur_runs)}: compare like with like")
     for p, c in zip(prev_runs, cur_runs):
-        comp.deltas += _compare_one(str(c.get("strategy", "single")), p, c, threshold_pct)
+        comp.deltas += _compare_one(str(c.get("strategy", "single")), p, c, threshold_pct, only)
     return comp

@@ -247,6 +247,8 @@ def bench(
                                    "4 if a metric regressed."),
     fail_threshold: float = typer.Option(defaults.BENCH_FAIL_THRESHOLD, "--fail-threshold", callback=in_range(0),
                                          help="Percent a metric may get worse under --compare-to, >= 0."),
+    compare_metrics: str = typer.Option(None, "--compare-metrics", help="The metrics --compare-to checks, "
+                                        "comma-separated (e.g. output_throughput,mean_tpot_ms; default: all)."),
     compare: str = typer.Option(None, "--compare", help="hf: also run transformers generate on the same prompts "
                                 "(offline)."),
     spec: str = typer.Option("none", "--spec", help="Offline speculative decoding: none, ngram, draft_model, eagle "
@@ -265,8 +267,8 @@ def bench(
     from llmopt.bench.config import BenchConfig, Hooks, SamplingSpec
     from llmopt.bench.datasets import WorkloadSpec
     from llmopt.bench.metrics import parse_goodput, parse_metric_names, parse_percentiles
-    from llmopt.bench.report import (EXIT_REGRESSION, check_matplotlib, compare as compare_results, load_previous,
-                                     plot, to_csv)
+    from llmopt.bench.report import (EXIT_REGRESSION, check_matplotlib, comparable_metrics, compare as compare_results,
+                                     load_previous, plot, to_csv)
     from llmopt.bench.schedule import Load
     from llmopt.bench.runner import run_benchmark
     from llmopt.fsutil import check_output_file, write_atomic
@@ -288,6 +290,9 @@ def bench(
     if plot_file:
         check_matplotlib()
     previous = load_previous(compare_to) if compare_to else None
+    only = comparable_metrics(compare_metrics)
+    if only is not None and compare_to is None:
+        raise UserInputError("--compare-metrics needs --compare-to")
 
     engine_args = None
     if base_url is None:
@@ -328,7 +333,7 @@ def bench(
 
     result = report.to_dict()
     if previous is not None and not report.interrupted:
-        report.comparison = compare_results(previous, result, fail_threshold, compare_to)
+        report.comparison = compare_results(previous, result, fail_threshold, compare_to, only)
         result = report.to_dict()
     output.emit(result, as_json=json_out, table=_tables, output=output_file)
     if csv_file:

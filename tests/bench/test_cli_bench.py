@@ -4,10 +4,10 @@ not drift), --output / --csv / --plot files, a sweep, --compare-to exit codes (0
 
 from __future__ import annotations
 
+import csv
 import json
 import sys
 
-import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
@@ -48,8 +48,8 @@ def run(server, *args: str):
 
 
 def test_json_keys_files_and_a_passing_comparison(server, tmp_path):
-    out, csv, png = tmp_path / "a.json", tmp_path / "a.csv", tmp_path / "a.png"
-    res = run(server, "--json", "-o", str(out), "--csv", str(csv), "--plot", str(png), "--goodput", "ttft:5000",
+    out, csv_file, png = tmp_path / "a.json", tmp_path / "a.csv", tmp_path / "a.png"
+    res = run(server, "--json", "-o", str(out), "--csv", str(csv_file), "--plot", str(png), "--goodput", "ttft:5000",
               "--metric-percentiles", "50,99")
     assert res.exit_code == 0, res.output
     d = json.loads(res.stdout)
@@ -61,10 +61,11 @@ def test_json_keys_files_and_a_passing_comparison(server, tmp_path):
     assert d["completed"] == 4 and d["request_goodput"] == pytest.approx(d["request_throughput"])
     assert d["base_url"].endswith("/v1") and d["model_id"] == "scripted" and d["comparison"] is None
     assert json.loads(out.read_text()) == d
-    rows = pd.read_csv(csv)
-    assert len(rows) == 1 and rows["completed"][0] == 4
-    assert rows["output_throughput"][0] == pytest.approx(d["output_throughput"])
-    assert "ttfts" not in rows.columns
+    with open(csv_file, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 1 and int(rows[0]["completed"]) == 4
+    assert float(rows[0]["output_throughput"]) == pytest.approx(d["output_throughput"])
+    assert "ttfts" not in rows[0] and rows[0]["model_id"] == "scripted"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the same workload again, against the first result with a generous threshold: exit 0
     res = run(server, "--json", "--compare-to", str(out), "--fail-threshold", "400")
@@ -86,6 +87,16 @@ def test_default_schema_and_a_regression_exits_4(server, tmp_path):
     assert res.exit_code == EXIT_REGRESSION == 4, res.output
     assert "REGRESSED" in res.stdout and "regressed beyond 10%" in res.stderr
     assert "output_throughput" in res.stderr and "mean_ttft_ms" in res.stderr
+    # --compare-metrics: only the named metrics are gated (TTFT halved is left out here, throughput is not)
+    res = run(server, "--json", "--compare-to", str(prev), "--compare-metrics", "mean_tpot_ms,output_throughput")
+    assert res.exit_code == 4 and {x["metric"] for x in json.loads(res.stdout)["comparison"]["deltas"]} == \
+        {"mean_tpot_ms", "output_throughput", "failed"}
+    res = run(server, "--compare-to", str(prev), "--compare-metrics", "mean_ttft_ms", "--fail-threshold", "1000")
+    assert res.exit_code == 0, res.output
+    res = run(server, "--compare-to", str(prev), "--compare-metrics", "tokens_per_joule")
+    assert res.exit_code == 2 and "--compare-metrics" in res.stderr
+    res = run(server, "--compare-metrics", "mean_tpot_ms")
+    assert res.exit_code == 2 and "needs --compare-to" in res.stderr
 
 
 def test_compare_logic_directions_and_thresholds():
