@@ -1,9 +1,10 @@
 """`llmopt serve` against llama.cpp's `llama-server` on the default model, in one run, with the
 engine's offline figure beside both: the serving table of docs/benchmarks.md.
 
-The workload (the same prompts for every system): --num-prompts prompts of 40-120 words cut from
-WikiText-2 raw test (seeded), --output-len tokens each with ignore_eos, greedy, streamed, one
-warm-up request, at each --concurrency. Systems, each alone on the machine (started, benchmarked,
+The workload (the same prompts for every system): at each --concurrency, --num-prompts prompts of
+40-120 words cut from WikiText-2 raw test (a seed per level, so no level reuses another's prompts
+from a prefix cache), --output-len tokens each with ignore_eos, greedy, streamed, one warm-up
+request. Systems, each alone on the machine (started, benchmarked,
 stopped before the next starts):
 
 - `llama-server` on the built-in Q4_1 GGUF (`-np` = the highest concurrency, `-t` = --threads;
@@ -73,7 +74,7 @@ def server_command(system: str, port: int, args) -> list[str]:
 
 
 def bench_args(args, c: int) -> list[str]:
-    return ["--dataset-name", "prompts", "--dataset-path", str(args.prompts), "--custom-output-len",
+    return ["--dataset-name", "prompts", "--dataset-path", str(args.prompts[c]), "--custom-output-len",
             str(args.output_len), "--ignore-eos", "--max-concurrency", str(c), "--num-prompts", str(args.num_prompts),
             "--num-warmups", "1", "--tokenizer", MODEL, "--json"]
 
@@ -153,8 +154,9 @@ def main() -> None:
                  f"--group-size 64 --output {args.llmopt_model}` first")
     with tempfile.TemporaryDirectory(prefix="llmopt-bench-serve-") as tmp:
         args.log_dir = Path(tmp)
-        args.prompts = Path(tmp) / "prompts.jsonl"
-        make_prompts(args.prompts, args.num_prompts, args.seed)
+        args.prompts = {c: Path(tmp) / f"prompts-{c}.jsonl" for c in args.levels}
+        for c, path in args.prompts.items():
+            make_prompts(path, args.num_prompts + 1, args.seed * 1000 + c)   # + the warm-up
         t0 = time.monotonic()
         results = {s: bench_system(s, args) for s in systems}
     print(f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, --threads {args.threads}, "
