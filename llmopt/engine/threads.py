@@ -16,13 +16,12 @@ long-lived `ComputeThread` (not `asyncio.to_thread`, whose pool may hand the nex
 thread), which applies the thread count once, before its first op.
 
     compute = ComputeThread(name="llmopt-engine")     # the caller's thread count, the caller's team released
-    outputs = await compute.run_async(engine.step)     # from a coroutine
-    outputs = compute.run(engine.step)                 # from plain code (blocks)
+    future = compute.submit(engine_loop)               # a concurrent.futures.Future
+    outputs = compute.run(engine.step)                 # blocks until it ran in the thread
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import ctypes
 import functools
@@ -140,10 +139,6 @@ class ComputeThread:
     def run(self, fn: Callable[..., T], *args) -> T:
         """Run fn(*args) in this thread and wait for its result (its exception is raised here)."""
         return self.submit(fn, *args).result()
-
-    async def run_async(self, fn: Callable[..., T], *args) -> T:
-        """The same from a coroutine: the event loop keeps serving while fn runs."""
-        return await asyncio.wrap_future(self.submit(fn, *args))
 
     def close(self, timeout: float | None = None) -> None:
         """Stop after the calls already given (the thread gives its OpenMP team back)."""
