@@ -12,7 +12,7 @@ import argparse
 import json
 import time
 
-from llmopt.estimate import estimate, resolve_model_spec
+from llmopt.estimate import estimate, resolve_model_arch
 from llmopt.estimate.presets import MODEL_PRESETS
 
 
@@ -21,13 +21,13 @@ def engine_rows(memory: int) -> list[dict]:
     from llmopt.engine.engine import LLMEngine
     from llmopt.models.loader import load_model
     loaded = load_model(None, "float32", "cpu")
-    spec = resolve_model_spec(str(loaded.path))          # the converted checkpoint the engine runs
+    arch = resolve_model_arch(str(loaded.path))          # the converted checkpoint the engine runs
     out = []
     for engine_kv, est_kv in (("auto", "float32"), ("fp8", "fp8"), ("fp8_e5m2", "fp8_e5m2"), ("int8", "int8")):
         args = EngineArgs(dtype="float32", device="cpu", kv_cache_memory=memory, kv_cache_dtype=engine_kv,
                           max_model_len=2048)
         info = LLMEngine(args, loaded=loaded).kv_cache_info()
-        est = estimate(spec, kv_cache_dtype=est_kv, kv_cache_memory=memory, max_model_len=2048)
+        est = estimate(arch, kv_cache_dtype=est_kv, kv_cache_memory=memory, max_model_len=2048)
         out.append({"kv_dtype": engine_kv, "engine_blocks": info.num_blocks, "estimated_blocks": est.paged.num_blocks,
                     "engine_bytes": info.bytes_allocated, "estimated_bytes": est.paged.kv_cache_bytes})
     return out
@@ -36,7 +36,7 @@ def engine_rows(memory: int) -> list[dict]:
 def naive_rows(seq_len: int) -> list[dict]:
     out = []
     for p in MODEL_PRESETS:
-        est = estimate(resolve_model_spec(p.hf_id), kv_cache_dtype="bf16", max_model_len=seq_len, naive=True)
+        est = estimate(resolve_model_arch(p.hf_id), kv_cache_dtype="bf16", max_model_len=seq_len, naive=True)
         n = est.naive
         out.append({"model": p.hf_id, "attention": est.attention, "bytes_per_token": est.bytes_per_token,
                     "naive_gib": n.naive_bytes / 2**30, "real_gib": n.real_bytes / 2**30, "naive_over_real": n.ratio})
@@ -50,9 +50,9 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     t = time.perf_counter()
-    spec = resolve_model_spec("meta-llama/Llama-3.1-70B")
+    arch = resolve_model_arch("meta-llama/Llama-3.1-70B")
     for _ in range(20):
-        estimate(spec, gpu="H200", tensor_parallel_size=2, kv_cache_dtype="fp8", max_model_len=32768, what_if=True)
+        estimate(arch, gpu="H200", tensor_parallel_size=2, kv_cache_dtype="fp8", max_model_len=32768, what_if=True)
     per_estimate = (time.perf_counter() - t) / 20
     result = {"engine": engine_rows(a.kv_cache_memory), "naive": naive_rows(a.seq_len),
               "seconds_per_estimate_70b_with_what_if": per_estimate}

@@ -33,7 +33,7 @@ from llmopt.eval.ppl import plan_ppl, run_ppl
 from llmopt.models.loader import load_model, load_tokenizer, resolve_checkpoint, safetensors_files
 from llmopt.quant.calib import load_calibration
 from llmopt.quant.pipeline import quantize_model
-from llmopt.quant.spec import QuantSpec
+from llmopt.quant.config import QuantConfig
 
 REPO = Path(__file__).resolve().parents[1]
 PEER_PY = REPO / ".venv-llmc" / "bin" / "python"
@@ -44,12 +44,12 @@ def rows(args):
     g = args.group_size
     common = dict(calib_data=args.calib_data, num_samples=args.num_samples, seq_len=args.seq_len, seed=0)
     return [
-        ("RTN w4 g%d sym" % g, QuantSpec(method="rtn", bits=4, group_size=g, sym=True, **common)),
-        ("GPTQ w4 g%d sym" % g, QuantSpec(method="gptq", bits=4, group_size=g, sym=True, **common)),
+        ("RTN w4 g%d sym" % g, QuantConfig(method="rtn", bits=4, group_size=g, sym=True, **common)),
+        ("GPTQ w4 g%d sym" % g, QuantConfig(method="gptq", bits=4, group_size=g, sym=True, **common)),
         (PEER % g, None),
-        ("AWQ w4 g%d asym" % g, QuantSpec(method="awq", bits=4, group_size=g, sym=False, **common)),
-        ("FP8 W8A8 (per-channel, dynamic)", QuantSpec(method="fp8", **common)),
-        ("INT8 W8A8 SmoothQuant 0.5", QuantSpec(method="int8", **common)),
+        ("AWQ w4 g%d asym" % g, QuantConfig(method="awq", bits=4, group_size=g, sym=False, **common)),
+        ("FP8 W8A8 (per-channel, dynamic)", QuantConfig(method="fp8", **common)),
+        ("INT8 W8A8 SmoothQuant 0.5", QuantConfig(method="int8", **common)),
     ]
 
 
@@ -89,17 +89,17 @@ def main() -> None:
     torch.manual_seed(0)
     work = Path(args.workdir)
     done = []                            # quantize everything first: timings not disturbed by scoring
-    for name, spec in rows(args):
+    for name, qconfig in rows(args):
         if args.only and not any(name.startswith(p) for p in args.only.split(",")):
             continue
-        if spec is None and not args.peer:
+        if qconfig is None and not args.peer:
             continue
         out = work / re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
         t0 = time.perf_counter()
-        if spec is None:
+        if qconfig is None:
             secs, info = run_peer(args, out)
         else:
-            quantize_model(None, out, spec, overwrite=True)
+            quantize_model(None, out, qconfig, overwrite=True)
             secs, info = time.perf_counter() - t0, {}
         done.append(dict(name=name, path=str(out), seconds=secs, load_avg=os.getloadavg()[0], peer=info))
         if args.out:   # the quantize records as soon as they exist

@@ -51,7 +51,7 @@ def main() -> None:
     import torch
 
     from llmopt.bench.config import BenchConfig, SamplingSpec
-    from llmopt.bench.datasets import WorkloadSpec, sample_requests
+    from llmopt.bench.datasets import Workload, sample_requests
     from llmopt.bench.offline import build_engine, run_engine
     from llmopt.bench.online import resolve_target, run_online
     from llmopt.bench.runner import result_of
@@ -77,7 +77,7 @@ def main() -> None:
         wait_ready(server, url, 300, log_path)   # the server loaded its model while the engine here loaded
         for c in levels:
             n = max(c, 2)
-            workload = WorkloadSpec("random", num_prompts=n, random_input_len=args.input_len,
+            workload = Workload("random", num_prompts=n, random_input_len=args.input_len,
                                     random_output_len=args.output_len)
             common = dict(workload=workload, load=Load(max_concurrency=c), sampling=SamplingSpec(ignore_eos=True),
                           num_warmups=1)

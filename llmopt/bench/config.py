@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from llmopt import defaults
-from llmopt.bench.datasets import WorkloadSpec
+from llmopt.bench.datasets import Workload
 from llmopt.bench.metrics import RequestRecord, ServerStats
 from llmopt.bench.schedule import Load
 from llmopt.errors import UserInputError
@@ -29,7 +29,7 @@ class SamplingSpec:
 
 @dataclass
 class BenchConfig:
-    workload: WorkloadSpec = field(default_factory=WorkloadSpec)
+    workload: Workload = field(default_factory=Workload)
     load: Load = field(default_factory=Load)
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
     base_url: str | None = None            # online: the server's root (or .../v1); None: offline

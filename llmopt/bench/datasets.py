@@ -43,7 +43,7 @@ class SampleRequest:
 
 
 @dataclass
-class WorkloadSpec:
+class Workload:
     dataset_name: str = defaults.BENCH_DATASET
     dataset_path: str | None = None
     num_prompts: int | None = None            # None: BENCH_NUM_PROMPTS (a prompts file: all of its lines)
@@ -88,30 +88,31 @@ def count_tokens(tokenizer, text: str) -> int:
     return len(tokenizer(text).input_ids)
 
 
-def sample_requests(spec: WorkloadSpec, tokenizer) -> list[SampleRequest]:
-    """The workload of `spec` (see the module doc)."""
+def sample_requests(workload: Workload, tokenizer) -> list[SampleRequest]:
+    """The requests `workload` describes (see the module doc)."""
     if tokenizer is None:
         raise UserInputError("the workload needs a tokenizer: give --tokenizer (or a --model that has one)")
-    name = spec.dataset_name
+    name = workload.dataset_name
     if name == "random":
-        return random_requests(tokenizer, spec.num_prompts or defaults.BENCH_NUM_PROMPTS, spec.random_input_len,
-                               spec.random_output_len, spec.random_range_ratio, spec.random_prefix_len, spec.seed)
+        w = workload
+        return random_requests(tokenizer, w.num_prompts or defaults.BENCH_NUM_PROMPTS, w.random_input_len,
+                               w.random_output_len, w.random_range_ratio, w.random_prefix_len, w.seed)
     if name == "sharegpt":
-        reqs = sharegpt_requests(tokenizer, _path(spec.dataset_path), spec.sharegpt_output_len, spec.seed)
-        return _take(reqs, spec.num_prompts or defaults.BENCH_NUM_PROMPTS, spec.dataset_path)
+        reqs = sharegpt_requests(tokenizer, _path(workload.dataset_path), workload.sharegpt_output_len, workload.seed)
+        return _take(reqs, workload.num_prompts or defaults.BENCH_NUM_PROMPTS, workload.dataset_path)
     if name == "spec_bench":
-        path = _path(spec.dataset_path or defaults.BENCH_SPEC_BENCH_PATH)
-        reqs = spec_bench_requests(tokenizer, path, spec.spec_bench_output_len, spec.spec_bench_category, spec.seed)
-        return _take(reqs, spec.num_prompts or defaults.BENCH_NUM_PROMPTS, str(path))
-    reqs = prompt_file_requests(tokenizer, _path(spec.dataset_path), spec.custom_output_len)
-    return _take(reqs, spec.num_prompts or len(reqs), spec.dataset_path)
+        path = _path(workload.dataset_path or defaults.BENCH_SPEC_BENCH_PATH)
+        reqs = spec_bench_requests(tokenizer, path, workload.spec_bench_output_len, workload.spec_bench_category, workload.seed)
+        return _take(reqs, workload.num_prompts or defaults.BENCH_NUM_PROMPTS, str(path))
+    reqs = prompt_file_requests(tokenizer, _path(workload.dataset_path), workload.custom_output_len)
+    return _take(reqs, workload.num_prompts or len(reqs), workload.dataset_path)
 
 
-def _path(spec: str) -> Path:
+def _path(arg: str) -> Path:
     from llmopt.data import resolve_data_path
-    p = resolve_data_path(spec)
+    p = resolve_data_path(arg)
     if not p.is_file():
-        raise DataError(f"--dataset-path {spec}: no such file")
+        raise DataError(f"--dataset-path {arg}: no such file")
     return p
 
 

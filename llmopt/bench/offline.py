@@ -130,7 +130,7 @@ def run_engine(engine, cfg: BenchConfig, requests: list[SampleRequest], load: Lo
                          kv_cache_usage_mean=sum(kv) / len(kv) if kv else None,
                          kv_cache_usage_max=max(kv) if kv else None)
     sp0, sp1 = stats0.spec_decoding, stats1.spec_decoding
-    if sp1 is not None and sp1.num_drafts > sp0.num_drafts:   # llmopt.spec counters over this run
+    if sp1 is not None and sp1.num_drafts > sp0.num_drafts:   # llmopt.speculative counters over this run
         drafts = sp1.num_drafts - sp0.num_drafts
         draft_tokens = sp1.num_draft_tokens - sp0.num_draft_tokens
         accepted = sp1.num_accepted_tokens - sp0.num_accepted_tokens

@@ -87,7 +87,7 @@ def run_benchmark(cfg: BenchConfig, hooks: Hooks | None = None, progress=None) -
                     break
                 one(load, f"sweep {load.label} req/s")
     if cfg.spec != "none" and not cfg.online and not hooks.stop.is_set():   # the same prompts without speculation
-        from llmopt.spec.bench import compare_plain
+        from llmopt.speculative.bench import compare_plain
         res = next((r for r in results if r.strategy == "throughput"), results[-1])
         load = throughput(replace(cfg.load, strategy="single")) if cfg.sweep else cfg.load
         res.compare_spec = compare_plain(engine, cfg, requests, load, hooks, res, run_engine,

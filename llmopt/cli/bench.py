@@ -265,7 +265,7 @@ def bench(
 ) -> None:
     """Benchmark a server (online) or the engine (offline) with vLLM's metrics."""
     from llmopt.bench.config import BenchConfig, Hooks, SamplingSpec
-    from llmopt.bench.datasets import WorkloadSpec
+    from llmopt.bench.datasets import Workload
     from llmopt.bench.metrics import parse_goodput, parse_metric_names, parse_percentiles
     from llmopt.bench.report import (EXIT_REGRESSION, check_matplotlib, comparable_metrics, compare as compare_results,
                                      load_previous, plot, to_csv)
@@ -273,7 +273,7 @@ def bench(
     from llmopt.bench.runner import run_benchmark
     from llmopt.fsutil import check_output_file, write_atomic
 
-    from llmopt.spec.config import bench_speculative_config
+    from llmopt.speculative.config import bench_speculative_config
     spec_config = bench_speculative_config(spec, spec_model, num_speculative_tokens, speculative_config)
     spec = spec_config.method if spec_config is not None else "none"
     if compare not in (None, "hf"):
@@ -300,7 +300,7 @@ def bench(
         engine_args = EngineArgs(**common.engine_args_from_flags(engine, model=model, seed=seed,
                                                                  speculative_config=spec_config))
     cfg = BenchConfig(
-        workload=WorkloadSpec(dataset_name, dataset_path, num_prompts, seed, random_input_len, random_output_len,
+        workload=Workload(dataset_name, dataset_path, num_prompts, seed, random_input_len, random_output_len,
                               random_range_ratio, random_prefix_len, sharegpt_output_len, spec_bench_output_len,
                               spec_bench_category, custom_output_len),
         load=Load(request_rate, burstiness, max_concurrency, duration, seed),

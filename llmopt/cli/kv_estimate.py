@@ -99,17 +99,17 @@ def kv_estimate(
     if list_presets:
         show_presets(as_json)
         return
-    from llmopt.estimate import estimate, resolve_model_spec
+    from llmopt.estimate import estimate, resolve_model_arch
     from llmopt.units import parse_bytes, parse_list, parse_tokens
     overrides = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
                  "hidden_size": hidden_size, "num_attention_heads": num_attention_heads,
                  "intermediate_size": intermediate_size, "vocab_size": vocab_size,
                  "sliding_window": sliding_window, "kv_lora_rank": kv_lora_rank}
-    spec = resolve_model_spec(model, overrides)
+    arch = resolve_model_arch(model, overrides)
     if reserve_gib is not None and reserve_gib < 0:
         raise UserInputError(f"--reserve-gib must be non-negative, got {reserve_gib}")
     est = estimate(
-        spec, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
+        arch, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
         max_model_len=parse_tokens(max_model_len, "--max-model-len") if max_model_len else None,
         max_num_batched_tokens=parse_tokens(max_num_batched_tokens, "--max-num-batched-tokens"),
         max_num_seqs=max_num_seqs, tensor_parallel_size=tensor_parallel_size, gpu=gpu, gpu_memory_gib=gpu_memory,

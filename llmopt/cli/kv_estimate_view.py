@@ -166,15 +166,15 @@ def render(est) -> list[Table]:
 
 def list_presets(as_json: bool) -> None:
     from llmopt.estimate import bytes_per_token
-    from llmopt.estimate.model_spec import spec_from_config
+    from llmopt.estimate.arch import arch_from_config
     from llmopt.estimate.params import count_params
     from llmopt.estimate.presets import GPU_PRESETS, MODEL_PRESETS
     models = []
     for p in MODEL_PRESETS:
-        spec = spec_from_config(dict(p.config), p.hf_id, "preset", p.url, p.note)
-        models.append({"hf_id": p.hf_id, "short": p.short, "attention": spec.attention, "layers": spec.num_layers,
-                       "kv_bytes_per_token_bf16": int(bytes_per_token(spec, "bfloat16")),
-                       "params": count_params(spec), "note": p.note, "source": p.url})
+        arch = arch_from_config(dict(p.config), p.hf_id, "preset", p.url, p.note)
+        models.append({"hf_id": p.hf_id, "short": p.short, "attention": arch.attention, "layers": arch.num_layers,
+                       "kv_bytes_per_token_bf16": int(bytes_per_token(arch, "bfloat16")),
+                       "params": count_params(arch), "note": p.note, "source": p.url})
     gpus = [{"name": g.name, "memory_mib": g.memory_mib, "source": g.source} for g in GPU_PRESETS]
     result = {"models": models, "gpus": gpus}
 

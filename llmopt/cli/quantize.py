@@ -95,7 +95,7 @@ def quantize(
     """Quantize a checkpoint layer by layer (peak memory: one layer plus the calibration activations)."""
     from llmopt.quant.evaluate import plan_quant_eval, run_quant_eval
     from llmopt.quant.pipeline import quantize_model
-    from llmopt.quant.spec import merge_sources
+    from llmopt.quant.config import merge_sources
 
     job = merge_sources(recipe, dict(
         model=model, output=out_dir, method=method, bits=bits, group_size=group_size, sym=sym,
@@ -103,8 +103,8 @@ def quantize(
         format=fmt, damp=damp,
         act_order=act_order, smoothquant_alpha=smoothquant_alpha, awq_duo_scaling=awq_duo_scaling,
         fp8_scale=fp8_scale, activations=activations))
-    with output.progress(f"quantize {job.spec.method}", None, enabled=not quiet) as advance:
-        result = quantize_model(job.model, job.output, job.spec, overwrite=overwrite, progress=advance,
+    with output.progress(f"quantize {job.qconfig.method}", None, enabled=not quiet) as advance:
+        result = quantize_model(job.model, job.output, job.qconfig, overwrite=overwrite, progress=advance,
                                 on_start=advance.set_total)
     if run_eval:
         plan = plan_quant_eval(result.source, result.output, limit=eval_limit)

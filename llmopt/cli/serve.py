@@ -83,7 +83,7 @@ def run(*, model, config, host, port, api_key, served_model_name, max_num_queued
     from llmopt.engine.args import EngineArgs
     args = EngineArgs(**engine_args)
     if args.tensor_parallel_size > 1:
-        from llmopt.dist.worker import run_torchrun_worker
+        from llmopt.distributed.worker import run_torchrun_worker
         if run_torchrun_worker(args):   # under torchrun, a rank other than 0: rank 0 serves
             return
 

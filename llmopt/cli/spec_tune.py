@@ -175,9 +175,9 @@ def spec_tune(
     quiet: bool = common.QuietOpt,
 ) -> None:
     """Train an EAGLE/EAGLE-3 head and tune speculative decoding; writes spec_config.json."""
-    from llmopt.spec.train import TrainSettings
-    from llmopt.spec.tune import SpecTuneConfig
-    from llmopt.spec.tune import spec_tune as run
+    from llmopt.speculative.train import TrainSettings
+    from llmopt.speculative.tune import SpecTuneConfig
+    from llmopt.speculative.tune import spec_tune as run
 
     settings = TrainSettings(method, epochs=epochs, lr=lr, batch_size=train_batch_size, ttt_steps=ttt_steps,
                              draft_vocab_size=draft_vocab_size, checkpoint_every=checkpoint_every, seed=seed,

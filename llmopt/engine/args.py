@@ -31,10 +31,10 @@ class EngineArgs:
     lm_head_dtype: str = defaults.LM_HEAD_DTYPE   # auto (int8 for quantized models on the CPU) | float | int8
     enforce_eager: bool = defaults.ENFORCE_EAGER  # True: no compiled decode step (vLLM's --enforce-eager)
     speculative_config: "dict | str | None" = None  # vLLM's --speculative-config: a dict, JSON, or a spec_config.json
-    tensor_parallel_size: int = defaults.TENSOR_PARALLEL_SIZE  # ranks the model is split over (llmopt/dist)
+    tensor_parallel_size: int = defaults.TENSOR_PARALLEL_SIZE  # ranks the model is split over (llmopt/distributed)
 
     def __post_init__(self) -> None:
-        from llmopt.spec.config import parse_speculative_config
+        from llmopt.speculative.config import parse_speculative_config
         self.speculative_config = parse_speculative_config(self.speculative_config)
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise UserInputError(f"--tensor-parallel-size {self.tensor_parallel_size}: give at least 1")

@@ -40,7 +40,7 @@ from llmopt.models.loader import LoadedModel, load_model
 from llmopt.validate import sample_seed
 
 if TYPE_CHECKING:
-    from llmopt.spec.decoder import SpecDecodingStats
+    from llmopt.speculative.decoder import SpecDecodingStats
 
 log = logging.getLogger("llmopt.engine")
 
@@ -53,7 +53,7 @@ class EngineStats:
     prefix_cache_queries: int     # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int        # ... and found there
     num_preemptions: int
-    spec_decoding: "SpecDecodingStats | None" = None   # llmopt.spec: drafts and accepted tokens
+    spec_decoding: "SpecDecodingStats | None" = None   # llmopt.speculative: drafts and accepted tokens
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -97,8 +97,8 @@ class LLMEngine:
         args = args or EngineArgs(**kwargs)
         self.args = args
         self.runner = None
-        if args.tensor_parallel_size > 1:   # this process is rank 0; the other ranks run its steps (llmopt/dist)
-            from llmopt.dist.executor import start_tensor_parallel
+        if args.tensor_parallel_size > 1:   # this process is rank 0; the other ranks run its steps (llmopt/distributed)
+            from llmopt.distributed.executor import start_tensor_parallel
             self.runner = start_tensor_parallel(args, loaded, progress)
             loaded = self.runner.loaded
         try:
@@ -138,8 +138,8 @@ class LLMEngine:
         # verifies all drafts of a request in the same forward (exact-match against the target's
         # own samples, which keeps the target's distribution).
         self.drafter: Callable[[list[Request]], dict[str, list[int]]] | None = None
-        if args.speculative_config is not None:   # llmopt.spec: a drafter with counters (`record`)
-            from llmopt.spec.decoder import SpecDecoder
+        if args.speculative_config is not None:   # llmopt.speculative: a drafter with counters (`record`)
+            from llmopt.speculative.decoder import SpecDecoder
             self.drafter = SpecDecoder(self, args.speculative_config)
         log.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB (%s)", info.num_blocks, info.block_size,
                  info.num_tokens, info.bytes_allocated / 2**20, info.kv_cache_dtype)

@@ -73,7 +73,7 @@ class ModelRunner:
         self.k_scale = self.v_scale = 1.0
         self.scale = self.cfg.head_dim ** -0.5
         self.num_layers = self.cfg.num_hidden_layers
-        self.tp = getattr(self.model, "tp", None)    # tensor parallel: this rank's KV heads (llmopt/dist/plan.py)
+        self.tp = getattr(self.model, "tp", None)    # tensor parallel: this rank's KV heads (llmopt/distributed/plan.py)
         self.num_kv_heads = self.tp.plan.kv_heads_per_rank if self.tp is not None else self.cfg.num_key_value_heads
         self.bytes_per_block = kernels.kv_block_bytes(block_size, self.num_kv_heads, self.cfg.head_dim,
                                                       kv_cache_dtype, self.dtype)

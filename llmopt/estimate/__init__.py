@@ -2,10 +2,10 @@
 
 from llmopt.estimate.estimator import KVEstimate, estimate
 from llmopt.estimate.kv import bytes_per_token, layer_kv_specs
-from llmopt.estimate.model_spec import ModelSpec
-from llmopt.estimate.sources import resolve_model_spec
+from llmopt.estimate.arch import ModelArch
+from llmopt.estimate.sources import resolve_model_arch
 from llmopt.estimate.plan import build_layout
 from llmopt.estimate.weights import weight_memory
 
-__all__ = ["KVEstimate", "ModelSpec", "build_layout", "bytes_per_token", "estimate", "layer_kv_specs",
-           "resolve_model_spec", "weight_memory"]
+__all__ = ["KVEstimate", "ModelArch", "build_layout", "bytes_per_token", "estimate", "layer_kv_specs",
+           "resolve_model_arch", "weight_memory"]

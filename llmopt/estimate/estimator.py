@@ -9,9 +9,9 @@ from fractions import Fraction
 from llmopt import defaults
 from llmopt.errors import UserInputError
 from llmopt.estimate import naive as naive_mod
-from llmopt.dist.plan import quant_group_size
+from llmopt.distributed.plan import quant_group_size
 from llmopt.estimate.kv import FLOAT_BYTES, canonical_kv_dtype, layer_kv_specs, tp_split
-from llmopt.estimate.model_spec import ModelSpec
+from llmopt.estimate.arch import ModelArch
 from llmopt.estimate.plan import GridCell, KVLayout, build_layout, grid
 from llmopt.estimate.presets import find_gpu
 from llmopt.units import GIB
@@ -94,34 +94,34 @@ def _num(x: Fraction) -> float | int:
     return int(x) if x.denominator == 1 else float(x)
 
 
-def _tp_group_size(spec: ModelSpec, weight_format: str, group_size: int | None) -> int | None:
+def _tp_group_size(arch: ModelArch, weight_format: str, group_size: int | None) -> int | None:
     """The quantization group a row-parallel shard must hold whole: the checkpoint's (weight format
     auto), or int4's --group-size; None for float and per-channel weights."""
     fmt = weight_format.strip().lower()
     if fmt == "auto":
-        return quant_group_size(spec.quantization_config)
+        return quant_group_size(arch.quantization_config)
     if fmt == "int4":
         g = defaults.QUANT_GROUP_SIZE if group_size is None else group_size
         return g if g > 0 else None
     return None
 
 
-def reserve_estimate(spec: ModelSpec, tp: int, max_num_batched_tokens: int, max_num_seqs: int) -> dict[str, int]:
+def reserve_estimate(arch: ModelArch, tp: int, max_num_batched_tokens: int, max_num_seqs: int) -> dict[str, int]:
     """Non-KV memory besides weights: the forward's peak activations over a max_num_batched_tokens
     step (a few hidden-wide buffers and the MLP's gate/up/act intermediates), float32 sampler
     logits for max_num_seqs rows, and a fixed runtime overhead."""
-    act = FLOAT_BYTES.get(spec.serving_dtype, 2)
-    ffn = spec.intermediate_size
-    if spec.moe:
-        ffn = max(ffn if spec.moe.first_dense_layers else 0,
-                  spec.moe.intermediate_size * spec.moe.experts_per_tok + spec.moe.shared_intermediate_size)
-    per_token = 4 * spec.hidden_size + 3 * -(-ffn // tp)
+    act = FLOAT_BYTES.get(arch.serving_dtype, 2)
+    ffn = arch.intermediate_size
+    if arch.moe:
+        ffn = max(ffn if arch.moe.first_dense_layers else 0,
+                  arch.moe.intermediate_size * arch.moe.experts_per_tok + arch.moe.shared_intermediate_size)
+    per_token = 4 * arch.hidden_size + 3 * -(-ffn // tp)
     return {"activations": max_num_batched_tokens * per_token * act,
-            "logits": max_num_seqs * spec.vocab_size * 4,
+            "logits": max_num_seqs * arch.vocab_size * 4,
             "runtime": int(defaults.ESTIMATE_RUNTIME_OVERHEAD_GIB * GIB)}
 
 
-def estimate(spec: ModelSpec, *, device: str | None = None, dtype: str = defaults.DTYPE,
+def estimate(arch: ModelArch, *, device: str | None = None, dtype: str = defaults.DTYPE,
              kv_cache_dtype: str = defaults.KV_CACHE_DTYPE, block_size: int = defaults.BLOCK_SIZE,
              max_model_len: int | None = None, max_num_batched_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS,
              max_num_seqs: int = defaults.MAX_NUM_SEQS, tensor_parallel_size: int = 1, gpu: str | None = None,
@@ -136,49 +136,49 @@ def estimate(spec: ModelSpec, *, device: str | None = None, dtype: str = default
     KV, quantized weights, 2x GPUs, the longest context that fits) when a memory budget is given."""
     dev = resolve_device_name(device or "cuda", gpu_planned=gpu is not None or gpu_memory_gib is not None,
                               must_exist=False)
-    spec = replace(spec, dtype=resolve_dtype_name(dtype, "cpu" if dev == "cpu" else "cuda", spec.checkpoint_dtype))
-    levers = dict(device=dev, dtype=spec.dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size, max_model_len=max_model_len,
+    arch = replace(arch, dtype=resolve_dtype_name(dtype, "cpu" if dev == "cpu" else "cuda", arch.checkpoint_dtype))
+    levers = dict(device=dev, dtype=arch.dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size, max_model_len=max_model_len,
                   max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                   tensor_parallel_size=tensor_parallel_size, gpu=gpu, gpu_memory_gib=gpu_memory_gib,
                   gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory=kv_cache_memory,
                   reserve_bytes=reserve_bytes, weight_format=weight_format, group_size=group_size, hybrid=hybrid)
     tp = tensor_parallel_size
-    plan = tp_split(spec, tp, _tp_group_size(spec, weight_format, group_size))   # the engine's check and split
+    plan = tp_split(arch, tp, _tp_group_size(arch, weight_format, group_size))   # the engine's check and split
     if not 0 < gpu_memory_utilization <= 1:
         raise UserInputError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
     if max_num_seqs < 1:
         raise UserInputError(f"--max-num-seqs must be positive, got {max_num_seqs}")
     if max_num_batched_tokens < 1:
         raise UserInputError(f"--max-num-batched-tokens must be positive, got {max_num_batched_tokens}")
-    kv_dtype = canonical_kv_dtype(kv_cache_dtype, spec)
-    max_len = max_model_len or spec.max_position_embeddings
+    kv_dtype = canonical_kv_dtype(kv_cache_dtype, arch)
+    max_len = max_model_len or arch.max_position_embeddings
     if max_len < 1:
         raise UserInputError(f"--max-model-len must be positive, got {max_len}")
-    layers = layer_kv_specs(spec, kv_dtype, tp)
+    layers = layer_kv_specs(arch, kv_dtype, tp)
     layout = build_layout(layers, block_size, hybrid)
     per_kind: dict[tuple, list] = {}
     for x in layers:
         per_kind.setdefault((x.kind, x.window), []).append(x)
     summary = [LayerSummary(k, w, len(v), _num(v[0].token_bytes)) for (k, w), v in per_kind.items()]
-    weights = weight_memory(spec, weight_format, group_size, tp, device=dev)
-    note = spec.note
-    if max_len > spec.max_position_embeddings:     # planning what-ifs; `llmopt kv-estimate` refuses it
+    weights = weight_memory(arch, weight_format, group_size, tp, device=dev)
+    note = arch.note
+    if max_len > arch.max_position_embeddings:     # planning what-ifs; `llmopt kv-estimate` refuses it
         note = (note + "; " if note else "") + (f"max_model_len {max_len:,} exceeds the model's "
-                                                 f"max_position_embeddings {spec.max_position_embeddings:,}")
+                                                 f"max_position_embeddings {arch.max_position_embeddings:,}")
     est = KVEstimate(
-        model=spec.name, source=spec.source, origin=spec.origin, attention=spec.attention, num_layers=spec.num_layers,
-        num_kv_heads=1 if spec.mla else spec.num_kv_heads,
-        kv_heads_per_rank=1 if spec.mla else plan.kv_heads_per_rank,
-        head_dim=layers[0].head_size, max_position_embeddings=spec.max_position_embeddings,
-        device=dev, dtype=spec.dtype, kv_cache_dtype=kv_dtype,
+        model=arch.name, source=arch.source, origin=arch.origin, attention=arch.attention, num_layers=arch.num_layers,
+        num_kv_heads=1 if arch.mla else arch.num_kv_heads,
+        kv_heads_per_rank=1 if arch.mla else plan.kv_heads_per_rank,
+        head_dim=layers[0].head_size, max_position_embeddings=arch.max_position_embeddings,
+        device=dev, dtype=arch.dtype, kv_cache_dtype=kv_dtype,
         tensor_parallel_size=tp, block_size=block_size, max_model_len=max_len,
         max_num_batched_tokens=max_num_batched_tokens,
         bytes_per_token=_num(sum((x.token_bytes for x in layers), Fraction(0))),
-        bytes_per_token_model=_num(sum((x.token_bytes for x in layer_kv_specs(spec, kv_dtype, 1)), Fraction(0))),
+        bytes_per_token_model=_num(sum((x.token_bytes for x in layer_kv_specs(arch, kv_dtype, 1)), Fraction(0))),
         layers=summary, weights=weights, request_bytes=layout.bytes_for(max_len, max_num_batched_tokens), note=note)
     available = kv_cache_memory
     if gpu is not None or gpu_memory_gib is not None:
-        est.memory = _budget(spec, gpu, gpu_memory_gib, gpu_memory_utilization, weights, tp,
+        est.memory = _budget(arch, gpu, gpu_memory_gib, gpu_memory_utilization, weights, tp,
                              max_num_batched_tokens, max_num_seqs, reserve_bytes)
         if available is None:
             available = est.memory.kv_available_bytes
@@ -190,7 +190,7 @@ def estimate(spec: ModelSpec, *, device: str | None = None, dtype: str = default
                                 f"({est.memory.reserve_bytes / GIB:.1f} GiB) exceed the budget "
                                 f"({est.memory.budget_bytes / GIB:.1f} GiB)")
     if available is not None:
-        est.paged = _paged(layout, max(0, available), max_len, max_num_batched_tokens, spec)
+        est.paged = _paged(layout, max(0, available), max_len, max_num_batched_tokens, arch)
         budget_ok = est.memory is None or est.memory.kv_available_bytes > 0
         if est.paged.num_blocks < est.paged.blocks_per_request and budget_ok:
             est.problems.append(f"one request of {max_len:,} tokens needs {est.paged.blocks_per_request:,} blocks, the "
@@ -204,16 +204,16 @@ def estimate(spec: ModelSpec, *, device: str | None = None, dtype: str = default
             est.problems.append(f"{len(misses)} of {len(est.grid)} grid cells do not fit (e.g. batch "
                                 f"{misses[0].batch_size} x {misses[0].seq_len:,} tokens)")
     if naive:
-        layers1 = layer_kv_specs(spec, kv_dtype, 1)
-        est.naive = naive_mod.compare(spec, kv_dtype, layers1, build_layout(layers1, block_size, hybrid), max_len, 1,
+        layers1 = layer_kv_specs(arch, kv_dtype, 1)
+        est.naive = naive_mod.compare(arch, kv_dtype, layers1, build_layout(layers1, block_size, hybrid), max_len, 1,
                                       block_size, max_num_batched_tokens)
     est.fits = None if available is None else not est.problems
     if what_if and est.memory is not None:
-        est.what_if = what_ifs(est, lambda **kw: estimate(spec, **kw), levers)
+        est.what_if = what_ifs(est, lambda **kw: estimate(arch, **kw), levers)
     return est
 
 
-def _budget(spec, gpu, gpu_memory_gib, util, weights, tp, mnbt, max_num_seqs, reserve_bytes) -> MemoryBudget:
+def _budget(arch, gpu, gpu_memory_gib, util, weights, tp, mnbt, max_num_seqs, reserve_bytes) -> MemoryBudget:
     if gpu_memory_gib is not None:
         if gpu_memory_gib <= 0:
             raise UserInputError(f"--gpu-memory must be positive GiB, got {gpu_memory_gib}")
@@ -222,17 +222,17 @@ def _budget(spec, gpu, gpu_memory_gib, util, weights, tp, mnbt, max_num_seqs, re
         preset = find_gpu(gpu)
         name, total = preset.name, preset.memory_bytes
     detail = ({"given": reserve_bytes} if reserve_bytes is not None
-              else reserve_estimate(spec, tp, mnbt, max_num_seqs))
+              else reserve_estimate(arch, tp, mnbt, max_num_seqs))
     reserve = sum(detail.values())
     budget = int(total * util)
     return MemoryBudget(name, total, util, budget, weights.bytes_per_rank, reserve, detail,
                         budget - weights.bytes_per_rank - reserve)
 
 
-def _paged(layout: KVLayout, available: int, max_len: int, mnbt: int, spec: ModelSpec) -> PagedPlan:
+def _paged(layout: KVLayout, available: int, max_len: int, mnbt: int, arch: ModelArch) -> PagedPlan:
     n = layout.num_blocks(available)
     per = layout.blocks_per_request(max_len, mnbt)
-    upper = max(max_len, spec.max_position_embeddings)
+    upper = max(max_len, arch.max_position_embeddings)
     longest = layout.longest_context(available, mnbt, upper)
     groups = [{"kind": g.kind, "window": g.window, "layers": len(g.layers), "block_size": g.block_size,
                "page_bytes": g.page_bytes, "blocks_per_request": g.blocks(max_len, mnbt)} for g in layout.groups]

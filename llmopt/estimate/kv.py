@@ -27,9 +27,9 @@ from fractions import Fraction
 from math import ceil
 
 from llmopt import defaults
-from llmopt.dist.plan import TPPlan, tp_plan
+from llmopt.distributed.plan import TPPlan, tp_plan
 from llmopt.errors import UserInputError
-from llmopt.estimate.model_spec import ModelSpec
+from llmopt.estimate.arch import ModelArch
 
 FLOAT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
 ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
@@ -41,11 +41,11 @@ Q4_BLOCK, Q4_BLOCK_BYTES = 32, 18          # llama.cpp q4_0: 32 4-bit values + a
 DS_MLA_TOKEN_BYTES = 656                    # vLLM fp8_ds_mla: 512 fp8 + 4 float32 scales + 64 bf16 rope
 
 
-def canonical_kv_dtype(name: str, spec: ModelSpec) -> str:
+def canonical_kv_dtype(name: str, arch: ModelArch) -> str:
     key = name.strip().lower()
     key = ALIASES.get(key, key)
     if key == "auto":
-        return spec.serving_dtype if spec.serving_dtype in FLOAT_BYTES else "bfloat16"
+        return arch.serving_dtype if arch.serving_dtype in FLOAT_BYTES else "bfloat16"
     if key not in KV_DTYPES:
         raise UserInputError(f"unknown --kv-cache-dtype {name!r}: use one of {', '.join(KV_DTYPES)}")
     return key
@@ -100,34 +100,34 @@ def _mla_token_bytes(dtype: str, width: int) -> Fraction:
                          "separately; MLA stores one latent)")
 
 
-def tp_split(spec: ModelSpec, tp: int, group_size: int | None = None) -> TPPlan:
-    """The engine's own tensor-parallel check and split (llmopt/dist/plan.py: tp_plan), so kv-estimate
+def tp_split(arch: ModelArch, tp: int, group_size: int | None = None) -> TPPlan:
+    """The engine's own tensor-parallel check and split (llmopt/distributed/plan.py: tp_plan), so kv-estimate
     refuses exactly the sizes the engine refuses and plans the KV heads each rank allocates (split
     across ranks; one replicated per rank when there are fewer than ranks, as vLLM). MLA splits its
     heads and replicates the latent; a MoE model splits each expert's width as well."""
-    kv = spec.num_attention_heads if spec.mla else spec.num_kv_heads
-    plan = tp_plan(spec.num_attention_heads, kv, spec.intermediate_size, spec.vocab_size, tp, group_size,
-                   spec.head_dim)
-    if spec.moe and spec.moe.intermediate_size != spec.intermediate_size:
-        tp_plan(spec.num_attention_heads, kv, spec.moe.intermediate_size, spec.vocab_size, tp, group_size,
-                spec.head_dim)
+    kv = arch.num_attention_heads if arch.mla else arch.num_kv_heads
+    plan = tp_plan(arch.num_attention_heads, kv, arch.intermediate_size, arch.vocab_size, tp, group_size,
+                   arch.head_dim)
+    if arch.moe and arch.moe.intermediate_size != arch.intermediate_size:
+        tp_plan(arch.num_attention_heads, kv, arch.moe.intermediate_size, arch.vocab_size, tp, group_size,
+                arch.head_dim)
     return plan
 
 
-def layer_kv_specs(spec: ModelSpec, kv_dtype: str, tp: int = 1) -> list[LayerKV]:
-    plan = tp_split(spec, tp)
-    dtype = canonical_kv_dtype(kv_dtype, spec)
-    if spec.mla:
-        width = spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim
+def layer_kv_specs(arch: ModelArch, kv_dtype: str, tp: int = 1) -> list[LayerKV]:
+    plan = tp_split(arch, tp)
+    dtype = canonical_kv_dtype(kv_dtype, arch)
+    if arch.mla:
+        width = arch.mla.kv_lora_rank + arch.mla.qk_rope_head_dim
         tb = _mla_token_bytes(dtype, width)
-        return [LayerKV(i, "mla", None, 1, width, tb) for i in range(spec.num_layers)]
+        return [LayerKV(i, "mla", None, 1, width, tb) for i in range(arch.num_layers)]
     heads = plan.kv_heads_per_rank
-    fp_bytes = FLOAT_BYTES.get(canonical_kv_dtype("auto", spec), 2)
-    per_head, res_tokens, res_bytes = _head_token_bytes(dtype, spec.head_dim, fp_bytes)
-    return [LayerKV(i, "sliding" if w else "full", w, heads, spec.head_dim, per_head * heads, res_tokens, res_bytes * heads)
-            for i, w in enumerate(spec.layer_windows)]
+    fp_bytes = FLOAT_BYTES.get(canonical_kv_dtype("auto", arch), 2)
+    per_head, res_tokens, res_bytes = _head_token_bytes(dtype, arch.head_dim, fp_bytes)
+    return [LayerKV(i, "sliding" if w else "full", w, heads, arch.head_dim, per_head * heads, res_tokens, res_bytes * heads)
+            for i, w in enumerate(arch.layer_windows)]
 
 
-def bytes_per_token(spec: ModelSpec, kv_dtype: str = "auto", tp: int = 1) -> Fraction:
+def bytes_per_token(arch: ModelArch, kv_dtype: str = "auto", tp: int = 1) -> Fraction:
     """KV bytes one token costs across all layers on one rank (amortized; KIVI's residual excluded)."""
-    return sum((layer.token_bytes for layer in layer_kv_specs(spec, kv_dtype, tp)), Fraction(0))
+    return sum((layer.token_bytes for layer in layer_kv_specs(arch, kv_dtype, tp)), Fraction(0))

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from llmopt.estimate.kv import FLOAT_BYTES, LayerKV
-from llmopt.estimate.model_spec import ModelSpec
+from llmopt.estimate.arch import ModelArch
 from llmopt.estimate.plan import KVLayout
 
 ELEMENT_BYTES = {"int8": Fraction(1), "int4": Fraction(1, 2), "kivi2": Fraction(1, 4), "fp8_ds_mla": Fraction(1)}
@@ -24,22 +24,22 @@ class NaiveComparison:
     differences: list[str] = field(default_factory=list)
 
 
-def compare(spec: ModelSpec, dtype: str, layers: list[LayerKV], layout: KVLayout, seq_len: int, batch: int,
+def compare(arch: ModelArch, dtype: str, layers: list[LayerKV], layout: KVLayout, seq_len: int, batch: int,
             block_size: int, max_num_batched_tokens: int) -> NaiveComparison:
     """`layers`/`layout`: the model at tensor-parallel size 1 (the formula knows no ranks)."""
     elem = Fraction(FLOAT_BYTES[dtype]) if dtype in FLOAT_BYTES else ELEMENT_BYTES[dtype]
-    naive = int(2 * spec.num_layers * spec.hidden_size * seq_len * batch * elem)
+    naive = int(2 * arch.num_layers * arch.hidden_size * seq_len * batch * elem)
     real = layout.bytes_for(seq_len, max_num_batched_tokens) * batch
     diffs = []
-    h = spec.hidden_size
-    if spec.mla:
-        w = spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim
-        diffs.append(f"MLA: one latent of {w} values per token per layer (kv_lora_rank {spec.mla.kv_lora_rank} + "
-                     f"rope {spec.mla.qk_rope_head_dim}), not K and V of {h} each: {2 * h / w:.1f}x less")
+    h = arch.hidden_size
+    if arch.mla:
+        w = arch.mla.kv_lora_rank + arch.mla.qk_rope_head_dim
+        diffs.append(f"MLA: one latent of {w} values per token per layer (kv_lora_rank {arch.mla.kv_lora_rank} + "
+                     f"rope {arch.mla.qk_rope_head_dim}), not K and V of {h} each: {2 * h / w:.1f}x less")
     else:
-        width = spec.num_kv_heads * spec.head_dim
-        if spec.num_kv_heads != spec.num_attention_heads:
-            diffs.append(f"{spec.attention}: K and V are {spec.num_kv_heads} heads x {spec.head_dim} = {width} wide, "
+        width = arch.num_kv_heads * arch.head_dim
+        if arch.num_kv_heads != arch.num_attention_heads:
+            diffs.append(f"{arch.attention}: K and V are {arch.num_kv_heads} heads x {arch.head_dim} = {width} wide, "
                          f"not hidden {h:,}: {h / width:.1f}x less")
         elif width != h:
             diffs.append(f"head_dim x heads = {width} differs from hidden {h}")

@@ -10,7 +10,7 @@ import math
 
 from dataclasses import dataclass
 
-from llmopt.estimate.model_spec import ModelSpec
+from llmopt.estimate.arch import ModelArch
 
 
 @dataclass(frozen=True)
@@ -29,10 +29,10 @@ class Param:
         return len(self.shape) == 2 and self.group in ("attn", "mlp", "experts")
 
 
-def _attention(spec: ModelSpec, p: str) -> list[Param]:
-    h, hd, nh, kv = spec.hidden_size, spec.head_dim, spec.num_attention_heads, spec.num_kv_heads
-    if spec.mla:
-        m = spec.mla
+def _attention(arch: ModelArch, p: str) -> list[Param]:
+    h, hd, nh, kv = arch.hidden_size, arch.head_dim, arch.num_attention_heads, arch.num_kv_heads
+    if arch.mla:
+        m = arch.mla
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         out = []
         if m.q_lora_rank:
@@ -50,12 +50,12 @@ def _attention(spec: ModelSpec, p: str) -> list[Param]:
            Param(f"{p}.k_proj.weight", (kv * hd, h), "attn", "kv"),
            Param(f"{p}.v_proj.weight", (kv * hd, h), "attn", "kv"),
            Param(f"{p}.o_proj.weight", (h, nh * hd), "attn", "row")]
-    if spec.qkv_bias:
+    if arch.qkv_bias:
         out += [Param(f"{p}.q_proj.bias", (nh * hd,), "attn", "col"), Param(f"{p}.k_proj.bias", (kv * hd,), "attn", "kv"),
                 Param(f"{p}.v_proj.bias", (kv * hd,), "attn", "kv")]
-    if spec.o_bias:                                   # llama attention_bias=True: o_proj has a bias too
+    if arch.o_bias:                                   # llama attention_bias=True: o_proj has a bias too
         out.append(Param(f"{p}.o_proj.bias", (h,), "attn", "rep"))
-    if spec.qk_norm:
+    if arch.qk_norm:
         out += [Param(f"{p}.q_norm.weight", (hd,), "norm", "rep"), Param(f"{p}.k_norm.weight", (hd,), "norm", "rep")]
     return out
 
@@ -65,10 +65,10 @@ def _dense_mlp(p: str, h: int, inter: int, group: str = "mlp") -> list[Param]:
             Param(f"{p}.down_proj.weight", (h, inter), group, "row")]
 
 
-def _mlp(spec: ModelSpec, i: int, p: str) -> list[Param]:
-    h, moe = spec.hidden_size, spec.moe
+def _mlp(arch: ModelArch, i: int, p: str) -> list[Param]:
+    h, moe = arch.hidden_size, arch.moe
     if moe is None or i < moe.first_dense_layers:
-        return _dense_mlp(f"{p}.mlp", h, spec.intermediate_size)
+        return _dense_mlp(f"{p}.mlp", h, arch.intermediate_size)
     out: list[Param] = []
     e, mi = moe.num_experts, moe.intermediate_size
     if moe.naming == "mixtral":
@@ -94,20 +94,20 @@ def _mlp(spec: ModelSpec, i: int, p: str) -> list[Param]:
 _NORM_NAMES = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
-def model_params(spec: ModelSpec) -> list[Param]:
+def model_params(arch: ModelArch) -> list[Param]:
     """Every parameter once: a tied head shares the embedding and is not listed again."""
-    h = spec.hidden_size
-    out = [Param("model.embed_tokens.weight", (spec.vocab_size, h), "embed", "vocab")]
-    for i in range(spec.num_layers):
+    h = arch.hidden_size
+    out = [Param("model.embed_tokens.weight", (arch.vocab_size, h), "embed", "vocab")]
+    for i in range(arch.num_layers):
         p = f"model.layers.{i}"
-        out += _attention(spec, f"{p}.self_attn")
-        out += _mlp(spec, i, p)
-        out += [Param(f"{p}.{n}.weight", (h,), "norm", "rep") for n in _NORM_NAMES[:spec.norms_per_layer]]
+        out += _attention(arch, f"{p}.self_attn")
+        out += _mlp(arch, i, p)
+        out += [Param(f"{p}.{n}.weight", (h,), "norm", "rep") for n in _NORM_NAMES[:arch.norms_per_layer]]
     out.append(Param("model.norm.weight", (h,), "norm", "rep"))
-    if not spec.tie_word_embeddings:
-        out.append(Param("lm_head.weight", (spec.vocab_size, h), "head", "vocab"))
+    if not arch.tie_word_embeddings:
+        out.append(Param("lm_head.weight", (arch.vocab_size, h), "head", "vocab"))
     return out
 
 
-def count_params(spec: ModelSpec) -> int:
-    return sum(p.numel for p in model_params(spec))
+def count_params(arch: ModelArch) -> int:
+    return sum(p.numel for p in model_params(arch))

@@ -2,7 +2,7 @@
 and the llmopt engine do it: group the layers, size one block, divide the memory into blocks, and
 count the blocks a request holds.
 
-- One attention type (every layer the same spec): one group of all layers; vLLM's
+- One attention type (every layer the same shape): one group of all layers; vLLM's
   `get_num_blocks`: num_blocks = available // page_size // num_layers (the engine:
   kv_cache_memory // (num_layers * per-layer block bytes) — the same number).
 - Same type, different page sizes (UniformTypeKVCacheSpecs): one group, a block costs the sum of

@@ -1,4 +1,4 @@
-"""Where a ModelSpec comes from: a checkpoint folder (config.json + safetensors headers), a .gguf
+"""Where a ModelArch comes from: a checkpoint folder (config.json + safetensors headers), a .gguf
 (its header, mapped by models/config.py's gguf_hf_config as the GGUF converter maps it), the default
 model (models/config.py's builtin_gguf), a Hugging Face id in the local cache (offline), or a preset."""
 
@@ -10,7 +10,7 @@ from typing import Any
 from llmopt import defaults
 from llmopt.errors import ModelLoadError
 from llmopt.estimate import presets
-from llmopt.estimate.model_spec import ModelSpec, apply_overrides, spec_from_config
+from llmopt.estimate.arch import ModelArch, apply_overrides, arch_from_config
 from llmopt.estimate.tensors import read_gguf, safetensors_tensors
 from llmopt.models.config import builtin_gguf, gguf_hf_config, read_config_json
 
@@ -24,10 +24,10 @@ def _hf_cache_config(repo_id: str) -> Path | None:
     return Path(p) if isinstance(p, str) else None
 
 
-def _from_folder(folder: Path, name: str, source: str) -> ModelSpec:
+def _from_folder(folder: Path, name: str, source: str) -> ModelArch:
     d = read_config_json(folder)     # the loader's reading: JSON object, UTF-8, one-line errors
     try:
-        spec = spec_from_config(d, name, source, str(folder))
+        arch = arch_from_config(d, name, source, str(folder))
     except ModelLoadError as first:
         # config.json files list only non-default values (Gemma-3's text_config omits vocab_size...):
         # let transformers fill in its defaults, only when needed (importing it takes seconds)
@@ -36,43 +36,43 @@ def _from_folder(folder: Path, name: str, source: str) -> ModelSpec:
             full = AutoConfig.from_pretrained(str(folder)).to_dict()
         except Exception:  # noqa: BLE001 - unknown to transformers too: report the first problem
             raise first from None
-        spec = spec_from_config(full, name, source, str(folder))
-    spec.tensors = safetensors_tensors(folder)
-    return spec
+        arch = arch_from_config(full, name, source, str(folder))
+    arch.tensors = safetensors_tensors(folder)
+    return arch
 
 
-def _from_gguf(path: Path, name: str, source: str) -> ModelSpec:
+def _from_gguf(path: Path, name: str, source: str) -> ModelArch:
     meta, tensors = read_gguf(path)
     try:
         d = gguf_hf_config(meta, [(t.name, t.shape) for t in tensors])
     except ModelLoadError as e:
         raise ModelLoadError(f"{path}: {e}") from e
-    spec = spec_from_config(d, name, source, str(path))
-    spec.tensors = tensors
-    return spec
+    arch = arch_from_config(d, name, source, str(path))
+    arch.tensors = tensors
+    return arch
 
 
-def resolve_model_spec(model: str | None = None, overrides: dict[str, Any] | None = None) -> ModelSpec:
+def resolve_model_arch(model: str | None = None, overrides: dict[str, Any] | None = None) -> ModelArch:
     """Folder / .gguf / default model / HF id in the local cache / preset, then overrides."""
     name = model or defaults.DEFAULT_MODEL
     p = Path(name).expanduser()
     if name in defaults.BUILTIN_MODELS:
-        spec = _from_gguf(builtin_gguf(name), name, "builtin")
+        arch = _from_gguf(builtin_gguf(name), name, "builtin")
     elif p.is_file() and p.suffix == ".gguf":
-        spec = _from_gguf(p, p.name, "gguf")
+        arch = _from_gguf(p, p.name, "gguf")
     elif p.is_dir():
         if not (p / "config.json").is_file():
             raise ModelLoadError(f"{p} has no config.json: it is not a Hugging Face checkpoint folder")
-        spec = _from_folder(p, p.name, "config")
+        arch = _from_folder(p, p.name, "config")
     elif p.is_file() and p.name == "config.json":
-        spec = _from_folder(p.parent, p.parent.name, "config")
+        arch = _from_folder(p.parent, p.parent.name, "config")
     elif p.exists():
         raise ModelLoadError(f"{p} is neither a checkpoint folder, a config.json nor a .gguf file")
     elif (cached := _hf_cache_config(name) if name.count("/") == 1 else None) is not None:
-        spec = _from_folder(cached.parent, name, "hf-cache")
+        arch = _from_folder(cached.parent, name, "hf-cache")
     elif (preset := presets.find_model_preset(name)) is not None:
-        spec = spec_from_config(dict(preset.config), preset.hf_id, "preset", preset.url, preset.note)
+        arch = arch_from_config(dict(preset.config), preset.hf_id, "preset", preset.url, preset.note)
     else:
         raise ModelLoadError(f"model {name!r} not found: give a checkpoint folder, a .gguf, a Hugging Face id in "
                              f"the local cache, or a preset (llmopt kv-estimate --list-presets)")
-    return apply_overrides(spec, overrides or {})
+    return apply_overrides(arch, overrides or {})

@@ -28,7 +28,7 @@ from math import ceil
 from llmopt import defaults
 from llmopt.errors import UserInputError
 from llmopt.estimate.kv import tp_split
-from llmopt.estimate.model_spec import ModelSpec
+from llmopt.estimate.arch import ModelArch
 from llmopt.estimate.params import Param, count_params, model_params
 from llmopt.estimate.tensors import TensorInfo, ggml_nbytes, ggml_type_names
 
@@ -46,27 +46,27 @@ class WeightMemory:
     by_group: dict[str, int] = field(default_factory=dict)   # bytes per part (embed, attn, mlp, experts, ...)
 
 
-def _auto_format(spec: ModelSpec) -> tuple[str, int]:
-    q = spec.quantization_config or {}
+def _auto_format(arch: ModelArch) -> tuple[str, int]:
+    q = arch.quantization_config or {}
     method = str(q.get("quant_method", "")).lower()
     if method == "fp8":
         return ("fp8-block" if q.get("weight_block_size") else "fp8"), 0
     if method in ("awq", "gptq"):
         bits = int(q.get("bits", q.get("w_bit", 4)))
         if bits != 4:
-            raise UserInputError(f"{spec.name}: {bits}-bit {method} checkpoints are not modelled; pass --weight-format")
+            raise UserInputError(f"{arch.name}: {bits}-bit {method} checkpoints are not modelled; pass --weight-format")
         return "int4", int(q.get("group_size", q.get("q_group_size", defaults.QUANT_GROUP_SIZE)))
     if method:
-        raise UserInputError(f"{spec.name}: quantization method {method!r} is not modelled; pass --weight-format")
-    return spec.serving_dtype if spec.serving_dtype in FLOAT_FORMATS else "bfloat16", 0
+        raise UserInputError(f"{arch.name}: quantization method {method!r} is not modelled; pass --weight-format")
+    return arch.serving_dtype if arch.serving_dtype in FLOAT_FORMATS else "bfloat16", 0
 
 
-def _shard(p: Param, spec: ModelSpec, tp: int) -> tuple[int, ...]:
+def _shard(p: Param, arch: ModelArch, tp: int) -> tuple[int, ...]:
     """The shape one rank holds."""
     if tp == 1 or p.tp == "rep":
         return p.shape
     if p.tp == "kv":
-        return (tp_split(spec, tp).kv_heads_per_rank * spec.head_dim, *p.shape[1:])
+        return (tp_split(arch, tp).kv_heads_per_rank * arch.head_dim, *p.shape[1:])
     if p.tp == "row":
         return (p.shape[0], ceil(p.shape[1] / tp))
     return (ceil(p.shape[0] / tp), *p.shape[1:])          # col, vocab
@@ -124,16 +124,16 @@ def _file_group(name: str) -> str:
     return "attn"
 
 
-def _file_rank_bytes(t: TensorInfo, spec: ModelSpec, tp: int) -> int:
+def _file_rank_bytes(t: TensorInfo, arch: ModelArch, tp: int) -> int:
     """Approximate a rank's share of a stored tensor: replicated norms, KV rows by KV heads, else 1/tp."""
     if tp == 1 or "norm" in t.name or len(t.shape) < 2:
         return t.nbytes
     if any(k in t.name for k in ("k_proj", "v_proj", "attn_k.", "attn_v.")):
-        return ceil(t.nbytes * tp_split(spec, tp).kv_heads_per_rank / spec.num_kv_heads)
+        return ceil(t.nbytes * tp_split(arch, tp).kv_heads_per_rank / arch.num_kv_heads)
     return ceil(t.nbytes / tp)
 
 
-def weight_memory(spec: ModelSpec, fmt: str = "auto", group_size: int | None = None, tp: int = 1,
+def weight_memory(arch: ModelArch, fmt: str = "auto", group_size: int | None = None, tp: int = 1,
                   device: str = "cuda", lm_head_dtype: str = defaults.LM_HEAD_DTYPE) -> WeightMemory:
     """device cpu: what the engine holds on the CPU (the module docstring); lm_head_dtype as the
     engine's --lm-head-dtype."""
@@ -142,42 +142,42 @@ def weight_memory(spec: ModelSpec, fmt: str = "auto", group_size: int | None = N
     if group == 0 or group < -1:
         raise UserInputError(f"--group-size must be positive or -1 (per channel), got {group}")
     cpu = device == "cpu"
-    if fmt == "auto" and spec.tensors and not (cpu and spec.quantization_config):
-        tied_head = spec.tie_word_embeddings
-        tensors = [t for t in spec.tensors if not (tied_head and t.name in ("lm_head.weight", "output.weight"))]
+    if fmt == "auto" and arch.tensors and not (cpu and arch.quantization_config):
+        tied_head = arch.tie_word_embeddings
+        tensors = [t for t in arch.tensors if not (tied_head and t.name in ("lm_head.weight", "output.weight"))]
         by: dict[str, int] = {}
         for t in tensors:
             by[_file_group(t.name)] = by.get(_file_group(t.name), 0) + t.nbytes
         kinds = sorted({t.dtype for t in tensors})
-        return WeightMemory("auto (" + "/".join(kinds) + ")", "file", count_params(spec),
-                            sum(t.nbytes for t in tensors), sum(_file_rank_bytes(t, spec, tp) for t in tensors), by)
+        return WeightMemory("auto (" + "/".join(kinds) + ")", "file", count_params(arch),
+                            sum(t.nbytes for t in tensors), sum(_file_rank_bytes(t, arch, tp) for t in tensors), by)
     if fmt == "auto":
-        fmt, g = _auto_format(spec)
+        fmt, g = _auto_format(arch)
         group = g or group
     known = fmt in FLOAT_FORMATS or fmt in ("fp8", "fp8-block", "int8", "int4") or fmt.upper() in ggml_type_names()
     if not known:
         raise UserInputError(f"unknown --weight-format {fmt!r}: use auto, bfloat16, float16, float32, fp8, fp8-block, "
                              f"int8, int4 (with --group-size) or a GGML type such as q4_k, q8_0")
     if fmt == "int4" and group_size is not None and group != -1:   # as llmopt quantize refuses it
-        odd = next((w for w in (spec.hidden_size, spec.intermediate_size) if w and w % group), None)
+        odd = next((w for w in (arch.hidden_size, arch.intermediate_size) if w and w % group), None)
         if odd is not None:
             raise UserInputError(f"--group-size {group} does not divide the model's layer width {odd}: use a divisor "
                                  f"such as {next((g for g in defaults.QUANT_GROUP_SIZES if odd % g == 0), -1)} "
                                  "or -1 (per channel)")
-    base = FLOAT_FORMATS.get(spec.serving_dtype, 2)
+    base = FLOAT_FORMATS.get(arch.serving_dtype, 2)
     quantized = fmt not in FLOAT_FORMATS and fmt.upper() not in ggml_type_names()
     if lm_head_dtype not in ("auto", "float", "int8"):
         raise UserInputError(f"unknown --lm-head-dtype {lm_head_dtype!r}: use auto, float or int8")
     int8_head = lm_head_dtype == "int8" or (lm_head_dtype == "auto" and quantized and cpu)
     by = {}
     total = rank = n = 0
-    for p in model_params(spec):
+    for p in model_params(arch):
         # the int8 table: the head, or with a tied head the embedding it shares
-        q_head = int8_head and p.group == ("embed" if spec.tie_word_embeddings else "head")
+        q_head = int8_head and p.group == ("embed" if arch.tie_word_embeddings else "head")
         b = param_bytes(p, p.shape, fmt, group, base, cpu, q_head)
         by[p.group] = by.get(p.group, 0) + b
         total += b
-        rank += param_bytes(p, _shard(p, spec, tp), fmt, group, base, cpu, q_head) if tp > 1 else b
+        rank += param_bytes(p, _shard(p, arch, tp), fmt, group, base, cpu, q_head) if tp > 1 else b
         n += p.numel
     label = (f"int4 (group {group})" if fmt == "int4" else fmt) + (", int8 head" if int8_head else "")
     return WeightMemory(label, "config", n, total, rank, by)

@@ -192,8 +192,8 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, tp=None) -> None:
-        """tp: a llmopt.dist.parallel.TPGroup: build this rank's shard (its heads, MLP width and
-        vocabulary rows, llmopt/dist/plan.py); `config` stays the whole model's."""
+        """tp: a llmopt.distributed.parallel.TPGroup: build this rank's shard (its heads, MLP width and
+        vocabulary rows, llmopt/distributed/plan.py); `config` stays the whole model's."""
         super().__init__()
         self.config = cfg
         self.tp = tp
@@ -203,7 +203,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-        # Speculative decoding (llmopt.spec, EAGLE): None = off; a tuple of layer indices = after each
+        # Speculative decoding (llmopt.speculative, EAGLE): None = off; a tuple of layer indices = after each
         # forward, `captured` holds (final hidden [*, hidden], [the hidden state entering each listed layer])
         self.capture_hidden: tuple[int, ...] | None = None
         self.captured: tuple[torch.Tensor, list[torch.Tensor]] | None = None

@@ -127,7 +127,7 @@ def build_model(cfg: ModelConfig, folder: Path, dtype: torch.dtype, device: torc
                 tp=None) -> LlamaForCausalLM:
     """`quantization` int8|fp8: a float checkpoint's decoder Linears quantized per channel as they
     load; `lm_head_dtype` auto|float|int8 (quant/runtime.py: resolve_lm_head_dtype). `tp` (a
-    llmopt.dist.parallel.TPGroup): build and load this rank's shard only."""
+    llmopt.distributed.parallel.TPGroup): build and load this rank's shard only."""
     from llmopt.quant import runtime
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, tp)
@@ -143,7 +143,7 @@ def build_model(cfg: ModelConfig, folder: Path, dtype: torch.dtype, device: torc
     elif cfg.quantization_config:
         runtime.convert_for_runtime(model, cfg.quantization_config)  # swaps Linear for quantized modules
         if tp is not None:
-            from llmopt.dist.shard import fit_quantized_modules
+            from llmopt.distributed.shard import fit_quantized_modules
             fit_quantized_modules(model, tp.plan)
     head = runtime.resolve_lm_head_dtype(lm_head_dtype, bool(quantization or cfg.quantization_config), device)
     loaded = model.load_weights(weights, dtype, device)
@@ -174,7 +174,7 @@ def load_tokenizer(folder: Path):
 def load_model(model: str | None = None, dtype: str | None = "auto", device: str | None = "auto",
                progress=None, tokenizer: bool = True, quantization: str | None = None,
                lm_head_dtype: str = defaults.LM_HEAD_DTYPE, tp=None) -> LoadedModel:
-    """tp: a llmopt.dist.parallel.TPGroup: this rank's shard, on its device (`tp.device`)."""
+    """tp: a llmopt.distributed.parallel.TPGroup: this rank's shard, on its device (`tp.device`)."""
     folder = resolve_checkpoint(model, progress)
     cfg = ModelConfig.from_path(folder)
     dev = tp.device if tp is not None else resolve_device(device)

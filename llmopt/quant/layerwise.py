@@ -18,7 +18,7 @@ import torch.nn as nn
 from llmopt import defaults
 from llmopt.quant import awq, fp8, gptq, int8, rtn
 from llmopt.quant.activations import fake_quantize_tokens
-from llmopt.quant.spec import QuantSpec
+from llmopt.quant.config import QuantConfig
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -75,18 +75,18 @@ def set_weight(lin: nn.Linear, qt) -> None:
 
 @torch.no_grad()
 def quantize_layer(layer: nn.Module, x: torch.Tensor, err_samples: int, ctx: LayerContext,
-                   spec: QuantSpec) -> LayerOutcome:
+                   qconfig: QuantConfig) -> LayerOutcome:
     ex = x[:err_samples]
     y_ref = ctx.forward(layer, ex)
-    quantized, next_x = METHODS[spec.method](layer, x, ctx, spec)
+    quantized, next_x = METHODS[qconfig.method](layer, x, ctx, qconfig)
     handles = []
-    if spec.method in ("fp8", "int8") and spec.activations == "dynamic":
+    if qconfig.method in ("fp8", "int8") and qconfig.activations == "dynamic":
         # the arithmetic the runtime modules run (quant/modules_w8a8.py), as dequantize(quantize(x))
         handles = [layer.get_submodule(n).register_forward_pre_hook(
-            lambda _m, a: (fake_quantize_tokens(a[0], spec.method),)) for n in LINEARS]
+            lambda _m, a: (fake_quantize_tokens(a[0], qconfig.method),)) for n in LINEARS]
     try:
         # GPTQ passes on the quantized layer's output: its first samples are y_q
-        y_q = next_x[:ex.shape[0]] if spec.method == "gptq" else ctx.forward(layer, ex)
+        y_q = next_x[:ex.shape[0]] if qconfig.method == "gptq" else ctx.forward(layer, ex)
         if next_x is None:
             next_x = y_q if ex.shape[0] == x.shape[0] else ctx.forward(layer, x)
     finally:
@@ -101,27 +101,27 @@ def _linear(layer, name) -> nn.Linear:
     return layer.get_submodule(name)
 
 
-def _rtn(layer, x, ctx, spec):
+def _rtn(layer, x, ctx, qconfig):
     out = {}
     for n in LINEARS:
         lin = _linear(layer, n)
-        out[n] = rtn.quantize_rtn(lin.weight, spec.bits, spec.group_size, spec.sym, bias=_bias(lin),
-                                  scale_dtype=spec.scale_torch_dtype)
+        out[n] = rtn.quantize_rtn(lin.weight, qconfig.bits, qconfig.group_size, qconfig.sym, bias=_bias(lin),
+                                  scale_dtype=qconfig.scale_torch_dtype)
         set_weight(lin, out[n])
     return out, None
 
 
-def _fp8(layer, x, ctx, spec):
+def _fp8(layer, x, ctx, qconfig):
     out = {}
     for n in LINEARS:
         lin = _linear(layer, n)
-        out[n] = fp8.quantize_fp8(lin.weight, spec.fp8_scale, spec.activations, bias=_bias(lin),
-                                  scale_dtype=spec.scale_torch_dtype)
+        out[n] = fp8.quantize_fp8(lin.weight, qconfig.fp8_scale, qconfig.activations, bias=_bias(lin),
+                                  scale_dtype=qconfig.scale_torch_dtype)
         set_weight(lin, out[n])
     return out, None
 
 
-def _gptq(layer, x, ctx, spec):
+def _gptq(layer, x, ctx, qconfig):
     """True-sequential in one pass: q/k/v from the input norm's output; o from the attention output
     through the quantized q/k/v; gate/up from the post-attention norm of that; down from act(gate)·up
     through the quantized gate/up; then the layer's output for the next layer. Each Linear runs once
@@ -138,7 +138,7 @@ def _gptq(layer, x, ctx, spec):
         acc = gptq.HessianAccumulator(width)
         for t in inputs:
             acc.add(t)
-        out.update(_gptq_rows(layer, names, acc.H, spec))
+        out.update(_gptq_rows(layer, names, acc.H, qconfig))
 
     h = x.shape[-1]
     quantize(LINEARS[:3], (layer.input_layernorm(xb) for xb in xs), h)
@@ -167,13 +167,13 @@ def _gptq(layer, x, ctx, spec):
     return out, next_x
 
 
-def _gptq_rows(layer, names, H, spec) -> dict:
+def _gptq_rows(layer, names, H, qconfig) -> dict:
     """GPTQ on the Linears `names` (same input, so same H) stacked by rows; split back, set the
     dequantized weights in the layer."""
     lins = [_linear(layer, n) for n in names]
     w = torch.cat([lin.weight for lin in lins]) if len(lins) > 1 else lins[0].weight
-    res = gptq.gptq_quantize(w, H, spec.bits, spec.group_size, spec.sym, damp=spec.damp, act_order=spec.act_order,
-                             scale_dtype=spec.scale_torch_dtype).quantized
+    res = gptq.gptq_quantize(w, H, qconfig.bits, qconfig.group_size, qconfig.sym, damp=qconfig.damp, act_order=qconfig.act_order,
+                             scale_dtype=qconfig.scale_torch_dtype).quantized
     out, r0 = {}, 0
     for n, lin in zip(names, lins):
         r1 = r0 + lin.out_features
@@ -219,17 +219,17 @@ class _InputStats:
             h.remove()
 
 
-def _awq(layer, x, ctx, spec):
+def _awq(layer, x, ctx, qconfig):
     at, mlp = layer.self_attn, layer.mlp
-    keep = max(1, spec.awq_search_tokens // x.shape[1])
+    keep = max(1, qconfig.awq_search_tokens // x.shape[1])
     stats = _InputStats({"qkv": at.q_proj, "o": at.o_proj, "mlp": mlp.gate_proj, "down": mlp.down_proj}, keep)
     try:
         next_x = ctx.forward(layer, x)          # float outputs, as AutoAWQ propagates them
     finally:
         stats.close()
     xin = {k: stats.inputs(k) for k in ("qkv", "o", "mlp", "down")}
-    q = dict(bits=spec.bits, group_size=spec.group_size, sym=spec.sym, grid=spec.awq_grid, duo=spec.awq_duo_scaling,
-             scale_dtype=spec.scale_torch_dtype)
+    q = dict(bits=qconfig.bits, group_size=qconfig.group_size, sym=qconfig.sym, grid=qconfig.awq_grid,
+             duo=qconfig.awq_duo_scaling, scale_dtype=qconfig.scale_torch_dtype)
     plan = [("qkv", layer.input_layernorm, [at.q_proj, at.k_proj, at.v_proj],
              lambda: at(xin["qkv"], ctx.cos, ctx.sin, ctx.attn))]
     if at.v_proj.weight.shape == at.o_proj.weight.shape:   # AutoAWQ's condition (no GQA): v's rows are o's inputs
@@ -244,29 +244,29 @@ def _awq(layer, x, ctx, spec):
                    "mlp.down_proj": "down"}
     for n, key in clip_inputs.items():       # q and k are not clipped (their errors meet in the softmax)
         lin = _linear(layer, n)
-        bounds = awq.search_clip(lin.weight, xin[key], spec.bits, spec.group_size, spec.sym, grid=spec.awq_grid,
-                                 scale_dtype=spec.scale_torch_dtype)
-        awq.apply_clip(lin, bounds, spec.group_size)
-    out, _ = _rtn(layer, x, ctx, spec)
+        bounds = awq.search_clip(lin.weight, xin[key], qconfig.bits, qconfig.group_size, qconfig.sym, grid=qconfig.awq_grid,
+                                 scale_dtype=qconfig.scale_torch_dtype)
+        awq.apply_clip(lin, bounds, qconfig.group_size)
+    out, _ = _rtn(layer, x, ctx, qconfig)
     return out, next_x
 
 
-def _int8(layer, x, ctx, spec):
+def _int8(layer, x, ctx, qconfig):
     next_x = None
-    if spec.activations == "dynamic":
+    if qconfig.activations == "dynamic":
         at, mlp = layer.self_attn, layer.mlp
         stats = _InputStats({"qkv": at.q_proj, "mlp": mlp.gate_proj}, keep=0)
         try:
             next_x = ctx.forward(layer, x)      # smoothing leaves the float function as it is
         finally:
             stats.close()
-        int8.smooth(layer.input_layernorm, [at.q_proj, at.k_proj, at.v_proj], stats.amax["qkv"], spec.smoothquant_alpha)
+        int8.smooth(layer.input_layernorm, [at.q_proj, at.k_proj, at.v_proj], stats.amax["qkv"], qconfig.smoothquant_alpha)
         int8.smooth(layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj], stats.amax["mlp"],
-                    spec.smoothquant_alpha)
+                    qconfig.smoothquant_alpha)
     out = {}
     for n in LINEARS:
         lin = _linear(layer, n)
-        out[n] = int8.quantize_int8(lin.weight, spec.activations, bias=_bias(lin), scale_dtype=spec.scale_torch_dtype)
+        out[n] = int8.quantize_int8(lin.weight, qconfig.activations, bias=_bias(lin), scale_dtype=qconfig.scale_torch_dtype)
         set_weight(lin, out[n])
     return out, next_x
 

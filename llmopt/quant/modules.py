@@ -161,7 +161,7 @@ class PackedIntLinear(QuantLinear):
             if not torch.equal(g, torch.arange(qt.in_features, device=g.device) // gs):
                 return   # unequal groups: stay on the dequantized path
         if qt.in_features % self.per or qt.scales.shape[1] != -(-qt.in_features // gs):
-            return   # odd widths, or an act-order row shard's groups (llmopt.dist.shard_quant)
+            return   # odd widths, or an act-order row shard's groups (llmopt.distributed.shard_quant)
         scales = qt.scales.t().contiguous()
         self._kernel = (pack_codes(codes.t(), qt.bits, dim=0), scales, qt.zeros.t().to(scales.dtype).contiguous(),
                         perm, gs)
@@ -210,7 +210,7 @@ class GPTQLinear(PackedIntLinear):
     def __init__(self, in_features, out_features, bias, bits, group_size, sym, checkpoint_format="gptq",
                  n_groups: int | None = None):
         super().__init__(in_features, out_features, bias, bits, group_size, sym)
-        if n_groups is not None:   # an act-order row shard keeps every group (llmopt.dist.shard_quant)
+        if n_groups is not None:   # an act-order row shard keeps every group (llmopt.distributed.shard_quant)
             self.n_groups = n_groups
         if in_features % self.per or out_features % self.per:
             raise ModelLoadError(f"a GPTQ layer of {out_features}x{in_features} does not fit {bits}-bit packing")

@@ -32,7 +32,7 @@ from llmopt.quant.checkpoint import CheckpointReader, save_shard, write_metadata
 from llmopt.quant.evaluate import QuantEval
 from llmopt.quant.layerwise import LINEARS, LayerContext, quantize_layer
 from llmopt.quant.rtn import check_group_size
-from llmopt.quant.spec import QuantSpec
+from llmopt.quant.config import QuantConfig
 
 
 @dataclass
@@ -63,17 +63,17 @@ class QuantizeResult:
     group_size_reason: str | None = None   # how an auto group size was picked ("auto: 128 does not divide 576")
 
 
-def validate(cfg: ModelConfig, spec: QuantSpec) -> None:
-    """Check the spec against the model; fills in an auto group size (None) and its reason."""
+def validate(cfg: ModelConfig, qconfig: QuantConfig) -> None:
+    """Check the quantization config against the model; fills in an auto group size (None) and its reason."""
     widths = (("the hidden size", cfg.hidden_size), ("the intermediate size", cfg.intermediate_size),
               ("the attention output", cfg.num_attention_heads * cfg.head_dim))
-    if spec.method in ("awq", "gptq", "rtn"):
-        if spec.group_size is None:
-            spec.group_size, spec.group_size_reason = auto_group_size([n for _, n in widths])
+    if qconfig.method in ("awq", "gptq", "rtn"):
+        if qconfig.group_size is None:
+            qconfig.group_size, qconfig.group_size_reason = auto_group_size([n for _, n in widths])
         for name, n in widths:
-            check_group_size(n, spec.group_size, name)
-    if spec.seq_len > cfg.max_position_embeddings:
-        raise UserInputError(f"--seq-len {spec.seq_len:,} is longer than the model's context of "
+            check_group_size(n, qconfig.group_size, name)
+    if qconfig.seq_len > cfg.max_position_embeddings:
+        raise UserInputError(f"--seq-len {qconfig.seq_len:,} is longer than the model's context of "
                              f"{cfg.max_position_embeddings:,} tokens: give at most that")
 
 
@@ -89,30 +89,30 @@ def auto_group_size(widths: list[int]) -> tuple[int, str]:
     return -1, f"auto: {', '.join(skipped)}; one group per row"
 
 
-def output_dtype(spec: QuantSpec, reader: "CheckpointReader") -> torch.dtype:
-    if spec.dtype != "auto":
+def output_dtype(qconfig: QuantConfig, reader: "CheckpointReader") -> torch.dtype:
+    if qconfig.dtype != "auto":
         from llmopt.models.loader import DTYPES
-        if spec.dtype not in DTYPES:
-            raise UserInputError(f"unknown --out-dtype {spec.dtype!r}: use auto, float16, bfloat16 or float32")
-        return DTYPES[spec.dtype]
-    if spec.format in ("awq", "gptq"):
+        if qconfig.dtype not in DTYPES:
+            raise UserInputError(f"unknown --out-dtype {qconfig.dtype!r}: use auto, float16, bfloat16 or float32")
+        return DTYPES[qconfig.dtype]
+    if qconfig.format in ("awq", "gptq"):
         return torch.float16            # what the AutoAWQ / GPTQ kernels compute in
     dt = reader.float_dtype()
     return dt if dt in (torch.float16, torch.bfloat16) else torch.float16
 
 
-def quantize_model(model: str | None, output: str | Path, spec: QuantSpec, overwrite: bool = False,
+def quantize_model(model: str | None, output: str | Path, qconfig: QuantConfig, overwrite: bool = False,
                    progress: Callable[[int], None] | None = None,
                    on_layer: Callable[[LayerReport], None] | None = None,
                    on_start: Callable[[int], None] | None = None) -> QuantizeResult:
     """Quantize `model` into the folder `output`. Once the inputs are checked, on_start(layers) tells
     how many steps follow; progress(1) after each decoder layer, on_layer(report) with its error."""
     t0 = time.perf_counter()
-    spec = spec.resolved()
+    qconfig = qconfig.resolved()
     output = Path(output).expanduser()
     # Everything a bad --output would lose is refused before any work (the GGUF conversion included):
     # the inputs as named (--model, --calib-data), then the folder --model resolves to.
-    inputs = [p for p in (model, spec.calib_data) if p and Path(p).expanduser().exists()]
+    inputs = [p for p in (model, qconfig.calib_data) if p and Path(p).expanduser().exists()]
     check_output_folder(output, overwrite, inputs)
     folder = resolve_checkpoint(model)
     check_output_folder(output, overwrite, [*inputs, folder])
@@ -120,22 +120,22 @@ def quantize_model(model: str | None, output: str | Path, spec: QuantSpec, overw
     if cfg.quantization_config:
         raise ModelLoadError(f"{folder} is already quantized ({cfg.quantization_config.get('quant_method')}): "
                              "quantize from the float checkpoint")
-    validate(cfg, spec)
+    validate(cfg, qconfig)
     reader = CheckpointReader(folder)
-    out_dtype = output_dtype(spec, reader)
-    spec.scale_dtype = str(torch.float16 if spec.format in ("awq", "gptq") else out_dtype).replace("torch.", "")
-    calib_ids = _calibration(folder, spec)
-    err_samples = max(1, min(calib_ids.shape[0], spec.error_tokens // spec.seq_len))
+    out_dtype = output_dtype(qconfig, reader)
+    qconfig.scale_dtype = str(torch.float16 if qconfig.format in ("awq", "gptq") else out_dtype).replace("torch.", "")
+    calib_ids = _calibration(folder, qconfig)
+    err_samples = max(1, min(calib_ids.shape[0], qconfig.error_tokens // qconfig.seq_len))
 
-    pack_linear, quantization_config = _packer(spec.format)
+    pack_linear, quantization_config = _packer(qconfig.format)
     n_layers = cfg.num_hidden_layers
     if on_start:
         on_start(n_layers)
     shard = lambda k: f"model-{k + 1:05d}-of-{n_layers + 1:05d}.safetensors"  # noqa: E731
     weight_map: dict[str, str] = {}
     reports: list[LayerReport] = []
-    marker = {"command": "quantize", "method": spec.method, "format": spec.format, "bits": spec.bits,
-              "group_size": spec.group_size, "source": str(folder.resolve()), "model": model or defaults.DEFAULT_MODEL}
+    marker = {"command": "quantize", "method": qconfig.method, "format": qconfig.format, "bits": qconfig.bits,
+              "group_size": qconfig.group_size, "source": str(folder.resolve()), "model": model or defaults.DEFAULT_MODEL}
     # A `.NAME.tmp<PID>` folder beside the target, removed on any error, Ctrl-C or SIGTERM, swapped
     # into place atomically at the end (a dead run's leftover is removed by the next start).
     with atomic_folder(output, marker) as tmp:
@@ -143,16 +143,16 @@ def quantize_model(model: str | None, output: str | Path, spec: QuantSpec, overw
         x = F.embedding(calib_ids, reader.get("model.embed_tokens.weight").float())
         weight_map.update(save_shard(tmp / shard(0), rest))
         del rest
-        ctx = LayerContext(*rope_cos_sin(rope_inv_freq(cfg), torch.arange(spec.seq_len), torch.float32),
+        ctx = LayerContext(*rope_cos_sin(rope_inv_freq(cfg), torch.arange(qconfig.seq_len), torch.float32),
                            DenseCausalAttention())
         for i in range(n_layers):
             t1 = time.perf_counter()
             layer = _load_layer(cfg, reader, i)
-            outcome = quantize_layer(layer, x, err_samples, ctx, spec)
+            outcome = quantize_layer(layer, x, err_samples, ctx, qconfig)
             tensors = {}
             for name, qt in outcome.quantized.items():
                 prefix = f"model.layers.{i}.{name}"
-                packed = pack_linear(prefix, qt, spec.format, out_dtype)
+                packed = pack_linear(prefix, qt, qconfig.format, out_dtype)
                 if qt.bias is not None and f"{prefix}.bias" not in packed:
                     packed[f"{prefix}.bias"] = qt.bias
                 tensors.update(packed)
@@ -169,16 +169,16 @@ def quantize_model(model: str | None, output: str | Path, spec: QuantSpec, overw
                 on_layer(report)
             if progress:
                 progress(1)
-        qcfg = quantization_config(spec.format, spec=spec)
+        qcfg = quantization_config(qconfig.format, qconfig=qconfig)
         write_metadata(folder, tmp, weight_map, qcfg, out_dtype)
     errors = [r.rel_error for r in reports]
     return QuantizeResult(
-        output=str(output), source=str(folder), method=spec.method, format=spec.format, bits=spec.bits,
-        group_size=spec.group_size, sym=bool(spec.sym), calib_samples=int(calib_ids.shape[0]),
-        calib_seq_len=spec.seq_len, size_before=_size(safetensors_files(folder)),
+        output=str(output), source=str(folder), method=qconfig.method, format=qconfig.format, bits=qconfig.bits,
+        group_size=qconfig.group_size, sym=bool(qconfig.sym), calib_samples=int(calib_ids.shape[0]),
+        calib_seq_len=qconfig.seq_len, size_before=_size(safetensors_files(folder)),
         size_after=_size(sorted(output.glob("*.safetensors"))), seconds=time.perf_counter() - t0,
         mean_rel_error=sum(errors) / max(len(errors), 1), max_rel_error=max(errors, default=0.0), layers=reports,
-        group_size_reason=spec.group_size_reason)
+        group_size_reason=qconfig.group_size_reason)
 
 
 def _load_layer(cfg: ModelConfig, reader: "CheckpointReader", i: int) -> DecoderLayer:
@@ -197,10 +197,10 @@ def _load_layer(cfg: ModelConfig, reader: "CheckpointReader", i: int) -> Decoder
     return layer.eval()
 
 
-def _calibration(folder: Path, spec: QuantSpec) -> torch.Tensor:
+def _calibration(folder: Path, qconfig: QuantConfig) -> torch.Tensor:
     """Token windows: the full set for methods that calibrate, else only what the error report uses."""
-    n = spec.num_samples if spec.needs_calibration else max(1, spec.error_tokens // spec.seq_len)
-    return load_calibration(spec.calib_data, load_tokenizer(folder), n, spec.seq_len, spec.seed, spec.text_field).ids
+    n = qconfig.num_samples if qconfig.needs_calibration else max(1, qconfig.error_tokens // qconfig.seq_len)
+    return load_calibration(qconfig.calib_data, load_tokenizer(folder), n, qconfig.seq_len, qconfig.seed, qconfig.text_field).ids
 
 
 def _packer(fmt: str):
@@ -210,7 +210,7 @@ def _packer(fmt: str):
     if fmt == "dequantized":
         def pack(prefix, qt, _fmt, dtype):
             return {f"{prefix}.weight": qt.dequantize(dtype)}
-        return pack, lambda _fmt, spec: None
+        return pack, lambda _fmt, qconfig: None
     from llmopt.quant.formats import pack_linear, quantization_config
     return pack_linear, quantization_config
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from llmopt.bench.datasets import (WorkloadSpec, count_tokens, length_range, load_tokenizer, random_requests,
+from llmopt.bench.datasets import (Workload, count_tokens, length_range, load_tokenizer, random_requests,
                                    sample_requests)
 from llmopt.errors import DataError, UserInputError
 
@@ -49,43 +49,43 @@ def test_sharegpt_first_turns_filtered_and_shuffled(tok, tmp_path):
              {"conversations": [{"from": "human", "value": "only one turn here"}]}, {"id": 3}]
     path = tmp_path / "sg.json"
     path.write_text(json.dumps(data))
-    reqs = sample_requests(WorkloadSpec("sharegpt", str(path), num_prompts=6, seed=0), tok)
+    reqs = sample_requests(Workload("sharegpt", str(path), num_prompts=6, seed=0), tok)
     assert sorted(r.prompt for r in reqs) == sorted(f"Question number {i} about something?" for i in range(6))
     assert [r.prompt for r in reqs] != [f"Question number {i} about something?" for i in range(6)]   # shuffled
     assert all(r.expected_output_len == len(tok(f"An answer {r.prompt.split()[2]} that is long enough to count.",
                                                 add_special_tokens=False).input_ids) for r in reqs)
-    fixed = sample_requests(WorkloadSpec("sharegpt", str(path), num_prompts=8, sharegpt_output_len=5), tok)
+    fixed = sample_requests(Workload("sharegpt", str(path), num_prompts=8, sharegpt_output_len=5), tok)
     assert len(fixed) == 8 and {r.expected_output_len for r in fixed} == {5}       # repeated to --num-prompts
     path.write_text("{not json")
     with pytest.raises(DataError, match="not a ShareGPT"):
-        sample_requests(WorkloadSpec("sharegpt", str(path)), tok)
+        sample_requests(Workload("sharegpt", str(path)), tok)
 
 
 def test_spec_bench_keeps_first_turns_and_categories(tok, shared_data):
-    reqs = sample_requests(WorkloadSpec("spec_bench", num_prompts=480, spec_bench_output_len=32), tok)
+    reqs = sample_requests(Workload("spec_bench", num_prompts=480, spec_bench_output_len=32), tok)
     rows = [json.loads(line) for line in (shared_data / "spec-bench" / "question.jsonl").read_text().splitlines()]
     first = {r["turns"][0]: r["category"] for r in rows}
     assert len(reqs) == 480 and all(first[r.prompt] == r.category for r in reqs)
     assert len({r.category for r in reqs}) == 13 and {r.expected_output_len for r in reqs} == {32}
-    math = sample_requests(WorkloadSpec("spec_bench", num_prompts=5, spec_bench_category="math"), tok)
+    math = sample_requests(Workload("spec_bench", num_prompts=5, spec_bench_category="math"), tok)
     assert {r.category for r in math} == {"math"}
     with pytest.raises(UserInputError, match="not in"):
-        sample_requests(WorkloadSpec("spec_bench", spec_bench_category="poetry"), tok)
+        sample_requests(Workload("spec_bench", spec_bench_category="poetry"), tok)
 
 
 def test_prompts_file_text_and_jsonl(tok, tmp_path):
     txt = tmp_path / "p.txt"
     txt.write_text("first prompt\n\nsecond prompt\n")
-    reqs = sample_requests(WorkloadSpec("prompts", str(txt), custom_output_len=9), tok)
+    reqs = sample_requests(Workload("prompts", str(txt), custom_output_len=9), tok)
     assert [r.prompt for r in reqs] == ["first prompt", "second prompt"] and reqs[0].expected_output_len == 9
     assert reqs[1].prompt_len == count_tokens(tok, "second prompt")
     jl = tmp_path / "p.jsonl"
     jl.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
-    assert [r.prompt for r in sample_requests(WorkloadSpec("custom", str(jl), num_prompts=3), tok)] == ["a", "b", "a"]
+    assert [r.prompt for r in sample_requests(Workload("custom", str(jl), num_prompts=3), tok)] == ["a", "b", "a"]
     jl.write_text('{"text": "a"}\n')
     with pytest.raises(DataError, match="prompt"):
-        sample_requests(WorkloadSpec("prompts", str(jl)), tok)
+        sample_requests(Workload("prompts", str(jl)), tok)
     with pytest.raises(UserInputError, match="needs --dataset-path"):
-        WorkloadSpec("prompts")
+        Workload("prompts")
     with pytest.raises(UserInputError, match="--dataset-name"):
-        WorkloadSpec("sonnet")
+        Workload("sonnet")

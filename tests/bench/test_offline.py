@@ -9,7 +9,7 @@ import pytest
 from bench_util import SERVE_ARGS, start_llmopt_serve
 from conftest import make_tiny
 from llmopt.bench.config import BenchConfig, SamplingSpec
-from llmopt.bench.datasets import WorkloadSpec, count_tokens
+from llmopt.bench.datasets import Workload, count_tokens
 from llmopt.bench.runner import run_benchmark
 from llmopt.bench.schedule import Load
 from llmopt.engine.args import EngineArgs
@@ -32,8 +32,8 @@ def served(tiny, tmp_path_factory):
     gen.close()
 
 
-def workload() -> WorkloadSpec:
-    return WorkloadSpec("random", num_prompts=10, random_input_len=24, random_output_len=12, random_range_ratio=0.5,
+def workload() -> Workload:
+    return Workload("random", num_prompts=10, random_input_len=24, random_output_len=12, random_range_ratio=0.5,
                         random_prefix_len=32, seed=5)
 
 
@@ -79,7 +79,7 @@ def test_engine_records_a_time_for_every_output_token(tiny):
 
 
 def test_compare_hf_generates_the_same_number_of_tokens(tiny):
-    cfg = BenchConfig(workload=WorkloadSpec("random", num_prompts=4, random_input_len=16, random_output_len=8),
+    cfg = BenchConfig(workload=Workload("random", num_prompts=4, random_input_len=16, random_output_len=8),
                       load=Load(max_concurrency=2), sampling=SamplingSpec(ignore_eos=True),
                       engine_args=EngineArgs(model=str(tiny), **ENGINE), compare_hf=True)
     d = run_benchmark(cfg).to_dict()
@@ -95,7 +95,7 @@ def test_offline_follows_the_schedule_and_stops_on_the_stop_event(tiny):
     from llmopt.bench.config import Hooks
     from llmopt.bench.offline import build_engine, run_engine
     from llmopt.bench.schedule import plan
-    cfg = BenchConfig(workload=WorkloadSpec("random", num_prompts=8, random_input_len=16, random_output_len=4),
+    cfg = BenchConfig(workload=Workload("random", num_prompts=8, random_input_len=16, random_output_len=4),
                       load=Load(request_rate=4.0, seed=3), engine_args=EngineArgs(model=str(tiny), **ENGINE))
     engine = build_engine(cfg)
     from llmopt.bench.datasets import sample_requests

@@ -21,7 +21,7 @@ from scipy import stats
 
 from bench_util import ScriptedServerProcess
 from llmopt.bench.config import BenchConfig, Hooks
-from llmopt.bench.datasets import WorkloadSpec
+from llmopt.bench.datasets import Workload
 from llmopt.bench.runner import run_benchmark
 from llmopt.bench.schedule import Load, plan
 from llmopt.errors import LLMOptError
@@ -37,7 +37,7 @@ def server():
 
 
 def bench(server, **kw):
-    workload = kw.pop("workload", None) or WorkloadSpec("random", num_prompts=kw.pop("n", 12), random_input_len=16,
+    workload = kw.pop("workload", None) or Workload("random", num_prompts=kw.pop("n", 12), random_input_len=16,
                                                         random_output_len=kw.pop("out", 8), seed=kw.pop("seed", 0))
     load = Load(**kw.pop("load", {}))
     hooks = kw.pop("hooks", None)
@@ -106,7 +106,7 @@ def test_max_concurrency_is_never_exceeded_on_the_server(server):
 def test_failures_and_timeouts_are_counted_not_raised(server, tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("ok one\nfail500 now\nhang forever\nmidstream please\ndrop it\nok two\n")
-    report = bench(server, workload=WorkloadSpec("prompts", str(prompts), custom_output_len=4),
+    report = bench(server, workload=Workload("prompts", str(prompts), custom_output_len=4),
                    request_timeout=1.0)
     d = report.to_dict()
     assert d["completed"] == 2 and d["failed"] == 4 and d["cancelled"] == 0

@@ -1,4 +1,4 @@
-"""quantize's library side: recipe + flags merged by llmopt.quant.spec.merge_sources, --eval by
+"""quantize's library side: recipe + flags merged by llmopt.quant.config.merge_sources, --eval by
 llmopt.quant.evaluate; and the command wired over them."""
 
 import json
@@ -10,7 +10,7 @@ from conftest import SHARED_DATA, make_tiny
 from llmopt import defaults
 from llmopt.cli.app import app
 from llmopt.errors import UserInputError
-from llmopt.quant.spec import QuantJob, QuantSpec, merge_sources
+from llmopt.quant.config import QuantJob, QuantConfig, merge_sources
 
 WIKI_TEST = SHARED_DATA / "wikitext-2-raw" / "wiki.test.raw"
 
@@ -25,15 +25,15 @@ def test_flags_override_recipe_which_overrides_defaults(tmp_path):
     r = _recipe(tmp_path, "quant_method: gptq\ngroup-size: 64\nseq_len: 256\nmodel: some/model\noutput: out/a\n"
                           "act-order: group\n")
     job = merge_sources(r, {"group_size": 32, "output": "out/b", "method": None, "bits": None, "sym": False})
-    assert isinstance(job, QuantJob) and isinstance(job.spec, QuantSpec)
+    assert isinstance(job, QuantJob) and isinstance(job.qconfig, QuantConfig)
     assert (job.model, job.output) == ("some/model", "out/b")
-    s = job.spec
+    s = job.qconfig
     assert (s.method, s.group_size, s.seq_len, s.act_order, s.sym) == ("gptq", 32, 256, "group", False)
     assert (s.bits, s.num_samples, s.calib_data) == (None, defaults.QUANT_NUM_SAMPLES, defaults.CALIB_DATA)
     job = merge_sources(r, {"model": "other/model"})
-    assert (job.model, job.output, job.spec.group_size) == ("other/model", "out/a", 64)
+    assert (job.model, job.output, job.qconfig.group_size) == ("other/model", "out/a", 64)
     job = merge_sources(None, {"output": "out/c", "method": "rtn"})
-    assert (job.model, job.spec.method, job.spec.group_size) == (None, "rtn", None)   # auto: from the model
+    assert (job.model, job.qconfig.method, job.qconfig.group_size) == (None, "rtn", None)   # auto: from the model
 
 
 @pytest.mark.parametrize("text,flags,fragment", [

@@ -13,9 +13,9 @@ import torch
 from typer.testing import CliRunner
 
 from llmopt.errors import ModelLoadError, UserInputError
-from llmopt.estimate import build_layout, bytes_per_token, estimate, layer_kv_specs, resolve_model_spec, weight_memory
+from llmopt.estimate import build_layout, bytes_per_token, estimate, layer_kv_specs, resolve_model_arch, weight_memory
 from llmopt.estimate.kv import LayerKV
-from llmopt.estimate.model_spec import spec_from_config
+from llmopt.estimate.arch import arch_from_config
 from llmopt.estimate.params import count_params
 from llmopt.estimate.tensors import read_gguf
 
@@ -33,64 +33,64 @@ def cdiv(a, b):
     ("deepseek-ai/DeepSeek-V3", 61 * 576 * 2), ("mistralai/Mistral-7B-v0.1", 131_072),
     ("llama-3.1-70b", 327_680), ("qwen2.5-7b", 57_344)])
 def test_golden_bytes_per_token_bf16(model, expected):
-    assert bytes_per_token(resolve_model_spec(model), "bf16") == expected
+    assert bytes_per_token(resolve_model_arch(model), "bf16") == expected
 
 
 def test_seed_7b_mha_example_is_one_gib_for_2048_tokens_at_fp16():
-    spec = resolve_model_spec("meta-llama/Llama-2-7b-hf")
-    assert spec.attention == "MHA"
-    assert bytes_per_token(spec, "fp16") * 2048 == GIB
-    est = estimate(spec, kv_cache_dtype="fp16", max_model_len=2048, naive=True)
+    arch = resolve_model_arch("meta-llama/Llama-2-7b-hf")
+    assert arch.attention == "MHA"
+    assert bytes_per_token(arch, "fp16") * 2048 == GIB
+    est = estimate(arch, kv_cache_dtype="fp16", max_model_len=2048, naive=True)
     assert est.request_bytes == GIB and est.naive.naive_bytes == GIB and est.naive.ratio == 1.0
 
 
 def test_mistral_window_caps_blocks_per_request_as_vllm():
-    spec = resolve_model_spec("mistral-7b-v0.1")
-    layers = layer_kv_specs(spec, "bf16")
+    arch = resolve_model_arch("mistral-7b-v0.1")
+    layers = layer_kv_specs(arch, "bf16")
     assert {x.window for x in layers} == {4096}
     layout = build_layout(layers, 16)
     assert layout.mode == "uniform" and len(layout.groups) == 1
     for max_len, mnbt in ((32768, 2048), (32768, 8192), (3000, 2048), (100_000, 512)):
         # vLLM SlidingWindowSpec.max_memory_usage_bytes: cdiv(min(window - 1 + mnbt, max_model_len), bs) + 1 pages
         assert layout.blocks_per_request(max_len, mnbt) == cdiv(min(4096 - 1 + mnbt, max_len), 16) + 1
-    est = estimate(spec, kv_cache_memory=8 * GIB, max_model_len=32768)
+    est = estimate(arch, kv_cache_memory=8 * GIB, max_model_len=32768)
     assert est.paged.blocks_per_request == 385
     assert est.paged.longest_context_limited_by == "model"   # a window never outgrows the cache
     assert est.request_bytes == 385 * 16 * 131_072
 
 
 def test_tensor_parallel_splits_and_replicates_kv_heads():
-    spec = resolve_model_spec("llama-3.1-70b")
-    assert bytes_per_token(spec, "bf16", tp=2) == 327_680 // 2
-    assert bytes_per_token(spec, "bf16", tp=16) == 2 * 80 * 1 * 128 * 2     # 8 heads over 16 ranks: one each
-    assert bytes_per_token(resolve_model_spec("deepseek-v3"), "bf16", tp=8) == 61 * 576 * 2   # MLA latent replicated
+    arch = resolve_model_arch("llama-3.1-70b")
+    assert bytes_per_token(arch, "bf16", tp=2) == 327_680 // 2
+    assert bytes_per_token(arch, "bf16", tp=16) == 2 * 80 * 1 * 128 * 2     # 8 heads over 16 ranks: one each
+    assert bytes_per_token(resolve_model_arch("deepseek-v3"), "bf16", tp=8) == 61 * 576 * 2   # MLA latent replicated
     with pytest.raises(UserInputError):
-        estimate(spec, tensor_parallel_size=3)
+        estimate(arch, tensor_parallel_size=3)
 
 
 # --- KV dtypes -----------------------------------------------------------------------------------
 
 def test_kv_dtypes_and_their_scales():
-    spec = resolve_model_spec("llama-3.1-8b")      # 32 layers, 8 KV heads, head_dim 128
+    arch = resolve_model_arch("llama-3.1-8b")      # 32 layers, 8 KV heads, head_dim 128
     L, H, D = 32, 8, 128
-    assert bytes_per_token(spec, "float32") == 2 * L * H * D * 4
-    assert bytes_per_token(spec, "auto") == 2 * L * H * D * 2                 # bf16 checkpoint
+    assert bytes_per_token(arch, "float32") == 2 * L * H * D * 4
+    assert bytes_per_token(arch, "auto") == 2 * L * H * D * 2                 # bf16 checkpoint
     for fp8 in ("fp8", "fp8_e4m3", "fp8_e5m2"):
-        assert bytes_per_token(spec, fp8) == 2 * L * H * D                    # per-tensor scales: no per-token bytes
-    assert bytes_per_token(spec, "int8") == L * (2 * H * D + 2 * H * 4)       # + float32 scale per token and head, K and V
-    assert bytes_per_token(spec, "int4") == L * 2 * H * (D // 32) * 18        # q4_0: 18 bytes per 32 values
+        assert bytes_per_token(arch, fp8) == 2 * L * H * D                    # per-tensor scales: no per-token bytes
+    assert bytes_per_token(arch, "int8") == L * (2 * H * D + 2 * H * 4)       # + float32 scale per token and head, K and V
+    assert bytes_per_token(arch, "int4") == L * 2 * H * (D // 32) * 18        # q4_0: 18 bytes per 32 values
     # KIVI-2: 2-bit codes; keys per channel over 32 tokens, values per token over 32 channels; fp16 scale + zero
     per_head = Fraction(2 * D * 2, 8) + Fraction(2 * D * 2, 32) + 2 * (D // 32) * 2
-    assert bytes_per_token(spec, "kivi2") == L * H * per_head == 24_576
-    est = estimate(spec, kv_cache_dtype="kivi2", kv_cache_memory=4 * GIB, max_model_len=4096)
+    assert bytes_per_token(arch, "kivi2") == L * H * per_head == 24_576
+    est = estimate(arch, kv_cache_dtype="kivi2", kv_cache_memory=4 * GIB, max_model_len=4096)
     residual = 128 * 2 * D * 2 * H * L                                         # last 128 tokens at bf16
     page_all_layers = 16 * 24_576
     assert est.paged.blocks_per_request == cdiv(4096 - 128, 16) + cdiv(residual, page_all_layers)
     with pytest.raises(UserInputError):
-        bytes_per_token(spec, "int3")
+        bytes_per_token(arch, "int3")
     with pytest.raises(UserInputError):
-        bytes_per_token(resolve_model_spec("deepseek-v3"), "kivi2")
-    assert bytes_per_token(resolve_model_spec("deepseek-v3"), "fp8_ds_mla") == 61 * 656
+        bytes_per_token(resolve_model_arch("deepseek-v3"), "kivi2")
+    assert bytes_per_token(resolve_model_arch("deepseek-v3"), "fp8_ds_mla") == 61 * 656
 
 
 # --- vLLM's block computation --------------------------------------------------------------------
@@ -98,24 +98,24 @@ def test_kv_dtypes_and_their_scales():
 @pytest.mark.parametrize("model,dtype,tp", [("llama-3.1-8b", "bf16", 1), ("llama-3.1-70b", "fp8", 2),
                                             ("qwen2.5-7b", "int8", 1), ("deepseek-v3", "bf16", 8)])
 def test_single_type_blocks_match_vllm(model, dtype, tp):
-    spec = resolve_model_spec(model)
+    arch = resolve_model_arch(model)
     available = 37 * GIB + 12345
-    est = estimate(spec, kv_cache_dtype=dtype, tensor_parallel_size=tp, kv_cache_memory=available, max_model_len=8192)
-    bpt = bytes_per_token(spec, dtype, tp)
-    page = 16 * bpt // spec.num_layers                                  # one layer's block (vLLM page_size_bytes)
+    est = estimate(arch, kv_cache_dtype=dtype, tensor_parallel_size=tp, kv_cache_memory=available, max_model_len=8192)
+    bpt = bytes_per_token(arch, dtype, tp)
+    page = 16 * bpt // arch.num_layers                                  # one layer's block (vLLM page_size_bytes)
     assert est.paged.layout == "uniform"
     assert est.paged.block_bytes == 16 * bpt                            # block_size x bytes per token of all layers
-    assert est.paged.num_blocks == available // (16 * bpt) == available // page // spec.num_layers
+    assert est.paged.num_blocks == available // (16 * bpt) == available // page // arch.num_layers
     assert est.paged.blocks_per_request == 8192 // 16
     assert est.paged.max_concurrency == est.paged.num_blocks / 512
     assert est.paged.tokens == est.paged.num_blocks * 16
     # estimate_max_model_len: the largest L with cdiv(L, 16) blocks <= num_blocks
-    assert est.paged.longest_context == min(est.paged.num_blocks * 16, spec.max_position_embeddings)
+    assert est.paged.longest_context == min(est.paged.num_blocks * 16, arch.max_position_embeddings)
 
 
 def test_gemma2_hybrid_groups_and_blocks_match_vllm():
-    spec = resolve_model_spec("google/gemma-2-9b-it")     # 42 layers alternating window 4096 / global
-    layers = layer_kv_specs(spec, "bf16")
+    arch = resolve_model_arch("google/gemma-2-9b-it")     # 42 layers alternating window 4096 / global
+    layers = layer_kv_specs(arch, "bf16")
     assert [x.window for x in layers[:4]] == [4096, None, 4096, None]
     layout = build_layout(layers, 16)
     page = 2 * 16 * 8 * 256 * 2
@@ -123,7 +123,7 @@ def test_gemma2_hybrid_groups_and_blocks_match_vllm():
     assert layout.mode == "hybrid" and sorted(len(g.layers) for g in layout.groups) == [21, 21]
     assert layout.block_bytes == page * 21 and layout.padding_layers == 0
     available = 20 * GIB + 999
-    est = estimate(spec, kv_cache_memory=available, max_model_len=8192, max_num_batched_tokens=2048)
+    est = estimate(arch, kv_cache_memory=available, max_model_len=8192, max_num_batched_tokens=2048)
     assert est.paged.num_blocks == available // page // 21
     assert est.paged.blocks_per_request == cdiv(8192, 16) + cdiv(min(4095 + 2048, 8192), 16) + 1
     assert est.paged.tokens == est.paged.num_blocks // 2 * 16
@@ -132,8 +132,8 @@ def test_gemma2_hybrid_groups_and_blocks_match_vllm():
 
 
 def test_gemma3_hybrid_padding_matches_vllm():
-    spec = resolve_model_spec("gemma-3-27b")              # 62 layers: 52 sliding (1024) + 10 global
-    layers = layer_kv_specs(spec, "bf16")
+    arch = resolve_model_arch("gemma-3-27b")              # 62 layers: 52 sliding (1024) + 10 global
+    layers = layer_kv_specs(arch, "bf16")
     assert sum(x.window is None for x in layers) == 10 and layers[5].window is None and layers[0].window == 1024
     layout = build_layout(layers, 16)
     # group size = 10 (52 >= 1.5 x 10): sliding layers split into cdiv(52, 10) = 6 groups, 8 padding slots
@@ -141,7 +141,7 @@ def test_gemma3_hybrid_padding_matches_vllm():
     assert sizes == [8, 8, 9, 9, 9, 9, 10] and layout.padding_layers == 8 and layout.group_size == 10
     page = 2 * 16 * 16 * 128 * 2
     available = 30 * GIB
-    est = estimate(spec, kv_cache_memory=available, max_model_len=32768, max_num_batched_tokens=2048)
+    est = estimate(arch, kv_cache_memory=available, max_model_len=32768, max_num_batched_tokens=2048)
     assert est.paged.num_blocks == available // page // 10
     assert est.paged.blocks_per_request == 2048 + 6 * (cdiv(1023 + 2048, 16) + 1)
 
@@ -157,17 +157,17 @@ def test_uniform_type_and_page_unification():
 
 
 def test_memory_budget_and_require_fit_semantics():
-    spec = resolve_model_spec("meta-llama/Llama-3.1-70B")
-    est = estimate(spec, gpu="H200", tensor_parallel_size=2, kv_cache_dtype="fp8", max_model_len=32768)
+    arch = resolve_model_arch("meta-llama/Llama-3.1-70B")
+    est = estimate(arch, gpu="H200", tensor_parallel_size=2, kv_cache_dtype="fp8", max_model_len=32768)
     m = est.memory
     assert m.gpu_memory_bytes == 143_771 << 20 and m.budget_bytes == int((143_771 << 20) * 0.9)
     assert m.weights_bytes == est.weights.bytes_total // 2 + 161 * 8192 * 2 // 2   # norms on both ranks
     assert m.kv_available_bytes == m.budget_bytes - m.weights_bytes - m.reserve_bytes
     assert est.paged.num_blocks == m.kv_available_bytes // (16 * 163_840 // 2)
     assert est.fits and est.paged.max_concurrency > 20
-    big = estimate(spec, gpu="RTX-4090")
+    big = estimate(arch, gpu="RTX-4090")
     assert big.fits is False and "exceed the budget" in big.problems[0]
-    g = estimate(spec, gpu="H200", tensor_parallel_size=2, batch_sizes=[1, 64], seq_lens=[2048, 131072])
+    g = estimate(arch, gpu="H200", tensor_parallel_size=2, batch_sizes=[1, 64], seq_lens=[2048, 131072])
     cells = {(c.batch_size, c.seq_len): c.fits for c in g.grid}
     assert cells[(1, 2048)] and not cells[(64, 131072)] and g.fits is False
 
@@ -193,17 +193,17 @@ def test_parameter_count_matches_transformers(model_type, extra):
         model = AutoModelForCausalLM.from_config(cfg)
     ref = sum(p.numel() for p in model.parameters())           # shared (tied) tensors counted once
     ref += sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))  # in checkpoints
-    spec = spec_from_config(cfg.to_dict(), model_type, "config", "test")
-    assert count_params(spec) == ref
+    arch = arch_from_config(cfg.to_dict(), model_type, "config", "test")
+    assert count_params(arch) == ref
     if extra.get("sliding_window"):
-        assert [x.window for x in layer_kv_specs(spec, "bf16")] == [
+        assert [x.window for x in layer_kv_specs(arch, "bf16")] == [
             32 if t == "sliding_attention" else None for t in cfg.layer_types]
 
 
 def test_published_parameter_counts_and_formats():
-    spec = resolve_model_spec("llama-3.1-8b")
-    assert count_params(spec) == 8_030_261_248                    # model.safetensors.index.json total_size / 2
-    assert weight_memory(spec, "bf16").bytes_total == 16_060_522_496
+    arch = resolve_model_arch("llama-3.1-8b")
+    assert count_params(arch) == 8_030_261_248                    # model.safetensors.index.json total_size / 2
+    assert weight_memory(arch, "bf16").bytes_total == 16_060_522_496
     # int4 g128 (AutoAWQ GEMM): qweight [in, out/8] int32, qzeros [in/g, out/8] int32, scales [in/g, out] fp16
     def awq(out, inp, g=128):
         return sum(torch.empty(s, dtype=d).nbytes for s, d in (((inp, out // 8), torch.int32),
@@ -212,12 +212,12 @@ def test_published_parameter_counts_and_formats():
     h, kv, inter = 4096, 1024, 14336
     linear = 32 * (2 * awq(h, h) + 2 * awq(kv, h) + 2 * awq(inter, h) + awq(h, inter))
     rest = (2 * 128256 * h + 65 * h) * 2                          # embeddings, head, norms stay bf16
-    assert weight_memory(spec, "int4").bytes_total == linear + rest
-    assert weight_memory(resolve_model_spec("smollm2-1.7b"), "bf16").params == 1_711_376_384   # tied: counted once
-    tp = weight_memory(resolve_model_spec("llama-3.1-70b"), "bf16", tp=4)
+    assert weight_memory(arch, "int4").bytes_total == linear + rest
+    assert weight_memory(resolve_model_arch("smollm2-1.7b"), "bf16").params == 1_711_376_384   # tied: counted once
+    tp = weight_memory(resolve_model_arch("llama-3.1-70b"), "bf16", tp=4)
     assert tp.bytes_per_rank == tp.bytes_total // 4 + 3 * (161 * 8192 * 2) // 4    # norms replicated on every rank
     with pytest.raises(UserInputError):
-        weight_memory(spec, "int5")
+        weight_memory(arch, "int5")
 
 
 def test_gguf_header_and_weights_against_gguf_reader(tmp_path):
@@ -245,9 +245,9 @@ def test_gguf_header_and_weights_against_gguf_reader(tmp_path):
     ref = gguf.GGUFReader(str(path))
     assert [(t.name, t.nbytes) for t in tensors] == [(t.name, int(t.n_bytes)) for t in ref.tensors]
     assert tensors[0].shape == (32, 64) and tensors[0].dtype == "Q8_0"
-    spec = resolve_model_spec(str(path))
-    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.vocab_size) == (2, 2, 16, 32)
-    assert spec.tie_word_embeddings and weight_memory(spec).bytes_total == sum(int(t.n_bytes) for t in ref.tensors)
+    arch = resolve_model_arch(str(path))
+    assert (arch.num_layers, arch.num_kv_heads, arch.head_dim, arch.vocab_size) == (2, 2, 16, 32)
+    assert arch.tie_word_embeddings and weight_memory(arch).bytes_total == sum(int(t.n_bytes) for t in ref.tensors)
 
 
 def test_gguf_mla_metadata(tmp_path):
@@ -265,16 +265,16 @@ def test_gguf_mla_metadata(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    spec = resolve_model_spec(str(path))
-    assert spec.attention == "MLA" and bytes_per_token(spec, "bf16") == 61 * 576 * 2
-    assert count_params(spec) == count_params(resolve_model_spec("deepseek-v3"))
+    arch = resolve_model_arch(str(path))
+    assert arch.attention == "MLA" and bytes_per_token(arch, "bf16") == 61 * 576 * 2
+    assert count_params(arch) == count_params(resolve_model_arch("deepseek-v3"))
 
 
 def test_default_model_gguf_spec():
-    spec = resolve_model_spec(None)            # SmolLM2-135M GGUF: read from the header only
-    assert (spec.num_layers, spec.hidden_size, spec.num_kv_heads, spec.head_dim, spec.vocab_size) == (30, 576, 3, 64, 49152)
-    assert bytes_per_token(spec, "fp16") == 2 * 30 * 3 * 64 * 2
-    wm = weight_memory(spec)
+    arch = resolve_model_arch(None)            # SmolLM2-135M GGUF: read from the header only
+    assert (arch.num_layers, arch.hidden_size, arch.num_kv_heads, arch.head_dim, arch.vocab_size) == (30, 576, 3, 64, 49152)
+    assert bytes_per_token(arch, "fp16") == 2 * 30 * 3 * 64 * 2
+    wm = weight_memory(arch)
     assert wm.source == "file" and wm.params == 134_515_008
 
 
@@ -285,10 +285,10 @@ def test_folder_hf_cache_and_overrides(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
     make_tiny(tmp_path / "tiny", **_TINY, tie_word_embeddings=True)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny")
-    spec = resolve_model_spec(str(tmp_path / "tiny"))
-    assert spec.source == "config" and spec.tensors
+    arch = resolve_model_arch(str(tmp_path / "tiny"))
+    assert arch.source == "config" and arch.tensors
     ref = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert weight_memory(spec).bytes_total == ref and weight_memory(spec).source == "file"
+    assert weight_memory(arch).bytes_total == ref and weight_memory(arch).source == "file"
 
     cache = tmp_path / "hub"
     snap = cache / "models--acme--tiny" / "snapshots" / "abc123"
@@ -298,7 +298,7 @@ def test_folder_hf_cache_and_overrides(tmp_path, monkeypatch):
     (cache / "models--acme--tiny" / "refs" / "main").write_text("abc123")
     import huggingface_hub.constants as c
     monkeypatch.setattr(c, "HF_HUB_CACHE", str(cache))
-    cached = resolve_model_spec("acme/tiny")
+    cached = resolve_model_arch("acme/tiny")
     assert cached.source == "hf-cache" and cached.num_layers == 4
 
     sparse = tmp_path / "gemma3"          # a config.json with only non-default values: transformers fills the rest
@@ -307,27 +307,27 @@ def test_folder_hf_cache_and_overrides(tmp_path, monkeypatch):
         "model_type": "gemma3_text", "num_hidden_layers": 12, "hidden_size": 64, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 32}}))
     from transformers import Gemma3TextConfig
-    g = resolve_model_spec(str(sparse))
+    g = resolve_model_arch(str(sparse))
     assert g.vocab_size == Gemma3TextConfig().vocab_size and [x.window for x in layer_kv_specs(g, "bf16")][4:7] == [32, None, 32]
 
-    o = resolve_model_spec("llama-3.1-8b", {"num_layers": 16, "num_kv_heads": 4, "sliding_window": 1024})
+    o = resolve_model_arch("llama-3.1-8b", {"num_layers": 16, "num_kv_heads": 4, "sliding_window": 1024})
     assert o.num_layers == 16 and bytes_per_token(o, "bf16") == 2 * 16 * 4 * 128 * 2
     assert set(x.window for x in layer_kv_specs(o, "bf16")) == {1024}      # no sliding layers: every layer
-    g2 = resolve_model_spec("gemma-2-9b", {"sliding_window": 512})          # sliding layers only
+    g2 = resolve_model_arch("gemma-2-9b", {"sliding_window": 512})          # sliding layers only
     assert g2.layer_windows[:4] == [512, None, 512, None]
-    assert set(resolve_model_spec("mistral-7b-v0.1", {"sliding_window": 0}).layer_windows) == {None}
+    assert set(resolve_model_arch("mistral-7b-v0.1", {"sliding_window": 0}).layer_windows) == {None}
     # a llama config.json with a stray window: transformers' Llama (and the engine) attend fully
     stray = tmp_path / "stray"
     stray.mkdir()
     (stray / "config.json").write_text(json.dumps({**json.loads((tmp_path / "tiny" / "config.json").read_text()),
                                                    "sliding_window": 8}))
-    assert resolve_model_spec(str(stray)).layer_windows == [None] * 4
-    mqa = resolve_model_spec("llama-3.1-8b", {"num_kv_heads": 1})
+    assert resolve_model_arch(str(stray)).layer_windows == [None] * 4
+    mqa = resolve_model_arch("llama-3.1-8b", {"num_kv_heads": 1})
     assert mqa.attention == "MQA" and bytes_per_token(mqa, "bf16") == 2 * 32 * 1 * 128 * 2
     with pytest.raises(UserInputError):
-        resolve_model_spec("llama-3.1-8b", {"num_kv_heads": 0})
+        resolve_model_arch("llama-3.1-8b", {"num_kv_heads": 0})
     with pytest.raises(ModelLoadError):
-        resolve_model_spec("no-such/model-anywhere")
+        resolve_model_arch("no-such/model-anywhere")
 
 
 # --- CLI -----------------------------------------------------------------------------------------
@@ -391,11 +391,11 @@ def test_cli_list_presets(cli):
 
 
 def test_what_if_levers_rerun_the_plan():
-    spec = resolve_model_spec("llama-3.1-70b")
-    est = estimate(spec, gpu="A100-80GB", max_model_len=131072, what_if=True)
+    arch = resolve_model_arch("llama-3.1-70b")
+    est = estimate(arch, gpu="A100-80GB", max_model_len=131072, what_if=True)
     rows = {w.change: w for w in est.what_if}
     assert est.fits is False and rows["--tensor-parallel-size 4"].fits
-    tp4 = estimate(spec, gpu="A100-80GB", max_model_len=131072, tensor_parallel_size=4)
+    tp4 = estimate(arch, gpu="A100-80GB", max_model_len=131072, tensor_parallel_size=4)
     assert rows["--tensor-parallel-size 4"].max_concurrency == tp4.paged.max_concurrency
-    assert rows["--weight-format int4"].weights_per_gpu_bytes == weight_memory(spec, "int4").bytes_total
-    assert "--kv-cache-dtype fp8" in rows and estimate(spec, gpu="A100-80GB").what_if == []
+    assert rows["--weight-format int4"].weights_per_gpu_bytes == weight_memory(arch, "int4").bytes_total
+    assert "--kv-cache-dtype fp8" in rows and estimate(arch, gpu="A100-80GB").what_if == []

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from llmopt.engine.args import EngineArgs
 from llmopt.engine.engine import LLMEngine
-from llmopt.estimate import estimate, resolve_model_spec
+from llmopt.estimate import estimate, resolve_model_arch
 from llmopt.models.loader import load_model
 
 
@@ -45,7 +45,7 @@ CASES = [("float32", "auto", "float32"), ("bfloat16", "auto", "bfloat16"), ("flo
 @pytest.mark.parametrize("block_size,memory", [(16, (1 << 20) + 777), (8, 300_001)])
 def test_engine_allocates_what_the_estimate_says(tiny, dtype, engine_kv, est_kv, block_size, memory):
     info, _ = _engine(tiny, dtype, "cpu", engine_kv, block_size, memory)
-    est = estimate(resolve_model_spec(str(tiny)), kv_cache_dtype=est_kv, block_size=block_size,
+    est = estimate(resolve_model_arch(str(tiny)), kv_cache_dtype=est_kv, block_size=block_size,
                    kv_cache_memory=memory, max_model_len=32)
     assert est.paged.layout == "uniform"
     assert est.paged.num_blocks == info.num_blocks
@@ -83,9 +83,9 @@ def test_cli_device_and_dtype_resolve_auto_as_the_engine(tiny_bf16, cli, flags, 
 
 def test_gpu_plans_use_the_checkpoint_dtype(tiny_bf16):
     """--gpu / --gpu-memory plan for a GPU: auto is the checkpoint's dtype there (the engine's rule)."""
-    spec = resolve_model_spec(str(tiny_bf16))
-    est = estimate(spec, device="auto", gpu_memory_gib=1.0, kv_cache_memory=1 << 20)
+    arch = resolve_model_arch(str(tiny_bf16))
+    est = estimate(arch, device="auto", gpu_memory_gib=1.0, kv_cache_memory=1 << 20)
     assert (est.device, est.dtype, est.kv_cache_dtype) == ("cuda", "bfloat16", "bfloat16")
-    cpu = estimate(spec, device="cpu", kv_cache_memory=1 << 20)
+    cpu = estimate(arch, device="cpu", kv_cache_memory=1 << 20)
     assert (cpu.dtype, cpu.kv_cache_dtype) == ("float32", "float32")
     assert cpu.paged.num_blocks == est.paged.num_blocks // 2

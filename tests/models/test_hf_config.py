@@ -162,9 +162,9 @@ def test_engine_runs_the_parsed_windows_like_transformers(tmp_path, model_type):
 # --- torch-free, and one meaning of auto ----------------------------------------------------------
 
 def test_kv_estimate_import_path_has_no_torch():
-    code = ("import sys; from llmopt.cli import kv_estimate; from llmopt.estimate import estimate, resolve_model_spec; "
+    code = ("import sys; from llmopt.cli import kv_estimate; from llmopt.estimate import estimate, resolve_model_arch; "
             "import llmopt.models.config, llmopt.models; "
-            "e = estimate(resolve_model_spec(None), kv_cache_memory=1 << 30, device='auto'); "
+            "e = estimate(resolve_model_arch(None), kv_cache_memory=1 << 30, device='auto'); "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"

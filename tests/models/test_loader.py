@@ -126,11 +126,11 @@ def test_gguf_roundtrip_matches_unpermuted_weights(tmp_path, monkeypatch):
     assert lm.path.parent == tmp_path / "cache" / "gguf"
     assert lm.config.num_key_value_heads == 2 and not lm.config.tie_word_embeddings
     # kv-estimate reads the same GGUF header through the same mapping (models/config.py: gguf_hf_config)
-    from llmopt.estimate import resolve_model_spec
-    spec = resolve_model_spec(str(path))
+    from llmopt.estimate import resolve_model_arch
+    arch = resolve_model_arch(str(path))
     c = lm.config
-    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.vocab_size, spec.layer_windows,
-            spec.checkpoint_dtype, spec.tie_word_embeddings) == (
+    assert (arch.num_layers, arch.num_kv_heads, arch.head_dim, arch.vocab_size, arch.layer_windows,
+            arch.checkpoint_dtype, arch.tie_word_embeddings) == (
         c.num_hidden_layers, c.num_key_value_heads, c.head_dim, c.vocab_size, c.layer_windows, c.torch_dtype,
         c.tie_word_embeddings)
     _assert_same(lm, hf)

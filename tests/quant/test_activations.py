@@ -12,7 +12,7 @@ from llmopt.quant import fp8, int8
 from llmopt.quant.activations import fake_quantize_tokens, quantize_tokens
 from llmopt.quant.layerwise import LINEARS, quantize_layer
 from llmopt.quant.modules_w8a8 import W8Linear
-from llmopt.quant.spec import QuantSpec
+from llmopt.quant.config import QuantConfig
 from quant_util import our_layer
 
 
@@ -87,8 +87,8 @@ def test_calibration_error_report_runs_the_runtime_arithmetic(kind):
     x[:, :, :3] *= 30.0                # outlier channels: what SmoothQuant moves into the weights
     with torch.no_grad():
         y_ref = ctx.forward(layer, x)  # the float layer, before quantize_layer changes it
-    spec = QuantSpec(method=kind, activations="dynamic").resolved()
-    res = quantize_layer(layer, x, 2, ctx, spec)
+    qconfig = QuantConfig(method=kind, activations="dynamic").resolved()
+    res = quantize_layer(layer, x, 2, ctx, qconfig)
     for n in LINEARS:
         parent, child = n.rsplit(".", 1)
         qt = res.quantized[n]

@@ -18,7 +18,7 @@ from llmopt import fsutil
 from llmopt.cli.app import app
 from llmopt.errors import UserInputError
 from llmopt.quant import pipeline
-from llmopt.quant.spec import QuantSpec
+from llmopt.quant.config import QuantConfig
 
 
 @pytest.fixture
@@ -38,8 +38,8 @@ def workspace(tiny_factory, tmp_path, monkeypatch):
     return tmp_path
 
 
-def _spec(tmp_path: Path, **kw) -> QuantSpec:
-    return QuantSpec(**{"method": "rtn", "group_size": 32, "num_samples": 2, "seq_len": 32,
+def _spec(tmp_path: Path, **kw) -> QuantConfig:
+    return QuantConfig(**{"method": "rtn", "group_size": 32, "num_samples": 2, "seq_len": 32,
                         "calib_data": str(tmp_path / "calib.txt"), **kw})
 
 
@@ -48,7 +48,7 @@ def _no_calibration(*_a, **_k):
 
 
 def _refusals(t: Path):
-    """(model, output, overwrite, spec changes, words of the message) for each bad --output."""
+    """(model, output, overwrite, qconfig changes, words of the message) for each bad --output."""
     m = str(t / "model")
     return [
         (m, m, True, {}, "the input"),                              # --model D --output D --overwrite

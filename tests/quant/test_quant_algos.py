@@ -8,7 +8,7 @@ import transformers
 from llmopt.errors import UserInputError
 from llmopt.quant import awq, fp8, gptq, int8, rtn
 from llmopt.quant.layerwise import LINEARS, batches, input_of, quantize_layer
-from llmopt.quant.spec import QuantSpec
+from llmopt.quant.config import QuantConfig
 from quant_util import our_layer
 
 
@@ -204,8 +204,8 @@ def test_calibrated_methods_beat_rtn_on_a_layer(method):
     errs = {}
     for m in ("rtn", method):
         layer, ctx = our_layer(kv_heads=4 if method == "awq" else 2)
-        spec = QuantSpec(method=m, bits=4, group_size=16, sym=m != "awq", awq_search_tokens=128).resolved()
-        errs[m] = quantize_layer(layer, x, 4, ctx, spec).rel_error
+        qconfig = QuantConfig(method=m, bits=4, group_size=16, sym=m != "awq", awq_search_tokens=128).resolved()
+        errs[m] = quantize_layer(layer, x, 4, ctx, qconfig).rel_error
     assert errs[method] < 0.9 * errs["rtn"], errs
 
 
@@ -214,9 +214,9 @@ def test_gptq_one_pass_equals_recomputing_each_sublayers_inputs():
     true-sequential reference: each group's inputs taken by a hook on the whole layer's forward,
     through the sublayers quantized so far, and each Linear quantized on its own."""
     x = outlier_inputs(n=6)
-    spec = QuantSpec(method="gptq", bits=4, group_size=16, sym=True).resolved()
+    qconfig = QuantConfig(method="gptq", bits=4, group_size=16, sym=True).resolved()
     layer, ctx = our_layer(kv_heads=2)
-    ours = quantize_layer(layer, x, 2, ctx, spec)
+    ours = quantize_layer(layer, x, 2, ctx, qconfig)
 
     ref_layer, _ = our_layer(kv_heads=2)
     groups = (LINEARS[:3], LINEARS[3:4], LINEARS[4:6], LINEARS[6:])
@@ -228,7 +228,7 @@ def test_gptq_one_pass_equals_recomputing_each_sublayers_inputs():
                 acc.add(input_of(first, lambda xb=xb: ref_layer(xb, ctx.cos, ctx.sin, ctx.attn)))
             for n in names:
                 lin = ref_layer.get_submodule(n)
-                q = gptq.gptq_quantize(lin.weight, acc.H, 4, 16, True, act_order=spec.act_order).quantized
+                q = gptq.gptq_quantize(lin.weight, acc.H, 4, 16, True, act_order=qconfig.act_order).quantized
                 lin.weight.data = q.dequantize()
                 same = (q.qweight == ours.quantized[n].qweight).float().mean()
                 assert same > 0.999, (n, float(same))

@@ -21,7 +21,7 @@ from llmopt.quant.formats import unpack_linear
 from llmopt.quant.layerwise import LINEARS, LayerContext, quantize_layer
 from llmopt.quant.pipeline import quantize_model
 from llmopt.quant.runtime import ct_group_for
-from llmopt.quant.spec import QuantSpec
+from llmopt.quant.config import QuantConfig
 from quant_pipeline_util import write_checkpoint
 
 TESTS = Path(__file__).resolve().parent
@@ -35,18 +35,18 @@ def tiny(tiny_factory, tmp_path_factory):
     return folder, calib
 
 
-def in_memory(folder: Path, spec: QuantSpec) -> dict:
+def in_memory(folder: Path, qconfig: QuantConfig) -> dict:
     """The whole float model in memory, quantized layer after layer: name -> dequantized weight."""
-    spec = spec.resolved()
+    qconfig = qconfig.resolved()
     lm = load_model(str(folder), dtype="float32", device="cpu")
-    n = spec.num_samples if spec.needs_calibration else max(1, spec.error_tokens // spec.seq_len)
-    ids = load_calibration(spec.calib_data, load_tokenizer(folder), n, spec.seq_len, spec.seed).ids
-    ctx = LayerContext(*rope_cos_sin(rope_inv_freq(lm.config), torch.arange(spec.seq_len), torch.float32),
+    n = qconfig.num_samples if qconfig.needs_calibration else max(1, qconfig.error_tokens // qconfig.seq_len)
+    ids = load_calibration(qconfig.calib_data, load_tokenizer(folder), n, qconfig.seq_len, qconfig.seed).ids
+    ctx = LayerContext(*rope_cos_sin(rope_inv_freq(lm.config), torch.arange(qconfig.seq_len), torch.float32),
                        DenseCausalAttention())
     x = F.embedding(ids, lm.model.model.embed_tokens.weight)
     out = {}
     for i, layer in enumerate(lm.model.model.layers):
-        res = quantize_layer(layer, x, max(1, spec.error_tokens // spec.seq_len), ctx, spec)
+        res = quantize_layer(layer, x, max(1, qconfig.error_tokens // qconfig.seq_len), ctx, qconfig)
         out.update({f"model.layers.{i}.{k}": qt.dequantize() for k, qt in res.quantized.items()})
         out.update({f"model.layers.{i}.{k}": v for k, v in layer.state_dict().items() if "norm" in k})
         x = res.next_x
@@ -65,11 +65,11 @@ def read_folder(folder: Path) -> dict:
                                             ("awq", "awq", False), ("int8", "compressed-tensors", True)])
 def test_written_checkpoint_equals_in_memory_quantization(tiny, tmp_path, method, fmt, sym):
     folder, calib = tiny
-    spec = QuantSpec(method=method, bits=8 if method == "int8" else 4, group_size=32, sym=sym, format=fmt,
+    qconfig = QuantConfig(method=method, bits=8 if method == "int8" else 4, group_size=32, sym=sym, format=fmt,
                      calib_data=str(calib), num_samples=4, seq_len=32, error_tokens=64, awq_search_tokens=64,
                      scale_dtype="float16")
     reports = []
-    res = quantize_model(str(folder), tmp_path / "out", spec, on_layer=reports.append)
+    res = quantize_model(str(folder), tmp_path / "out", qconfig, on_layer=reports.append)
     out = Path(res.output)
     assert [r.layer for r in reports] == [0, 1] and all(r.rel_error > 0 for r in res.layers)
     assert not list(tmp_path.glob(".out.tmp*"))
@@ -82,7 +82,7 @@ def test_written_checkpoint_equals_in_memory_quantization(tiny, tmp_path, method
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert set(index) == set(stored)
     assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= set(stored)
-    expected = in_memory(folder, spec)
+    expected = in_memory(folder, qconfig)
     for i in range(2):
         for lin in LINEARS:
             name = f"model.layers.{i}.{lin}"
@@ -98,18 +98,18 @@ def test_written_checkpoint_equals_in_memory_quantization(tiny, tmp_path, method
 def test_bad_group_size_is_one_clear_error(tiny, tmp_path):
     folder, calib = tiny
     with pytest.raises(UserInputError, match="--group-size 48 does not divide"):
-        quantize_model(str(folder), tmp_path / "o", QuantSpec(method="rtn", group_size=48, calib_data=str(calib)))
+        quantize_model(str(folder), tmp_path / "o", QuantConfig(method="rtn", group_size=48, calib_data=str(calib)))
     assert not (tmp_path / "o").exists()
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
     with pytest.raises(UserInputError, match="not empty"):
-        quantize_model(str(folder), tmp_path / "full", QuantSpec(method="rtn", group_size=32, calib_data=str(calib)))
+        quantize_model(str(folder), tmp_path / "full", QuantConfig(method="rtn", group_size=32, calib_data=str(calib)))
 
 
 PEAK_SCRIPT = textwrap.dedent("""
     import sys, threading, time
     from llmopt.quant.pipeline import quantize_model
-    from llmopt.quant.spec import QuantSpec
+    from llmopt.quant.config import QuantConfig
 
     def rss_anon():
         for line in open("/proc/self/status"):
@@ -121,8 +121,8 @@ PEAK_SCRIPT = textwrap.dedent("""
             peak[0] = max(peak[0], rss_anon())
             time.sleep(0.005)
     threading.Thread(target=watch, daemon=True).start()
-    spec = QuantSpec(method="rtn", bits=4, group_size=128, calib_data=sys.argv[3], seq_len=16, error_tokens=16)
-    quantize_model(sys.argv[1], sys.argv[2], spec)
+    qconfig = QuantConfig(method="rtn", bits=4, group_size=128, calib_data=sys.argv[3], seq_len=16, error_tokens=16)
+    quantize_model(sys.argv[1], sys.argv[2], qconfig)
     done.append(1)
     print(max(peak[0], rss_anon()))
 """)
@@ -181,7 +181,7 @@ def test_cli_recipe_with_flag_override_and_one_line_errors(tiny, tmp_path):
 
 
 def test_calibration_text_field_from_spec_and_flag(tiny, tmp_path):
-    """QuantSpec.text_field picks the .jsonl field the windows come from (the same windows as the
+    """QuantConfig.text_field picks the .jsonl field the windows come from (the same windows as the
     joined text in a plain file); quantize --text-field sets it; a row without it is refused by line."""
     from typer.testing import CliRunner
     from llmopt.cli.app import app
@@ -192,8 +192,8 @@ def test_calibration_text_field_from_spec_and_flag(tiny, tmp_path):
     jsonl.write_text("".join(json.dumps({"q": r, "text": "unused"}) + "\n" for r in rows))
     joined = tmp_path / "joined.txt"
     joined.write_text("\n\n".join(rows))
-    spec = QuantSpec(method="gptq", calib_data=str(jsonl), text_field="q", num_samples=3, seq_len=16)
-    torch.testing.assert_close(_calibration(folder, spec), _calibration(folder, QuantSpec(
+    qconfig = QuantConfig(method="gptq", calib_data=str(jsonl), text_field="q", num_samples=3, seq_len=16)
+    torch.testing.assert_close(_calibration(folder, qconfig), _calibration(folder, QuantConfig(
         method="gptq", calib_data=str(joined), num_samples=3, seq_len=16)), rtol=0, atol=0)
     def cli(data, out):
         return CliRunner().invoke(app, ["quantize", "--model", str(folder), "--method", "rtn", "--group-size", "32",

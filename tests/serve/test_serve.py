@@ -376,11 +376,11 @@ def test_server_tpot_agrees_with_the_client(server, http):
     a client, over the same streamed requests (one at a time, so the stream's delivery is all that
     separates the two)."""
     from llmopt.bench.config import BenchConfig, SamplingSpec
-    from llmopt.bench.datasets import WorkloadSpec
+    from llmopt.bench.datasets import Workload
     from llmopt.bench.runner import run_benchmark
     from llmopt.bench.schedule import Load
     before = metrics(http)
-    cfg = BenchConfig(workload=WorkloadSpec("random", num_prompts=4, random_input_len=16, random_output_len=48,
+    cfg = BenchConfig(workload=Workload("random", num_prompts=4, random_input_len=16, random_output_len=48,
                                             seed=3),
                       load=Load(max_concurrency=1), base_url=server.url, api_key=API_KEY, model=MODEL_NAME,
                       tokenizer=str(server.model_path), sampling=SamplingSpec(ignore_eos=True))

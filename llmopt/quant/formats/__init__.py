@@ -26,21 +26,21 @@ def pack_linear(prefix: str, qt, fmt: str, dtype: torch.dtype | None = None) -> 
     raise UserInputError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
 
 
-def quantization_config(fmt: str, spec=None, *, method: str | None = None, bits: int | None = None,
+def quantization_config(fmt: str, qconfig=None, *, method: str | None = None, bits: int | None = None,
                         group_size: int = 128, sym: bool = True, act_order: bool = False,
                         activations: str = "dynamic", fp8_scale: str = "channel", damp: float | None = None) -> dict:
     """The config.json `quantization_config` entry, as the peer tool writes it. Either pass a
-    QuantSpec-like `spec` (method, bits, group_size, sym, act_order, activations, fp8_scale, damp)
+    QuantConfig-like `qconfig` (method, bits, group_size, sym, act_order, activations, fp8_scale, damp)
     or the keywords."""
-    if spec is not None:
-        method, bits, group_size, sym = spec.method, spec.bits, spec.group_size, bool(spec.sym)
+    if qconfig is not None:
+        method, bits, group_size, sym = qconfig.method, qconfig.bits, qconfig.group_size, bool(qconfig.sym)
         from llmopt.quant.gptq import act_order_mode
-        act_order = act_order_mode(getattr(spec, "act_order", False)) == "group"   # static keeps g_idx trivial
-        activations = getattr(spec, "activations", activations)
-        fp8_scale = getattr(spec, "fp8_scale", fp8_scale)
-        damp = getattr(spec, "damp", damp)
+        act_order = act_order_mode(getattr(qconfig, "act_order", False)) == "group"   # static keeps g_idx trivial
+        activations = getattr(qconfig, "activations", activations)
+        fp8_scale = getattr(qconfig, "fp8_scale", fp8_scale)
+        damp = getattr(qconfig, "damp", damp)
     if method is None:
-        raise UserInputError("quantization_config needs a method (or a spec)")
+        raise UserInputError("quantization_config needs a method (or a QuantConfig)")
     bits = bits or (8 if method in ("fp8", "int8") else 4)
     if fmt == "awq":
         return awq.quantization_config(bits, group_size)

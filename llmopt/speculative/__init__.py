@@ -6,4 +6,4 @@ propose tokens the engine verifies in one target forward, with exact rejection s
     llm = LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
 """
 
-from llmopt.spec.config import SpeculativeConfig, parse_speculative_config  # noqa: F401
+from llmopt.speculative.config import SpeculativeConfig, parse_speculative_config  # noqa: F401

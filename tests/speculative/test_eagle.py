@@ -17,7 +17,7 @@ from llmopt.engine.sampling_params import SamplingParams
 from llmopt.errors import UserInputError
 from llmopt.models.attention import DenseCausalAttention
 from llmopt.models.loader import load_model
-from llmopt.spec.eagle import eagle3_layers, load_eagle_head, new_head, save_head
+from llmopt.speculative.eagle import eagle3_layers, load_eagle_head, new_head, save_head
 from test_drafters import _prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -103,8 +103,8 @@ def test_cpu_kernel_linears_match_the_heads_torch_linears(setup, method, int8_gr
     its dequantized weights, which are within half a step of the float ones. 1, 3 and 40 rows (the
     tiles and the panels), bias included (EAGLE-1's fc)."""
     from llmopt.kernels import cpu_quant
-    from llmopt.spec.eagle import CpuLinear, use_cpu_kernels
-    from llmopt.spec.train import TTTAttention
+    from llmopt.speculative.eagle import CpuLinear, use_cpu_kernels
+    from llmopt.speculative.train import TTTAttention
     _, loaded, heads = setup
     assert cpu_quant.ops() is not None, "the C++ kernels did not build"
     ref = load_eagle_head(heads[method], method, loaded.config, torch.float32, "cpu")

@@ -9,8 +9,8 @@ from llmopt.engine.args import EngineArgs
 from llmopt.engine.engine import LLMEngine
 from llmopt.engine.sampling_params import SamplingParams
 from llmopt.models.loader import load_model, resolve_checkpoint
-from llmopt.spec.draft_model import write_self_draft
-from llmopt.spec.eagle import new_head, save_head
+from llmopt.speculative.draft_model import write_self_draft
+from llmopt.speculative.eagle import new_head, save_head
 from engine_helpers import check_no_leak
 
 PROMPTS = ["The capital of France is Paris. The capital of France is", "def add(a, b):\n    return a + b\n\ndef"]
@@ -60,7 +60,7 @@ def test_the_committed_benchmark_head_drafts_what_smollm2_says(smol):
     loads through --speculative-config DIR, keeps greedy outputs identical, and its drafts are taken
     far more often than an untrained head's (a broken or mismatched file would draft noise)."""
     from pathlib import Path
-    from llmopt.spec.config import parse_speculative_config
+    from llmopt.speculative.config import parse_speculative_config
     loaded, specs = smol
     folder = Path(__file__).resolve().parents[2] / "recipes" / "smollm2-135m-eagle3"
     cfg = parse_speculative_config(str(folder))

@@ -13,8 +13,8 @@ from llmopt.engine.engine import LLMEngine
 from llmopt.engine.sampling_params import SamplingParams
 from llmopt.errors import UserInputError
 from llmopt.models.loader import load_model
-from llmopt.spec.config import SpeculativeConfig, parse_speculative_config
-from llmopt.spec.ngram import ngram_propose
+from llmopt.speculative.config import SpeculativeConfig, parse_speculative_config
+from llmopt.speculative.ngram import ngram_propose
 
 N_NEW = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True)

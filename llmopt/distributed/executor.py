@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 from llmopt import defaults
-from llmopt.dist import parallel
-from llmopt.dist.plan import TPPlan, plan_for_config
-from llmopt.dist.worker import ERROR_KEY, JOINED_KEY, RankStats, StepMessage, load_rank, rank_stats
+from llmopt.distributed import parallel
+from llmopt.distributed.plan import TPPlan, plan_for_config
+from llmopt.distributed.worker import ERROR_KEY, JOINED_KEY, RankStats, StepMessage, load_rank, rank_stats
 from llmopt.engine.engine import EngineDeadError
 from llmopt.errors import LLMOptError, UserInputError
 
@@ -67,7 +67,7 @@ class TPExecutor:
         device = resolve_device(args.device)
         try:
             if env is not None:
-                from llmopt.dist.worker import check_torchrun_world
+                from llmopt.distributed.worker import check_torchrun_world
                 check_torchrun_world(args, env.world_size)
                 self.tp = parallel.init_group(plan, 0, parallel.rank_device(device, env.local_rank))
             else:
@@ -90,7 +90,7 @@ class TPExecutor:
 
     # -- start-up --------------------------------------------------------------------------------
     def _spawn(self, args, plan: TPPlan, device: torch.device):
-        from llmopt.dist.worker import worker_main
+        from llmopt.distributed.worker import worker_main
         from llmopt.serve.launch import free_port
         n = plan.world_size
         threads = parallel.threads_per_rank(n) if device.type == "cpu" else 1
@@ -254,7 +254,7 @@ def start_tensor_parallel(args, loaded=None, progress=None) -> TPExecutor:
     if loaded is not None:
         raise UserInputError(f"--tensor-parallel-size {args.tensor_parallel_size}: every rank loads its own shard; "
                              "pass no preloaded model")
-    from llmopt.dist.worker import run_torchrun_worker
+    from llmopt.distributed.worker import run_torchrun_worker
     if run_torchrun_worker(args):
         raise SystemExit(0)
     return TPExecutor(args, progress)

@@ -14,7 +14,7 @@ import pytest
 
 from llmopt import defaults
 from llmopt.engine.engine import EngineDeadError
-from llmopt.estimate import estimate, resolve_model_spec
+from llmopt.estimate import estimate, resolve_model_arch
 from llmopt.engine.runner import ModelRunner
 from llmopt.models.loader import load_model
 from tp_util import greedy, rel_err, step_logits, tp_engine
@@ -49,7 +49,7 @@ def test_tp2_logits_equal_tp1_and_kv_as_estimated(tiny_factory, name):
         info = engine.kv_cache_info()
     for a, b in zip(ref, got):
         assert rel_err(a, b) <= 1e-5
-    est = estimate(resolve_model_spec(str(folder)), tensor_parallel_size=2, device="cpu", kv_cache_memory=memory,
+    est = estimate(resolve_model_arch(str(folder)), tensor_parallel_size=2, device="cpu", kv_cache_memory=memory,
                    max_model_len=64)
     assert est.kv_heads_per_rank == 1
     assert est.paged.num_blocks == info.num_blocks
@@ -71,7 +71,7 @@ def test_tp3_default_model_generates_as_tp1():
     assert tokens == want
     for a, b in zip(ref, got):
         assert rel_err(a, b) <= 1e-4
-    est = estimate(resolve_model_spec("smollm2-135m"), tensor_parallel_size=3, device="cpu", kv_cache_memory=memory,
+    est = estimate(resolve_model_arch("smollm2-135m"), tensor_parallel_size=3, device="cpu", kv_cache_memory=memory,
                    max_model_len=64)
     assert (est.paged.num_blocks, est.paged.kv_cache_bytes) == (info.num_blocks, info.bytes_allocated)
 

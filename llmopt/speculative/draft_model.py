@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from llmopt.errors import UserInputError
-from llmopt.spec.paged import DraftKVCache, prepare
+from llmopt.speculative.paged import DraftKVCache, prepare
 
 
 class DraftState:

@@ -5,18 +5,18 @@ outputs are identical."""
 import pytest
 
 from llmopt.bench.config import BenchConfig, SamplingSpec
-from llmopt.bench.datasets import WorkloadSpec
+from llmopt.bench.datasets import Workload
 from llmopt.bench.runner import run_benchmark
 from llmopt.bench.schedule import Load
 from llmopt.engine.args import EngineArgs
 from llmopt.errors import UserInputError
-from llmopt.spec.config import bench_speculative_config
+from llmopt.speculative.config import bench_speculative_config
 
 
 def test_bench_spec_reports_speedup_and_acceptance(tiny_factory):
     model = tiny_factory(tokenizer=True, max_position_embeddings=512)
     spec = bench_speculative_config("draft_model", str(model), 3)          # a self-draft: all accepted
-    cfg = BenchConfig(workload=WorkloadSpec("random", num_prompts=4, random_input_len=16, random_output_len=12),
+    cfg = BenchConfig(workload=Workload("random", num_prompts=4, random_input_len=16, random_output_len=12),
                       load=Load(max_concurrency=1), sampling=SamplingSpec(temperature=0.0, ignore_eos=True),
                       engine_args=EngineArgs(model=str(model), kv_cache_memory=1 << 24, enforce_eager=True,
                                              speculative_config=spec), spec="draft_model")

@@ -15,7 +15,7 @@ DEFAULT_FORMAT = {"awq": "awq", "gptq": "gptq", "rtn": "compressed-tensors", "fp
 
 
 @dataclass
-class QuantSpec:
+class QuantConfig:
     method: str = "awq"
     bits: int | None = None            # 4 for awq/gptq/rtn, 8 for fp8/int8
     group_size: int | None = None      # None: auto, the largest of QUANT_GROUP_SIZES dividing every layer
@@ -44,9 +44,9 @@ class QuantSpec:
         import torch
         return getattr(torch, self.scale_dtype) if self.scale_dtype else None
 
-    def resolved(self) -> "QuantSpec":
+    def resolved(self) -> "QuantConfig":
         """A copy with the method-dependent defaults filled in, validated."""
-        s = QuantSpec(**{f.name: getattr(self, f.name) for f in fields(self)})
+        s = QuantConfig(**{f.name: getattr(self, f.name) for f in fields(self)})
         if s.method not in METHODS:
             raise UserInputError(f"unknown --method {s.method!r}: use one of {', '.join(METHODS)}")
         if s.bits is None:
@@ -110,7 +110,7 @@ class QuantSpec:
 @dataclass
 class QuantJob:
     """A quantize run with every source merged: what to quantize, where to, and how."""
-    spec: QuantSpec
+    qconfig: QuantConfig
     model: str | None      # None: the default model
     output: str
 
@@ -119,10 +119,10 @@ JOB_KEYS = ("model", "output")
 
 
 def _field_types() -> dict[str, tuple[type, ...]]:
-    """Accepted Python types per recipe key, read from QuantSpec's annotations ('int | None')."""
+    """Accepted Python types per recipe key, read from QuantConfig's annotations ('int | None')."""
     names = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "None": (type(None),)}
     out = {}
-    for f in fields(QuantSpec):
+    for f in fields(QuantConfig):
         parts = [t.strip() for t in str(f.type).split("|")]
         if all(t in names for t in parts):
             out[f.name] = tuple(x for t in parts for x in names[t])
@@ -131,7 +131,7 @@ def _field_types() -> dict[str, tuple[type, ...]]:
 
 def merge_sources(recipe: str | Path | None = None, flags: dict | None = None) -> QuantJob:
     """Merge a YAML recipe and command-line flags into a QuantJob: flags (None = not given) override
-    recipe keys, which override QuantSpec's defaults. Keys are QuantSpec fields plus model and output;
+    recipe keys, which override QuantConfig's defaults. Keys are QuantConfig fields plus model and output;
     unknown keys and values of the wrong type are refused."""
     types = _field_types()
 
@@ -144,7 +144,7 @@ def merge_sources(recipe: str | Path | None = None, flags: dict | None = None) -
     settings = load_recipe(recipe) if recipe else {}
     for k, v in settings.items():
         check(f"recipe {recipe}", k, v)
-    known = {f.name for f in fields(QuantSpec)} | set(JOB_KEYS)
+    known = {f.name for f in fields(QuantConfig)} | set(JOB_KEYS)
     for k, v in (flags or {}).items():
         if k not in known:
             raise UserInputError(f"unknown quantize setting {k!r} (known: {', '.join(sorted(known))})")
@@ -155,7 +155,7 @@ def merge_sources(recipe: str | Path | None = None, flags: dict | None = None) -
     output = settings.pop("output", None)
     if not output:
         raise UserInputError("--output is required (or `output:` in the recipe)")
-    return QuantJob(spec=QuantSpec(**settings), model=model, output=str(output))
+    return QuantJob(qconfig=QuantConfig(**settings), model=model, output=str(output))
 
 
 def load_recipe(path: str | Path) -> dict:
@@ -175,7 +175,7 @@ def load_recipe(path: str | Path) -> dict:
         raise UserInputError(f"recipe {p} is not valid YAML: {what}{where}") from None
     if not isinstance(data, dict):
         raise UserInputError(f"recipe {p} must be a mapping of flag names to values")
-    known = {f.name for f in fields(QuantSpec)} | {"model", "output"}
+    known = {f.name for f in fields(QuantConfig)} | {"model", "output"}
     out = {}
     for k, v in data.items():
         key = str(k).replace("-", "_")

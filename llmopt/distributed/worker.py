@@ -2,7 +2,7 @@
 each step rank 0 broadcasts until told to stop.
 
 Ranks > 0 are either processes the engine spawned (`worker_main`) or, under torchrun, the
-command's own processes (`run_torchrun_worker`). Rank 0 is the engine (llmopt/dist/executor.py);
+command's own processes (`run_torchrun_worker`). Rank 0 is the engine (llmopt/distributed/executor.py);
 the scheduler, sampling and detokenizing happen there only.
 """
 
@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 
 from llmopt import defaults
-from llmopt.dist.parallel import TPGroup, init_group, rank_device, torchrun_env
-from llmopt.dist.plan import TPPlan, plan_for_config
+from llmopt.distributed.parallel import TPGroup, init_group, rank_device, torchrun_env
+from llmopt.distributed.plan import TPPlan, plan_for_config
 
-log = logging.getLogger("llmopt.dist")
+log = logging.getLogger("llmopt.distributed")
 
 ERROR_KEY = "llmopt/error/{}"     # a worker's last words (TCPStore key), read by rank 0's watchdog
 JOINED_KEY = "llmopt/joined/{}"
@@ -177,6 +177,6 @@ def run_torchrun_worker(args) -> bool:
         _, runner, rss_start = load_rank(args, tp)
         serve_steps(runner, tp, rss_start)
     finally:
-        from llmopt.dist.parallel import destroy
+        from llmopt.distributed.parallel import destroy
         destroy()
     return True

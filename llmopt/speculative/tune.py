@@ -34,8 +34,8 @@ from pathlib import Path
 
 from llmopt import defaults, fsutil
 from llmopt.errors import UserInputError
-from llmopt.spec.config import METHODS, SpeculativeConfig
-from llmopt.spec.train import (DATA_DIR, DataSummary, Progress, TrainSettings, TrainSummary, _noop, build_data,
+from llmopt.speculative.config import METHODS, SpeculativeConfig
+from llmopt.speculative.train import (DATA_DIR, DataSummary, Progress, TrainSettings, TrainSummary, _noop, build_data,
                                kv_bytes, make_prompts, pick_passages, text_sequences, train_head)
 
 HEAD_DIR = "head"
@@ -60,7 +60,7 @@ class SpecTuneConfig:
     gen_batch: int = defaults.SPEC_TUNE_GEN_BATCH
     text_sequences: int = defaults.SPEC_TUNE_TEXT_SEQUENCES   # EAGLE: sequences of the text itself read for features
     chat: bool | None = None                 # None: chat prompts when the tokenizer has a chat template
-    prompt_source: str = defaults.SPEC_TUNE_PROMPT_SOURCE   # text | self (llmopt/spec/self_instruct.py)
+    prompt_source: str = defaults.SPEC_TUNE_PROMPT_SOURCE   # text | self (llmopt/speculative/self_instruct.py)
     train: TrainSettings | None = None       # None: defaults for `method`
     batch_sizes: tuple[int, ...] = defaults.SPEC_TUNE_BATCH_SIZES
     max_k: int = defaults.SPEC_TUNE_MAX_K
@@ -334,13 +334,13 @@ def spec_tune(cfg: SpecTuneConfig, progress: Progress = _noop) -> SpecTuneResult
         del rows
         if not tsum.finished:
             return _finish(cfg, out, loaded, t0, None, {}, {}, data, tsum, None, [], False)
-        from llmopt.spec.eagle import save_head
+        from llmopt.speculative.eagle import save_head
         with fsutil.atomic_folder(out / HEAD_DIR, {"command": "spec-tune", "method": cfg.method}) as tmp:
             save_head(head, tmp)
         base["model"] = HEAD_DIR
     elif cfg.method == "draft_model":
         if cfg.self_draft_layers is not None:
-            from llmopt.spec.draft_model import write_self_draft
+            from llmopt.speculative.draft_model import write_self_draft
             with fsutil.atomic_folder(out / DRAFT_DIR, {"command": "spec-tune", "self_draft_layers":
                                                         cfg.self_draft_layers}) as tmp:
                 write_self_draft(loaded.path, cfg.self_draft_layers, tmp)
@@ -390,7 +390,7 @@ def _self_prompts(loaded, cfg: SpecTuneConfig, n: int, out: Path, progress: Prog
     """`n` prompts the target writes itself; kept in DIR/data/self_prompts.json, which --resume reads
     (sampling need not repeat exactly across runs)."""
     from llmopt.engine.llm import LLM
-    from llmopt.spec.self_instruct import self_prompts, user_turn_prefix
+    from llmopt.speculative.self_instruct import self_prompts, user_turn_prefix
     f = out / DATA_DIR / SELF_PROMPTS_FILE
     if f.is_file():        # an earlier run in this folder: the same requests, or a refusal (nothing replaced)
         saved = json.loads(f.read_text())

@@ -160,7 +160,7 @@ def feature_layers(method: str, num_layers: int) -> tuple[int, ...]:
     """The target layers whose input hidden states a head reads (EAGLE-1: none, the final state)."""
     if method != "eagle3":
         return ()
-    from llmopt.spec.eagle import eagle3_layers
+    from llmopt.speculative.eagle import eagle3_layers
     if num_layers < 3:
         raise UserInputError(f"EAGLE-3 reads the hidden states entering layers 2, L/2 and L-3: the target has "
                              f"{num_layers} layers, so use --method eagle")
@@ -482,7 +482,7 @@ class TrainSummary:
 def init_head(loaded, method: str, rows: list[dict], settings: TrainSettings):
     """A new head for the target; EAGLE-3 with the draft vocabulary of `rows` and its lm_head and norm
     started from the target's."""
-    from llmopt.spec.eagle import new_head
+    from llmopt.speculative.eagle import new_head
     cfg = loaded.config
     vocab = draft_vocab(rows, settings.draft_vocab_size, cfg.vocab_size) if method == "eagle3" else None
     head = new_head(cfg, method, vocab, seed=settings.seed).float()
@@ -506,10 +506,10 @@ def train_head(loaded, rows: list[dict], folder: Path, settings: TrainSettings, 
         if state["method"] != method:
             raise UserInputError(f"--resume: {folder} holds an {state['method']} checkpoint, not {method}")
     if state is not None and method == "eagle3":
-        from llmopt.spec.eagle import new_head
+        from llmopt.speculative.eagle import new_head
         head = new_head(loaded.config, method, state["draft_vocab"], seed=settings.seed).float().to(dev)
     elif state is None and settings.init_from:
-        from llmopt.spec.eagle import load_eagle_head
+        from llmopt.speculative.eagle import load_eagle_head
         head = load_eagle_head(settings.init_from, method, loaded.config, torch.float32, dev)
     else:
         head = init_head(loaded, method, rows, settings)

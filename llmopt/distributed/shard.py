@@ -7,15 +7,15 @@ columns are read, so a rank never holds a whole weight.
 - embedding and LM head: vocabulary rows, the last rank's padded with zeros to vocab_per_rank;
 - everything else (norms): whole on every rank.
 Packed tensors of quantized checkpoints (AWQ, GPTQ, compressed-tensors) are cut by
-`llmopt.dist.shard_quant.shard_quantized`, which keeps codes, scales, zeros and g_idx together.
+`llmopt.distributed.shard_quant.shard_quantized`, which keeps codes, scales, zeros and g_idx together.
 """
 
 from __future__ import annotations
 
 import torch
 
-from llmopt.dist.plan import TPPlan
-from llmopt.dist.shard_quant import is_quantized_tensor, read_whole, row_groups, shard_quantized, tensor_shape
+from llmopt.distributed.plan import TPPlan
+from llmopt.distributed.shard_quant import is_quantized_tensor, read_whole, row_groups, shard_quantized, tensor_shape
 from llmopt.errors import ModelLoadError, UserInputError
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmopt.dist.parallel import TPGroup
-from llmopt.dist.plan import plan_for_config
-from llmopt.dist.shard import layout
+from llmopt.distributed.parallel import TPGroup
+from llmopt.distributed.plan import plan_for_config
+from llmopt.distributed.shard import layout
 from llmopt.models import loader
 from llmopt.models.config import ModelConfig
 

@@ -1,4 +1,4 @@
-"""ModelSpec: the architecture facts memory planning needs, parsed from a Hugging Face style config
+"""ModelArch: the architecture facts memory planning needs, parsed from a Hugging Face style config
 dict (sources.py turns a config.json, a .gguf's metadata, the HF cache or a preset into one), so
 `--num-layers`/`--num-kv-heads`/... overrides work the same on every source."""
 
@@ -33,7 +33,7 @@ class MoE:
 
 
 @dataclass
-class ModelSpec:
+class ModelArch:
     name: str
     source: str                       # preset | config | gguf | hf-cache | builtin
     origin: str                       # URL of the preset's numbers, or the file read
@@ -89,12 +89,12 @@ OVERRIDE_KEYS = {  # --flag name -> config.json key
 }
 
 
-def spec_from_config(d: dict[str, Any], name: str, source: str, origin: str, note: str = "") -> ModelSpec:
+def arch_from_config(d: dict[str, Any], name: str, source: str, origin: str, note: str = "") -> ModelArch:
     """The shared parser (models/config.py: parse_hf_config) plus what only planning needs: MLA, MoE,
     Gemma's four norms per layer."""
     d = text_config(d)
-    arch = parse_hf_config(d, origin)
-    mt, inter = arch.model_type, arch.intermediate_size
+    hf = parse_hf_config(d, origin)
+    mt, inter = hf.model_type, hf.intermediate_size
     try:
         mla = None
         if d.get("kv_lora_rank"):
@@ -113,25 +113,25 @@ def spec_from_config(d: dict[str, Any], name: str, source: str, origin: str, not
                       int(d.get("shared_expert_intermediate_size") or 0), 0, "qwen")
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"{origin}: MLA/MoE config lacks a valid {e}") from e
-    return ModelSpec(
-        name=name, source=source, origin=origin, model_type=mt, num_layers=arch.num_hidden_layers,
-        hidden_size=arch.hidden_size, num_attention_heads=arch.num_attention_heads,
-        num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim, intermediate_size=inter,
-        vocab_size=arch.vocab_size, max_position_embeddings=arch.max_position_embeddings,
-        tie_word_embeddings=arch.tie_word_embeddings, checkpoint_dtype=arch.torch_dtype,
-        layer_windows=arch.layer_windows, mla=mla, moe=moe, qkv_bias=arch.qkv_bias, o_bias=arch.o_bias,
-        qk_norm=arch.qk_norm, norms_per_layer=4 if mt in ("gemma2", "gemma3", "gemma3_text") else 2,
-        quantization_config=arch.quantization_config, config=dict(d), note=note)
+    return ModelArch(
+        name=name, source=source, origin=origin, model_type=mt, num_layers=hf.num_hidden_layers,
+        hidden_size=hf.hidden_size, num_attention_heads=hf.num_attention_heads,
+        num_kv_heads=hf.num_key_value_heads, head_dim=hf.head_dim, intermediate_size=inter,
+        vocab_size=hf.vocab_size, max_position_embeddings=hf.max_position_embeddings,
+        tie_word_embeddings=hf.tie_word_embeddings, checkpoint_dtype=hf.torch_dtype,
+        layer_windows=hf.layer_windows, mla=mla, moe=moe, qkv_bias=hf.qkv_bias, o_bias=hf.o_bias,
+        qk_norm=hf.qk_norm, norms_per_layer=4 if mt in ("gemma2", "gemma3", "gemma3_text") else 2,
+        quantization_config=hf.quantization_config, config=dict(d), note=note)
 
 
-def apply_overrides(spec: ModelSpec, overrides: dict[str, Any]) -> ModelSpec:
+def apply_overrides(arch: ModelArch, overrides: dict[str, Any]) -> ModelArch:
     """`--num-layers`, `--num-kv-heads`, ... re-parse the config with the new values.
     `--sliding-window W` is a what-if on the parsed windows, whatever the model type would make of a
     `sliding_window` key: the layers that slide get W, every layer when none does; 0 removes them."""
     given = {k: v for k, v in overrides.items() if v is not None}
     if not given:
-        return spec
-    d = dict(spec.config)
+        return arch
+    d = dict(arch.config)
     for k, v in given.items():
         if k not in OVERRIDE_KEYS:
             raise UserInputError(f"unknown override {k!r}: use one of {', '.join(OVERRIDE_KEYS)}")
@@ -144,13 +144,13 @@ def apply_overrides(spec: ModelSpec, overrides: dict[str, Any]) -> ModelSpec:
         d[OVERRIDE_KEYS[k]] = v
     if "num_layers" in given and d.get("layer_types"):
         d.pop("layer_types")      # re-derive the pattern for the new depth
-    out = spec_from_config(d, spec.name, spec.source, spec.origin, spec.note)
-    out.dtype = spec.dtype
+    out = arch_from_config(d, arch.name, arch.source, arch.origin, arch.note)
+    out.dtype = arch.dtype
     if "sliding_window" in given:
         w = given["sliding_window"]
         slides = [x is not None for x in out.layer_windows]
         if not any(slides):
             slides = [True] * out.num_layers
         out.layer_windows = [w if s and w else None for s in slides]
-    out.note = (spec.note + "; " if spec.note else "") + "overridden: " + ", ".join(f"{k}={v}" for k, v in given.items())
+    out.note = (arch.note + "; " if arch.note else "") + "overridden: " + ", ".join(f"{k}={v}" for k, v in given.items())
     return out      # tensors dropped: the file's shapes no longer describe this model

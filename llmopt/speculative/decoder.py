@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmopt.spec.config import SpeculativeConfig
+from llmopt.speculative.config import SpeculativeConfig
 
 
 @dataclass
@@ -100,7 +100,7 @@ class NgramProposer:
         self.n_min, self.n_max = config.prompt_lookup_min, config.prompt_lookup_max
 
     def propose(self, reqs, ks, block_ids) -> dict[str, list[int]]:
-        from llmopt.spec.ngram import ngram_propose
+        from llmopt.speculative.ngram import ngram_propose
         out = {}
         for r in reqs:
             d = ngram_propose(r.all_token_ids, ks[r.request_id], self.n_min, self.n_max)
@@ -115,8 +115,8 @@ def build_proposer(engine, config: SpeculativeConfig):
     args, runner = engine.args, engine.runner
     if config.method == "draft_model":
         from llmopt.models.loader import load_model
-        from llmopt.spec.draft_model import DraftModelProposer
+        from llmopt.speculative.draft_model import DraftModelProposer
         draft = load_model(config.model, args.dtype, str(engine.loaded.device), tokenizer=False)
         return DraftModelProposer(draft, engine.loaded.config, runner.num_blocks, args.block_size, runner.backend)
-    from llmopt.spec.eagle import EagleProposer
+    from llmopt.speculative.eagle import EagleProposer
     return EagleProposer(engine, config)

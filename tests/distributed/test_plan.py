@@ -1,4 +1,4 @@
-"""llmopt/dist/plan.py, the one check of a tensor-parallel size: which sizes a model takes, the
+"""llmopt/distributed/plan.py, the one check of a tensor-parallel size: which sizes a model takes, the
 messages, the per-rank split; the engine and kv-estimate refuse the same sizes with the same words."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import pytest
 from typer.testing import CliRunner
 
 from llmopt.cli.app import app
-from llmopt.dist.plan import quant_group_size, tp_plan, valid_sizes
+from llmopt.distributed.plan import quant_group_size, tp_plan, valid_sizes
 from llmopt.engine.args import EngineArgs
 from llmopt.engine.engine import LLMEngine
 from llmopt.errors import UserInputError
-from llmopt.estimate import estimate, resolve_model_spec
+from llmopt.estimate import estimate, resolve_model_arch
 
 SMOLLM2 = dict(num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536, vocab_size=49152)
 
@@ -66,7 +66,7 @@ def test_engine_and_kv_estimate_refuse_the_same_sizes_in_the_same_words(tp):
     with pytest.raises(UserInputError) as engine_error:
         LLMEngine(EngineArgs(tensor_parallel_size=tp))     # refused before any process starts
     with pytest.raises(UserInputError) as estimate_error:
-        estimate(resolve_model_spec("smollm2-135m"), tensor_parallel_size=tp, device="cpu")
+        estimate(resolve_model_arch("smollm2-135m"), tensor_parallel_size=tp, device="cpu")
     assert str(engine_error.value) == str(estimate_error.value)
     r = CliRunner().invoke(app, ["kv-estimate", "--tensor-parallel-size", str(tp), "--device", "cpu", "--json"])
     assert r.exit_code == 2
@@ -77,5 +77,5 @@ def test_engine_and_kv_estimate_refuse_the_same_sizes_in_the_same_words(tp):
 
 
 def test_kv_estimate_per_rank_kv_heads_come_from_the_plan():
-    est = estimate(resolve_model_spec("smollm2-135m"), tensor_parallel_size=3, device="cpu", kv_cache_memory=1 << 20)
+    est = estimate(resolve_model_arch("smollm2-135m"), tensor_parallel_size=3, device="cpu", kv_cache_memory=1 << 20)
     assert est.kv_heads_per_rank == 1 and est.bytes_per_token * 3 == est.bytes_per_token_model

@@ -16,7 +16,7 @@ BIG = dict(tokenizer=True, hidden_size=512, intermediate_size=2048, num_attentio
 TP1 = """
 import sys, torch
 torch.set_num_threads(1)
-from llmopt.dist.worker import _rss_now, _status_bytes, warm_up_meta
+from llmopt.distributed.worker import _rss_now, _status_bytes, warm_up_meta
 from llmopt.engine.runner import ModelRunner
 from llmopt.engine.scheduler import ScheduledRequest, SchedulerOutput
 from llmopt.models.loader import load_model
