@@ -33,6 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmopt import defaults, fsutil
+from llmopt.engine.args import EngineArgs
+from llmopt.engine.engine import LLMEngine
+from llmopt.engine.sampling_params import SamplingParams
 from llmopt.errors import UserInputError
 from llmopt.speculative.config import METHODS, SpeculativeConfig
 from llmopt.speculative.train import (DATA_DIR, DataSummary, Progress, TrainSettings, TrainSummary, _noop, build_data,
@@ -180,21 +183,19 @@ def prepare_output(cfg: SpecTuneConfig) -> Path:
 
 # -- measuring --------------------------------------------------------------------------------------------
 
-def _engine(loaded, cfg: SpecTuneConfig, spec: dict | None, seqs: int, length: int):
-    from llmopt.engine.args import EngineArgs
-    from llmopt.engine.engine import LLMEngine
-    loaded.model.capture_hidden, loaded.model.captured = None, None
+# What is measured comes through the engine's interfaces: output tokens from the step outputs, drafts
+# and accepted tokens from `LLMEngine.stats().spec_decoding` (engine/spec_stats.py). The engines share
+# one loaded target: hidden states are asked for per forward (SchedulerOutput.hidden_layers).
+
+def _engine(loaded, cfg: SpecTuneConfig, spec: dict | None, seqs: int, length: int) -> LLMEngine:
     length = min(length + 2 * cfg.max_k + 8, loaded.config.max_position_embeddings)
-    eng = LLMEngine(EngineArgs(model=str(loaded.path), dtype=cfg.dtype, device=cfg.device, detokenize=False,
-                               max_num_seqs=seqs, kv_cache_memory=kv_bytes(loaded, seqs, length), max_model_len=length,
-                               enable_prefix_caching=False, speculative_config=spec), loaded=loaded)
-    eng._spec_tune_capture = loaded.model.capture_hidden     # what this engine needs the target to capture
-    return eng
+    return LLMEngine(EngineArgs(model=str(loaded.path), dtype=cfg.dtype, device=cfg.device, detokenize=False,
+                                max_num_seqs=seqs, kv_cache_memory=kv_bytes(loaded, seqs, length), max_model_len=length,
+                                enable_prefix_caching=False, speculative_config=spec), loaded=loaded)
 
 
-def _run(engine, groups: list[list[list[int]]], params) -> tuple[int, float]:
+def _run(engine: LLMEngine, groups: list[list[list[int]]], params: SamplingParams) -> tuple[int, float]:
     """Run each group of prompts at once, one group after the other: (output tokens, seconds)."""
-    engine.loaded.model.capture_hidden = engine._spec_tune_capture
     tokens, t0 = 0, time.perf_counter()
     for g in groups:
         for p in g:
@@ -206,7 +207,7 @@ def _run(engine, groups: list[list[list[int]]], params) -> tuple[int, float]:
     return tokens, time.perf_counter() - t0
 
 
-def _spec_counts(engine) -> tuple[int, int, list[int]]:
+def _spec_counts(engine: LLMEngine) -> tuple[int, int, list[int]]:
     st = engine.stats().spec_decoding
     return (0, 0, []) if st is None else (st.num_drafts, st.num_accepted_tokens, list(st.num_accepted_tokens_per_pos))
 
@@ -214,7 +215,6 @@ def _spec_counts(engine) -> tuple[int, int, list[int]]:
 def measure_acceptance(loaded, cfg: SpecTuneConfig, spec: dict, prompts: list[list[int]],
                        progress: Progress = _noop) -> AcceptanceResult:
     """Mean acceptance length of `spec` on `prompts` (greedy answers of up to max_new_tokens, batched)."""
-    from llmopt.engine.sampling_params import SamplingParams
     progress("acceptance", len(prompts), 0)
     eng = _engine(loaded, cfg, spec, cfg.gen_batch, max(map(len, prompts)) + cfg.max_new_tokens)
     groups = [prompts[i:i + cfg.gen_batch] for i in range(0, len(prompts), cfg.gen_batch)]
@@ -224,7 +224,6 @@ def measure_acceptance(loaded, cfg: SpecTuneConfig, spec: dict, prompts: list[li
         tokens, secs = tokens + t, secs + s
         progress("acceptance", None, len(g))
     st = eng.stats().spec_decoding
-    loaded.model.capture_hidden = None
     return AcceptanceResult(len(prompts), spec["num_speculative_tokens"], st.mean_acceptance_length,
                             st.acceptance_rate_per_pos(), tokens, secs)
 
@@ -240,7 +239,6 @@ def sweep(loaded, cfg: SpecTuneConfig, base: dict, prompts: list[list[int]], pro
           ks: list[int] | None = None, batch_sizes: tuple[int, ...] | None = None) -> list[TunePoint]:
     """Tokens/s of `base` with each K in `ks` (0: plain) at each batch size: one engine per K, warmed up,
     then per batch size its groups of prompts; speedups against K = 0 (measured when in `ks`)."""
-    from llmopt.engine.sampling_params import SamplingParams
     ks = list(range(0, cfg.max_k + 1)) if ks is None else ks
     bss = batch_sizes or cfg.batch_sizes
     params = SamplingParams(temperature=0.0, max_tokens=cfg.tune_max_tokens, ignore_eos=True)
@@ -269,7 +267,6 @@ def sweep(loaded, cfg: SpecTuneConfig, base: dict, prompts: list[list[int]], pro
             points.append(TunePoint(b, k, tps, tps / plain if plain else None, 1 + acc / drafts if drafts else None,
                                     base.get("prompt_lookup_min"), base.get("prompt_lookup_max")))
             progress("tune", None, 1)
-    loaded.model.capture_hidden = None
     return points
 
 
