@@ -33,13 +33,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmopt import defaults, fsutil
+from llmopt.data import read_dataset, resolve_data_path
 from llmopt.engine.args import EngineArgs
 from llmopt.engine.engine import LLMEngine
+from llmopt.engine.llm import LLM
 from llmopt.engine.sampling_params import SamplingParams
 from llmopt.errors import UserInputError
+from llmopt.models.loader import load_model
 from llmopt.speculative.config import METHODS, SpeculativeConfig
 from llmopt.speculative.draft_model import write_self_draft
 from llmopt.speculative.eagle import save_head
+from llmopt.speculative import self_instruct
 from llmopt.speculative.train import (DATA_DIR, DataSummary, Progress, TrainSettings, TrainSummary, _noop, build_data,
                                kv_bytes, make_prompts, pick_passages, text_sequences, train_head)
 
@@ -164,7 +168,6 @@ class SpecTuneResult:
 def prepare_output(cfg: SpecTuneConfig) -> Path:
     """Check --output before any work: a fresh run gets a new folder (marker only); --resume needs
     one that spec-tune wrote."""
-    from llmopt.data import resolve_data_path
     out = Path(cfg.output).expanduser()
     inputs = [p for p in (cfg.model, str(resolve_data_path(cfg.data)), cfg.draft_model)
               if p is not None and Path(p).expanduser().exists()]
@@ -288,7 +291,6 @@ def choose(points: list[TunePoint], batch_sizes: tuple[int, ...],
 
 def spec_tune(cfg: SpecTuneConfig, progress: Progress = _noop) -> SpecTuneResult:
     """Train (EAGLE, EAGLE-3) and tune (every method); see the module docstring."""
-    from llmopt.models.loader import load_model
     t0 = time.perf_counter()
     out = prepare_output(cfg)
     loaded = load_model(cfg.model, cfg.dtype, cfg.device)
@@ -340,7 +342,6 @@ class _Prompts:
 
 def _prompts(loaded, cfg: SpecTuneConfig, out: Path, progress: Progress) -> _Prompts:
     """The training prompts (EAGLE only) and the held-out ones, from the text or written by the target."""
-    from llmopt.data import read_dataset
     tok = loaded.tokenizer
     chat = cfg.chat if cfg.chat is not None else bool(getattr(tok, "chat_template", None))
     trains = cfg.method in ("eagle", "eagle3")
@@ -418,8 +419,6 @@ def _ngram_lookup(loaded, cfg: SpecTuneConfig, absolute: dict, held: list[list[i
 def _self_prompts(loaded, cfg: SpecTuneConfig, n: int, out: Path, progress: Progress) -> list[list[int]]:
     """`n` prompts the target writes itself; kept in DIR/data/self_prompts.json, which --resume reads
     (sampling need not repeat exactly across runs)."""
-    from llmopt.engine.llm import LLM
-    from llmopt.speculative.self_instruct import self_prompts, user_turn_prefix
     f = out / DATA_DIR / SELF_PROMPTS_FILE
     if f.is_file():        # an earlier run in this folder: the same requests, or a refusal (nothing replaced)
         saved = json.loads(f.read_text())
@@ -429,11 +428,11 @@ def _self_prompts(loaded, cfg: SpecTuneConfig, n: int, out: Path, progress: Prog
                                  "--output")
         return saved["prompts"]
     progress("self-written prompts", n, 0)
-    length = min(len(user_turn_prefix(loaded.tokenizer)) + defaults.SPEC_TUNE_SELF_PROMPT_TOKENS,
+    length = min(len(self_instruct.user_turn_prefix(loaded.tokenizer)) + defaults.SPEC_TUNE_SELF_PROMPT_TOKENS,
                  loaded.config.max_position_embeddings)
     llm = LLM(loaded=loaded, model=str(loaded.path), detokenize=False, max_num_seqs=cfg.gen_batch,
               kv_cache_memory=kv_bytes(loaded, cfg.gen_batch, length), max_model_len=length)
-    prompts = self_prompts(llm, loaded.tokenizer, n, cfg.seed, cfg.gen_batch,
+    prompts = self_instruct.self_prompts(llm, loaded.tokenizer, n, cfg.seed, cfg.gen_batch,
                            kept=lambda k: progress("self-written prompts", None, k))
     f.parent.mkdir(parents=True, exist_ok=True)
     fsutil.write_atomic(f, json.dumps({"seed": cfg.seed, "prompts": prompts}) + "\n")
