@@ -1,8 +1,8 @@
-"""Rank 0 of a tensor-parallel engine: `TPExecutor` stands where LLMEngine's ModelRunner stands
-(execute, copy_blocks, kv_cache_info) and drives the other ranks.
+"""Rank 0 of a tensor-parallel engine: `TPExecutor` is the engine's executor (llmopt/engine/executor.py:
+`Executor`: execute_model, copy_blocks, kv_cache_info, check_health, shutdown) and drives the other ranks.
 
-    runner = TPExecutor(args)          # spawns ranks 1..N-1 (or joins a torchrun world), loads rank 0's shard
-    logits = runner.execute(sched)     # broadcasts the step, runs rank 0's part; logits are all-gathered
+    executor = TPExecutor(args)                 # spawns ranks 1..N-1 (or joins a torchrun world), loads rank 0's shard
+    out = executor.execute_model(sched)         # broadcasts the step, runs rank 0's part; logits are all-gathered
 
 Start-up: the size is checked (`plan_for_config`) before anything starts; the workers join a
 TCPStore on a free local port (rank 0 polls for them and notices one that exits), then the
@@ -29,9 +29,13 @@ import torch.distributed as dist
 from llmopt import defaults
 from llmopt.distributed import parallel
 from llmopt.distributed.plan import TPPlan, plan_for_config
-from llmopt.distributed.worker import ERROR_KEY, JOINED_KEY, RankStats, StepMessage, load_rank, rank_stats
-from llmopt.engine.engine import EngineDeadError
+from llmopt.distributed.worker import (ERROR_KEY, JOINED_KEY, RankStats, StepMessage, check_torchrun_world, load_rank,
+                                       rank_stats, run_torchrun_worker, worker_main)
+from llmopt.engine.executor import EngineDeadError
+from llmopt.engine.runner import ModelRunnerOutput
 from llmopt.errors import LLMOptError, UserInputError
+from llmopt.models.config import ModelConfig
+from llmopt.models.loader import resolve_checkpoint, resolve_device
 
 log = logging.getLogger("llmopt.engine")
 
@@ -51,8 +55,6 @@ def check_tensor_parallel(args, cfg) -> TPPlan:
 
 class TPExecutor:
     def __init__(self, args, progress=None) -> None:
-        from llmopt.models.config import ModelConfig
-        from llmopt.models.loader import resolve_checkpoint, resolve_device
         cfg = ModelConfig.from_path(resolve_checkpoint(args.model, progress))
         self.plan = plan = check_tensor_parallel(args, cfg)
         self.workers: list = []           # spawned worker processes, rank 1..N-1 (none under torchrun)
@@ -67,7 +69,6 @@ class TPExecutor:
         device = resolve_device(args.device)
         try:
             if env is not None:
-                from llmopt.distributed.worker import check_torchrun_world
                 check_torchrun_world(args, env.world_size)
                 self.tp = parallel.init_group(plan, 0, parallel.rank_device(device, env.local_rank))
             else:
@@ -90,8 +91,7 @@ class TPExecutor:
 
     # -- start-up --------------------------------------------------------------------------------
     def _spawn(self, args, plan: TPPlan, device: torch.device):
-        from llmopt.distributed.worker import worker_main
-        from llmopt.serve.launch import free_port
+        from llmopt.serve.launch import free_port   # deferred: start-up time (the serve package is not needed otherwise)
         n = plan.world_size
         threads = parallel.threads_per_rank(n) if device.type == "cpu" else 1
         torch.set_num_threads(threads)
@@ -134,17 +134,25 @@ class TPExecutor:
                 return None
             time.sleep(0.05)
 
-    # -- the runner's interface ------------------------------------------------------------------
+    # -- the executor's interface ----------------------------------------------------------------
     model = property(lambda self: self.runner.model)
     num_blocks = property(lambda self: self.runner.num_blocks)
     backend = property(lambda self: self.runner.backend)
-    compiled = None     # no compiled decode step under tensor parallelism (runner.py logs it)
 
     def kv_cache_info(self):
         return self.runner.kv_cache_info()
 
+    def execute_model(self, out) -> ModelRunnerOutput:
+        return self._run(StepMessage("step", out=out), lambda: self.runner.execute_model(out))
+
     def execute(self, out) -> torch.Tensor:
-        return self._run(StepMessage("step", out=out), lambda: self.runner.execute(out))
+        """The logits of a step alone (what ModelRunner.execute returns)."""
+        return self.execute_model(out).logits
+
+    def check_health(self) -> None:
+        """EngineDeadError once a worker exited or a step failed (even while idle)."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
@@ -254,7 +262,6 @@ def start_tensor_parallel(args, loaded=None, progress=None) -> TPExecutor:
     if loaded is not None:
         raise UserInputError(f"--tensor-parallel-size {args.tensor_parallel_size}: every rank loads its own shard; "
                              "pass no preloaded model")
-    from llmopt.distributed.worker import run_torchrun_worker
     if run_torchrun_worker(args):
         raise SystemExit(0)
     return TPExecutor(args, progress)

@@ -19,8 +19,12 @@ import torch
 import torch.distributed as dist
 
 from llmopt import defaults
-from llmopt.distributed.parallel import TPGroup, init_group, rank_device, torchrun_env
+from llmopt.distributed.parallel import TPGroup, destroy, init_group, rank_device, torchrun_env
 from llmopt.distributed.plan import TPPlan, plan_for_config
+from llmopt.engine.runner import ModelRunner
+from llmopt.errors import UserInputError
+from llmopt.models.config import ModelConfig
+from llmopt.models.loader import load_model, resolve_checkpoint, resolve_device
 
 log = logging.getLogger("llmopt.distributed")
 
@@ -82,9 +86,8 @@ def rank_stats(runner, rank: int, rss_start: int) -> RankStats:
 def load_rank(args, tp: TPGroup, progress=None):
     """(LoadedModel, ModelRunner, resident bytes before the weights): this rank's shard and runner,
     built as every other rank builds its own."""
-    from llmopt.engine.runner import ModelRunner
-    from llmopt.models.loader import load_model
-    from llmopt.quant import runtime  # noqa: F401 - imported before the resident memory is read
+    # deferred: start-up time; imported here, before the resident memory is read, so it is not counted
+    from llmopt.quant import runtime  # noqa: F401
     warm_up_meta()
     rss_start = _rss_now()
     loaded = load_model(args.model, args.dtype, args.device, progress, tokenizer=tp.rank == 0,
@@ -104,7 +107,7 @@ def serve_steps(runner, tp: TPGroup, rss_start: int) -> None:
         dist.broadcast_object_list(box, src=0, group=tp.group)
         msg: StepMessage = box[0]
         if msg.kind == "step":
-            runner.execute(msg.out)
+            runner.execute_model(msg.out)
         elif msg.kind == "copy":
             runner.copy_blocks(msg.pairs)
         elif msg.kind == "stats":
@@ -138,7 +141,6 @@ def worker_main(args, plan: TPPlan, rank: int, addr: str, port: int, threads: in
     code = 0
     try:
         store.set(JOINED_KEY.format(rank), str(os.getpid()))
-        from llmopt.models.loader import resolve_device
         tp = init_group(plan, rank, rank_device(resolve_device(args.device), rank), store=store, timeout_s=timeout_s)
         _, runner, rss_start = load_rank(args, tp)
         serve_steps(runner, tp, rss_start)
@@ -156,7 +158,6 @@ def worker_main(args, plan: TPPlan, rank: int, addr: str, port: int, threads: in
 
 def check_torchrun_world(args, world_size: int) -> None:
     if args.tensor_parallel_size != world_size:
-        from llmopt.errors import UserInputError
         raise UserInputError(f"--tensor-parallel-size {args.tensor_parallel_size} under torchrun with {world_size} "
                              "processes: give the same number (every process is one rank)")
 
@@ -167,8 +168,6 @@ def run_torchrun_worker(args) -> bool:
     env = torchrun_env()
     if env is None or env.rank == 0:
         return False
-    from llmopt.models.config import ModelConfig
-    from llmopt.models.loader import resolve_checkpoint, resolve_device
     check_torchrun_world(args, env.world_size)
     cfg = ModelConfig.from_path(resolve_checkpoint(args.model))
     plan = plan_for_config(cfg, env.world_size)
@@ -177,6 +176,5 @@ def run_torchrun_worker(args) -> bool:
         _, runner, rss_start = load_rank(args, tp)
         serve_steps(runner, tp, rss_start)
     finally:
-        from llmopt.distributed.parallel import destroy
         destroy()
     return True

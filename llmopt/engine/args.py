@@ -34,6 +34,7 @@ class EngineArgs:
     tensor_parallel_size: int = defaults.TENSOR_PARALLEL_SIZE  # ranks the model is split over (llmopt/distributed)
 
     def __post_init__(self) -> None:
+        # deferred: optional plug-in (llmopt.speculative imports the engine, never at the engine's import)
         from llmopt.speculative.config import parse_speculative_config
         self.speculative_config = parse_speculative_config(self.speculative_config)
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:

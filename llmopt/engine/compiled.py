@@ -130,7 +130,7 @@ class CompiledDecode:
         self.compiled: set[int] = set()       # buckets whose graph has run
         self.compile_seconds: dict[int, float] = {}
         use_cache_dir()
-        from llmopt.kernels import cpu_quant
+        from llmopt.kernels import cpu_quant   # deferred: start-up time (loads the C++ kernels)
         cpu_quant.ops()          # build/load the quantized kernels now: graphs only read the result
         import torch._dynamo
         cfg = torch._dynamo.config
@@ -146,13 +146,13 @@ class CompiledDecode:
     def supports(model) -> bool:
         """Models whose forward is embed, rotary, a stack of `model.model.layers`, the final norm and
         the head (models/llama.py): what `_forward` replays with each layer compiled."""
-        from llmopt.models.llama import LlamaForCausalLM
+        from llmopt.models.llama import LlamaForCausalLM   # deferred: start-up time (model code), CPU compile only
         return isinstance(model, LlamaForCausalLM)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """LlamaForCausalLM.forward + compute_logits with one compiled graph serving every layer
         (same code, the layer's weights as inputs) and one for the norm and head."""
-        from llmopt.models.llama import rope_cos_sin
+        from llmopt.models.llama import rope_cos_sin   # deferred: start-up time (model code)
         m = self.model
         x = m.embed(ids)
         cos, sin = rope_cos_sin(m.inv_freq, positions, x.dtype)

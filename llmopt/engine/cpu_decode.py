@@ -36,8 +36,8 @@ def _f32(t: torch.Tensor | None) -> torch.Tensor:
 def linear_spec(lin) -> tuple | None:
     """(kind, weight, scales, scale * zeros, bias, act-order perm, group size) of a linear the C++
     layer runs, or None."""
-    from llmopt.quant.modules import PackedIntLinear
-    from llmopt.quant.modules_w8a8 import W8Linear
+    from llmopt.quant.modules import PackedIntLinear   # deferred: start-up time (quantized modules)
+    from llmopt.quant.modules_w8a8 import W8Linear   # deferred: start-up time
     if isinstance(lin, tuple):   # fused float weights (w, b)
         w, b = lin
         if w.dtype != torch.float32 or w.is_meta:
@@ -97,7 +97,7 @@ class CpuDecode:
     def __init__(self, model, layers: list) -> None:
         self.model = model
         self.layers = layers
-        from llmopt.quant.modules_w8a8 import Int8Head
+        from llmopt.quant.modules_w8a8 import Int8Head   # deferred: start-up time (quantized modules)
         head = model.lm_head   # the int8 head (quantized models): integer tiles too, its codes in [-127, 127]
         self.int8_head = type(head) is Int8Head and not head._forward_hooks and \
             bool(head.codes.min() > -128) and head.in_features % 32 == 0
@@ -116,7 +116,7 @@ class CpuDecode:
         """The C++ decode step for the runner's model, or None (and why, in the debug log) where it
         does not apply: not the CPU, not float32, a quantized KV cache, tensor parallel, no C++
         kernels, or a layer whose modules it does not know (or that carry hooks)."""
-        from llmopt.models.llama import LlamaForCausalLM
+        from llmopt.models.llama import LlamaForCausalLM   # deferred: start-up time (model code)
         model = runner.model
         why = None
         if runner.device.type != "cpu" or runner.dtype != torch.float32 or runner.backend != "torch":
@@ -146,7 +146,7 @@ class CpuDecode:
             logit_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits [len(logit_rows) or len(ids), vocab] of a step of token rows: row t attends
         over attn.block_tables[t] up to attn.seq_lens[t] (its own position included)."""
-        from llmopt.models.llama import rope_cos_sin
+        from llmopt.models.llama import rope_cos_sin   # deferred: start-up time (model code)
         m = self.model
         x = m.embed(ids).contiguous()   # a new tensor: the layers update it in place
         cos, sin = rope_cos_sin(m.inv_freq, positions, x.dtype)

@@ -7,9 +7,9 @@
 
 A prompt with n > 1 fans out into n child requests (ids `<id>#<i>`): the first computes the prompt,
 the others fork from it sharing every prompt block (copy-on-write for the partial last one), and the
-caller sees one RequestOutput with n completions. The step is: propose drafts (optional hook),
-schedule, run the forward, sample, `Scheduler.update_from_output` (which owns everything after
-sampling), build outputs.
+caller sees one RequestOutput with n completions. The step is: propose drafts (when a `Proposer`
+is set, engine/proposer.py), schedule, run the forward (the `Executor`, engine/executor.py), sample,
+`Scheduler.update_from_output` (which owns everything after sampling), build outputs.
 
 A request is validated when it is added (`prepare_request`: token ids, top_k, logprobs and stop ids
 against the vocabulary, the context length), so no request can make a step fail. Should one fail
@@ -24,23 +24,22 @@ import dataclasses
 import json
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
 
 from llmopt.cache.kv_manager import KVCacheManager, cdiv
 from llmopt.engine.args import EngineArgs
 from llmopt.engine.detokenizer import IncrementalDetokenizer
+from llmopt.engine.executor import EngineDeadError, Executor, create_executor
 from llmopt.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from llmopt.engine.proposer import DraftProposal, Proposer, ProposeInput, ProposerContext, StepHiddenStates
 from llmopt.engine.request import Request
-from llmopt.engine.runner import KVCacheInfo, ModelRunner
+from llmopt.engine.runner import KVCacheInfo
 from llmopt.engine.sampler import Sampler, SampledTokens, SamplingRow
 from llmopt.engine.sampling_params import SamplingParams
 from llmopt.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from llmopt.errors import LLMOptError, UserInputError
-from llmopt.models.loader import LoadedModel, load_model
+from llmopt.engine.spec_stats import SpecDecodingStats
+from llmopt.errors import UserInputError
+from llmopt.models.loader import LoadedModel
 from llmopt.validate import sample_seed
-
-if TYPE_CHECKING:
-    from llmopt.speculative.decoder import SpecDecodingStats
 
 log = logging.getLogger("llmopt.engine")
 
@@ -53,15 +52,11 @@ class EngineStats:
     prefix_cache_queries: int     # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int        # ... and found there
     num_preemptions: int
-    spec_decoding: "SpecDecodingStats | None" = None   # llmopt.speculative: drafts and accepted tokens
+    spec_decoding: SpecDecodingStats | None = None   # speculative decoding: drafts and accepted tokens
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-
-
-class EngineDeadError(LLMOptError):
-    """A step failed in a way no single request explains: the engine serves nothing more."""
 
 
 class _Parent:
@@ -96,34 +91,31 @@ class LLMEngine:
                  **kwargs) -> None:
         args = args or EngineArgs(**kwargs)
         self.args = args
-        self.runner = None
-        if args.tensor_parallel_size > 1:   # this process is rank 0; the other ranks run its steps (llmopt/distributed)
-            from llmopt.distributed.executor import start_tensor_parallel
-            self.runner = start_tensor_parallel(args, loaded, progress)
-            loaded = self.runner.loaded
+        # one process: a ModelRunner; tensor parallelism: rank 0 of the ranks that run each step (llmopt/distributed)
+        self.executor: Executor = create_executor(args, loaded, progress, self._check_model)
         try:
-            self._setup(args, loaded, progress)
+            self._setup(args, self.executor.loaded)
         except BaseException:
             self.shutdown()
             raise
 
-    def _setup(self, args: EngineArgs, loaded: LoadedModel | None, progress) -> None:
-        if loaded is None:
-            loaded = load_model(args.model, args.dtype, args.device, progress, quantization=args.quantization,
-                                lm_head_dtype=args.lm_head_dtype)
-        self.loaded = loaded
-        self.tokenizer = loaded.tokenizer
-        self.eos_token_ids = eos_token_ids(loaded)
-        self.max_model_len = args.max_model_len or loaded.config.max_position_embeddings
+    @property
+    def runner(self) -> Executor:
+        """The executor (a ModelRunner in one process), under the name tests and scripts read it by."""
+        return self.executor
+
+    def _check_model(self, loaded: LoadedModel) -> None:
+        self.max_model_len = self.args.max_model_len or loaded.config.max_position_embeddings
         if self.max_model_len > loaded.config.max_position_embeddings:   # refused, as vLLM refuses it
             raise UserInputError(f"--max-model-len {self.max_model_len:,} is longer than the model's context of "
                                  f"{loaded.config.max_position_embeddings:,} tokens (max_position_embeddings): "
                                  "give at most that")
-        if self.runner is None:
-            self.runner = ModelRunner(loaded, args.block_size, args.kv_cache_dtype, args.kv_cache_memory,
-                                      args.gpu_memory_utilization, args.max_num_batched_tokens,
-                                      args.attention_backend, args.enforce_eager)
-        info = self.runner.kv_cache_info()
+
+    def _setup(self, args: EngineArgs, loaded: LoadedModel) -> None:
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = eos_token_ids(loaded)
+        info = self.executor.kv_cache_info()
         need = cdiv(self.max_model_len, args.block_size)
         if need > info.num_blocks:
             raise UserInputError(f"the KV cache holds {info.num_tokens:,} tokens, fewer than --max-model-len "
@@ -131,20 +123,38 @@ class LLMEngine:
         self.kv = KVCacheManager(info.num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len,
                                    args.scheduling_policy)
+        # Speculative decoding: a proposer drafts tokens that the engine verifies in the same forward
+        # (rejection sampling against the target's own distribution, engine/sampler.py)
+        self.proposer: Proposer | None = None
+        self.spec_stats: SpecDecodingStats | None = None
+        self._draft_probs: dict = {}    # this step's drafts' distributions (proposers that sample their drafts)
+        if args.speculative_config is not None:
+            # deferred: optional plug-in (draft models and EAGLE heads load only when speculation is asked for)
+            from llmopt.speculative.proposer import build_proposer
+            self.set_proposer(build_proposer(args.speculative_config, self.proposer_context()))
         self.sampler = Sampler(args.seed)
         self._parents: dict[str, _Parent] = {}
         self._counter = 0
-        # Speculative decoding hook: drafter(requests) -> {request_id: draft token ids}; the engine
-        # verifies all drafts of a request in the same forward (exact-match against the target's
-        # own samples, which keeps the target's distribution).
-        self.drafter: Callable[[list[Request]], dict[str, list[int]]] | None = None
-        if args.speculative_config is not None:   # llmopt.speculative: a drafter with counters (`record`)
-            from llmopt.speculative.decoder import SpecDecoder
-            self.drafter = SpecDecoder(self, args.speculative_config)
         log.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB (%s)", info.num_blocks, info.block_size,
                  info.num_tokens, info.bytes_allocated / 2**20, info.kv_cache_dtype)
         log.info("Maximum concurrency for %d tokens per request: %.2fx", self.max_model_len,
                  info.num_tokens / self.max_model_len)
+
+    # -- speculative decoding ----------------------------------------------------------------------
+    def proposer_context(self) -> ProposerContext:
+        """What a proposer for this engine is built with."""
+        return ProposerContext(self.loaded, self.args.dtype, self.executor.num_blocks, self.args.block_size,
+                               self.executor.backend)
+
+    def set_proposer(self, proposer: Proposer | None) -> None:
+        """Draft with `proposer` from the next step on (None: no speculation); its counters start at 0.
+        The engine does this at construction for `speculative_config`; any Proposer plugs in the same way."""
+        self.proposer = proposer
+        self.scheduler.hidden_layers = None if proposer is None else proposer.hidden_layers
+        self.spec_stats = None
+        if proposer is not None:
+            k = proposer.config.num_speculative_tokens
+            self.spec_stats = SpecDecodingStats(proposer.method, k, num_accepted_tokens_per_pos=[0] * k)
 
     # -- requests ----------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
@@ -245,23 +255,21 @@ class LLMEngine:
     def check_health(self) -> None:
         """Raise EngineDeadError when the engine can run no more steps (a tensor-parallel worker
         exited, even while idle); return quietly otherwise."""
-        dead = getattr(self.runner, "dead", None)
-        if dead is not None:
-            raise EngineDeadError(dead)
+        self.executor.check_health()
 
     def shutdown(self) -> None:
         """Release what outlives the engine object: tensor-parallel worker processes and the process
         group (also done at exit). A no-op on one rank."""
-        if hasattr(self.runner, "shutdown"):
-            self.runner.shutdown()
+        self.executor.shutdown()
 
     def kv_cache_info(self) -> KVCacheInfo:
-        return self.runner.kv_cache_info()
+        return self.executor.kv_cache_info()
 
     def stats(self) -> EngineStats:
         s = self.kv.stats
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.pool.usage(),
-                           s.queries, s.hits, self.scheduler.num_preemptions, getattr(self.drafter, "stats", None))
+                           s.queries, s.hits, self.scheduler.num_preemptions,
+                           None if self.spec_stats is None else self.spec_stats.copy())
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block, as vLLM's reset_prefix_cache (after new weights, or to measure
@@ -270,18 +278,32 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------------------
     def _propose_drafts(self) -> None:
-        """Ask the drafter for tokens to verify after each decoding request's last token."""
-        decoding = [r for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
+        """Drafts for the decoding requests: K for the batch (capped per request by the scheduler,
+        which allocates their lookahead slots), then the proposer's tokens to verify."""
+        decoding = self.scheduler.decoding_requests()
         if not decoding:
             return
-        proposals = self.drafter(decoding) or {}
-        for req in decoding:
-            room = min(self.max_model_len - req.num_tokens, req.max_tokens - req.num_output_tokens) - 1
-            req.spec_token_ids = list(proposals.get(req.request_id, ()))[:max(room, 0)]
+        p = self.proposer
+        p.forget(self.scheduler.requests)
+        ks = self.scheduler.schedule_lookahead(decoding, p.num_draft_tokens(len(self.scheduler.running)), p.writes_kv)
+        drafting = [r for r in decoding if r.request_id in ks]
+        proposal = p.propose(ProposeInput(drafting, ks, {r.request_id: self.kv.get_block_ids(r.request_id)
+                                                         for r in drafting})) if drafting else DraftProposal()
+        self.scheduler.set_drafts(decoding, proposal.token_ids)
+        self._draft_probs = proposal.probs
+
+    def _after_drafts(self, sched: SchedulerOutput, sampled: dict[str, SampledTokens], hidden) -> None:
+        """Count the step's drafts and accepted tokens; give the proposer the hidden states it asked for."""
+        self.spec_stats.record(sched, sampled)
+        self._draft_probs = {}
+        if self.proposer.hidden_layers is not None:
+            rows = [(s.request_id, s.start_pos, len(s.token_ids)) for s in sched.scheduled]
+            self.proposer.observe(None if hidden is None else StepHiddenStates(rows, hidden))
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward, sample; outputs (cumulative) of the prompts that progressed."""
-        if self.drafter is not None:
+        """Propose drafts (speculative decoding), schedule, run one forward, sample; outputs
+        (cumulative) of the prompts that progressed."""
+        if self.proposer is not None:
             self._propose_drafts()
         sched = self.scheduler.schedule()
         if sched.is_empty:
@@ -292,15 +314,18 @@ class LLMEngine:
                 return [self._output(failed)] if failed is not None else []
             return []
         failed: list[_Parent] = []
+        hidden = None
         try:
-            logits = self.runner.execute(sched)
-            sampled = self.sampler.sample_scheduled(logits, sched.scheduled, self.scheduler.requests)
+            out = self.executor.execute_model(sched)
+            hidden = out.hidden_states
+            sampled = self._sample(out.logits, sched.scheduled)
         except EngineDeadError:    # no request's fault (a tensor-parallel worker exited)
             raise
         except Exception as e:  # noqa: BLE001 - find whose failure it is
+            hidden = None
             sampled, failed = self._isolate(sched, e)
-        if hasattr(self.drafter, "record"):
-            self.drafter.record(sched, sampled)
+        if self.proposer is not None:
+            self._after_drafts(sched, sampled, hidden)
         progressed = self.scheduler.update_from_output(sched, sampled)
         for req in progressed:   # a sample that failed after sampling fails its whole prompt
             if req.error is not None and (p := self.fail_request(req.parent_id, req.error)) is not None:
@@ -310,6 +335,11 @@ class LLMEngine:
                         if req.parent_id in self._parents})
         return [self._output(p) for p in touched.values()]
 
+    def _sample(self, logits, scheduled: list[ScheduledRequest]) -> dict[str, SampledTokens]:
+        # the drafts' distributions only when a proposer sampled its drafts (greedy drafts: a one-hot q)
+        extra = (self._draft_probs,) if self._draft_probs else ()
+        return self.sampler.sample_scheduled(logits, scheduled, self.scheduler.requests, *extra)
+
     def _isolate(self, sched: SchedulerOutput, error: Exception) -> tuple[dict[str, SampledTokens], list[_Parent]]:
         """The batched forward or sampling raised: run each scheduled request alone. A request
         that fails alone is finished with an error (its blocks freed) when the others run, or a
@@ -317,15 +347,15 @@ class LLMEngine:
         log.warning("a step of %d requests failed (%s: %s); running them one by one", len(sched.scheduled),
                     type(error).__name__, error)
         try:
-            self.runner.copy_blocks(sched.blocks_to_copy)   # idempotent: the failed step may have done it
+            self.executor.copy_blocks(sched.blocks_to_copy)   # idempotent: the failed step may have done it
         except Exception as e:  # noqa: BLE001
             raise EngineDeadError(f"the engine failed: {type(e).__name__}: {e}") from e
         sampled: dict[str, SampledTokens] = {}
         bad: dict[str, Exception] = {}
         for s in sched.scheduled:
             try:
-                logits = self.runner.execute(SchedulerOutput([s]))
-                sampled.update(self.sampler.sample_scheduled(logits, [s], self.scheduler.requests))
+                logits = self.executor.execute_model(SchedulerOutput([s])).logits
+                sampled.update(self._sample(logits, [s]))
             except Exception as e:  # noqa: BLE001
                 bad[s.request_id] = e
         parents = []
@@ -344,7 +374,7 @@ class LLMEngine:
         (block,) = self.kv.pool.get_new_blocks(1)
         try:
             probe = ScheduledRequest("probe", [0], 0, [block.block_id], 1)
-            logits = self.runner.execute(SchedulerOutput([probe]))
+            logits = self.executor.execute_model(SchedulerOutput([probe])).logits
             self.sampler(logits, [SamplingRow(SamplingParams(temperature=0), [0], [])])
             return True
         except Exception as e:  # noqa: BLE001

@@ -14,13 +14,26 @@ from dataclasses import dataclass
 
 import torch
 
-from llmopt import kernels
+from llmopt import defaults, kernels
 from llmopt.engine.scheduler import SchedulerOutput
 from llmopt.errors import LLMOptError, UserInputError
 from llmopt.models.attention import DenseCausalAttention
 from llmopt.models.loader import LoadedModel
 
 log = logging.getLogger("llmopt.engine")
+
+
+@dataclass
+class HiddenStates:
+    """The target's hidden states of one step, one row per scheduled token (schedule order)."""
+    final: torch.Tensor              # [N, hidden] after the final norm
+    layers: list[torch.Tensor]       # [N, hidden] entering each asked layer: ascending index, once each
+
+
+@dataclass
+class ModelRunnerOutput:
+    logits: torch.Tensor                       # float32 [sum of num_logits, vocab], schedule order
+    hidden_states: HiddenStates | None = None  # when the step asked for them (SchedulerOutput.hidden_layers)
 
 
 @dataclass
@@ -57,10 +70,13 @@ class PagedAttention(kernels.PagedStep):
 
 
 class ModelRunner:
+    """In one process, also the engine's executor (llmopt/engine/executor.py: Executor)."""
+
     def __init__(self, loaded: LoadedModel, block_size: int, kv_cache_dtype: str = "auto",
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
                  max_num_batched_tokens: int = 2048, attention_backend: str = "auto",
                  enforce_eager: bool = True) -> None:
+        self.loaded = loaded
         self.model = loaded.model
         self.cfg = loaded.config
         self.dtype = loaded.dtype
@@ -86,16 +102,17 @@ class ModelRunner:
                                  f"bytes (all layers): raise --kv-cache-memory or lower --block-size")
         self._allocate()
         self.attn = PagedAttention(self)
-        self.compiled = None   # llmopt.engine.compiled.CompiledDecode: decode-only steps of small batches
+        # llmopt.engine.compiled.CompiledDecode: decode-only steps of small batches that ask for no hidden states
+        self.compiled = None
         if not enforce_eager and self.tp is not None:
             log.info("tensor parallel: the compiled decode step is off (eager steps)")
         elif not enforce_eager and self.device.type == "cpu":
-            from llmopt.engine.compiled import CompiledDecode
+            from llmopt.engine.compiled import CompiledDecode   # deferred: start-up time (torch.compile), --no-enforce-eager only
             if CompiledDecode.supports(self.model):
                 self.compiled = CompiledDecode(self.model, self.backend, self.device)
         self.cpu_decode = None   # llmopt.engine.cpu_decode.CpuDecode: eager decode steps, one C++ call a layer
         if self.compiled is None and self.device.type == "cpu":
-            from llmopt.engine.cpu_decode import CpuDecode
+            from llmopt.engine.cpu_decode import CpuDecode   # deferred: start-up time (C++ kernels), CPU only
             self.cpu_decode = CpuDecode.build(self)
 
     # -- KV memory -------------------------------------------------------------------------------
@@ -103,11 +120,11 @@ class ModelRunner:
         if kv_cache_memory is not None:
             if kv_cache_memory <= 0:
                 raise UserInputError("--kv-cache-memory must be a positive number of bytes")
-            from llmopt.validate import check_kv_cache_memory   # more than the device has: refused, as vLLM
+            # deferred: start-up time (device queries); more than the device has: refused, as vLLM
+            from llmopt.validate import check_kv_cache_memory
             check_kv_cache_memory(int(kv_cache_memory), self.device.type, self.device.index)
             return int(kv_cache_memory)
         if self.device.type != "cuda":
-            from llmopt import defaults
             return defaults.KV_CACHE_MEMORY_CPU
         if not 0 < utilization <= 1:
             raise UserInputError("--gpu-memory-utilization must be in (0, 1]")
@@ -160,7 +177,25 @@ class ModelRunner:
         for t in self.key_caches + self.value_caches + self.k_scale_caches + self.v_scale_caches:
             t[dst] = t[src]
 
+    def check_health(self) -> None:
+        """One process: nothing outside it can die."""
+
+    def shutdown(self) -> None:
+        """One process: nothing outlives the engine."""
+
     # -- one step --------------------------------------------------------------------------------
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """`execute`, with the target's hidden states of every scheduled token when the step asks
+        for them (`out.hidden_layers`): the model keeps them for this forward only."""
+        m = self.model
+        m.capture_hidden, m.captured = out.hidden_layers, None
+        try:
+            logits = self.execute(out)
+            got = m.captured
+        finally:
+            m.capture_hidden, m.captured = None, None
+        return ModelRunnerOutput(logits, None if got is None else HiddenStates(got[0], list(got[1])))
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Copy the blocks the scheduler asked for (copy-on-write), run the scheduled tokens; return
@@ -191,7 +226,7 @@ class ModelRunner:
         ids = torch.tensor(tokens, dtype=torch.long).to(dev, non_blocking=True)
         decode = len(tokens) == len(sched) and all(s.num_logits == 1 for s in sched)
         c, f = self.compiled, self.cpu_decode
-        if c is not None and decode and len(sched) <= c.max_batch:
+        if c is not None and decode and len(sched) <= c.max_batch and out.hidden_layers is None:
             return c.run(ids, positions.to(dev, non_blocking=True), a)   # decode only: the compiled step
         if f is not None and len(tokens) <= f.max_rows:
             # one row per token (decode, speculative verification and prefill chunks), each with

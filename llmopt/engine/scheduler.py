@@ -8,6 +8,11 @@ KV cache runs out of blocks, the lowest-priority running request is preempted: i
 and it goes back to the front of the queue, to be recomputed later (from prefix-cache hits if its
 blocks survive).
 
+Drafts (speculative decoding): before `schedule()`, `schedule_lookahead` says how many drafts each
+decoding request may verify and allocates the lookahead slots a proposer writing draft K/V needs;
+`set_drafts` takes the proposer's tokens, which `schedule()` then schedules after the request's last
+token. The scheduler is the only owner of a request's blocks.
+
 `update_from_output()` is the one owner of what happens after sampling: it advances computed-token
 counts, accepts sampled tokens (drafts up to the first mismatch, then the target's own token),
 rewinds rejected drafts, runs `check_stop` after every token and finishes requests.
@@ -49,6 +54,9 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     preempted: list[str] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before the forward
+    # the target's hidden states the runner returns with the logits: None = none; () = the final ones;
+    # layer indices = also the hidden state entering each (set by the engine from its proposer)
+    hidden_layers: tuple[int, ...] | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -57,8 +65,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, policy: str = "fcfs") -> None:
+                 max_model_len: int, policy: str = "fcfs", hidden_layers: tuple[int, ...] | None = None) -> None:
         self.kv = kv
+        self.hidden_layers = hidden_layers   # what every step's output asks the runner for (the engine's proposer)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -131,6 +140,34 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.add_front(req)
 
+    # -- drafts (speculative decoding) ---------------------------------------------------------------
+    def draft_room(self, req: Request) -> int:
+        """Drafts a decoding request can verify: the tokens it may still produce (max_tokens, the
+        model length), less the one the target always samples."""
+        return min(self.max_model_len - req.num_tokens, req.max_tokens - req.num_output_tokens) - 1
+
+    def decoding_requests(self) -> list[Request]:
+        """Running requests whose next step computes their last sampled token: the ones that draft."""
+        return [r for r in self.running if r.num_computed_tokens == r.num_tokens - 1]
+
+    def schedule_lookahead(self, reqs: list[Request], k: int, writes_kv: bool) -> dict[str, int]:
+        """How many drafts each decoding request may verify this step: `k`, capped by its room. When
+        the drafts' own K/V is written over the request's block table (`writes_kv`), the lookahead
+        slots come first (`allocate_slots(num_lookahead_tokens=)`); a request whose slots do not fit
+        drafts nothing (nothing is preempted for a draft). The blocks stay the request's: freed with
+        it, and the ones drafts did not fill are written by its next tokens."""
+        ks: dict[str, int] = {}
+        for r in reqs:
+            kr = min(k, self.draft_room(r))
+            if kr > 0 and (not writes_kv or self.kv.allocate_slots(r, 1, num_lookahead_tokens=kr)):
+                ks[r.request_id] = kr
+        return ks
+
+    def set_drafts(self, reqs: list[Request], drafts: dict[str, list[int]]) -> None:
+        """The tokens `schedule()` puts after each request's last one for verification (capped by its room)."""
+        for req in reqs:
+            req.spec_token_ids = list(drafts.get(req.request_id, ()))[:max(self.draft_room(req), 0)]
+
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         chosen: dict[str, tuple[Request, int]] = {}
@@ -178,7 +215,7 @@ class Scheduler:
             chosen[req.request_id] = (req, n)
             budget -= n
 
-        out = SchedulerOutput(preempted=preempted, blocks_to_copy=self.kv.take_copies())
+        out = SchedulerOutput(preempted=preempted, blocks_to_copy=self.kv.take_copies(), hidden_layers=self.hidden_layers)
         for req, n in chosen.values():
             start = req.num_computed_tokens
             tokens = req.all_token_ids[start:start + n] if start + n <= req.num_tokens else \

@@ -23,7 +23,7 @@ class SpecComparison:
 
 def compare_plain(engine, cfg, requests, load, hooks, spec_result, run_engine, result_of) -> SpecComparison:
     """Run `requests` on a plain twin of `engine` and compare with `spec_result` (a BenchResult)."""
-    from llmopt.engine.engine import LLMEngine
+    from llmopt.engine.engine import LLMEngine   # deferred: start-up time (torch), for the plain comparison only
     plain = LLMEngine(dataclasses.replace(engine.args, speculative_config=None), loaded=engine.loaded)
     run = run_engine(plain, cfg, requests, load, hooks, "bench plain (no speculation)")
     base = result_of(run)

@@ -11,11 +11,14 @@ is an ordinary checkpoint written by `write_self_draft`."""
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
 
+from llmopt.engine.proposer import DraftConfig, DraftProposal, ProposeInput, Proposer, ProposerContext
 from llmopt.errors import UserInputError
+from llmopt.models.loader import LoadedModel
 from llmopt.speculative.paged import DraftKVCache, prepare
 
 
@@ -40,47 +43,49 @@ class DraftState:
         return c
 
 
-class DraftModelProposer:
-    needs_slots = True
+class DraftModelProposer(Proposer):
+    writes_kv = True
 
-    def __init__(self, loaded_draft, target_cfg, num_blocks: int, block_size: int, backend: str) -> None:
-        cfg = loaded_draft.config
+    def __init__(self, config: DraftConfig, loaded_draft: LoadedModel, ctx: ProposerContext) -> None:
+        super().__init__(config)
+        cfg, target_cfg = loaded_draft.config, ctx.target.config
         if cfg.vocab_size != target_cfg.vocab_size:
             raise UserInputError(f"the draft model's vocabulary ({cfg.vocab_size}) differs from the target's "
                                  f"({target_cfg.vocab_size}): use a draft with the same tokenizer")
         self.model = loaded_draft.model
-        self.cache = DraftKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_blocks,
-                                  block_size, loaded_draft.dtype, loaded_draft.device, backend)
+        self.cache = DraftKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, ctx.num_blocks,
+                                  ctx.block_size, loaded_draft.dtype, loaded_draft.device, ctx.backend)
         self.state: dict[str, DraftState] = {}
 
     @torch.inference_mode()
-    def propose(self, reqs, ks: dict[str, int], block_ids) -> dict[str, list[int]]:
+    def propose(self, batch: ProposeInput) -> DraftProposal:
+        reqs, ks, tables = batch.requests, batch.num_draft_tokens, batch.block_ids
         seqs, todo = [], []
         for r in reqs:
             st = self.state.get(r.request_id)
             c = min(st.valid_prefix(r) if st else 0, r.num_tokens - 1)
-            seqs.append((r.all_token_ids[c:], c, block_ids(r.request_id)))
+            seqs.append((r.all_token_ids[c:], c, tables[r.request_id]))
             todo.append(r)
         if not todo:
-            return {}
+            return DraftProposal()
         out = {r.request_id: [] for r in todo}
         for j in range(max(ks[r.request_id] for r in todo)):
-            batch = prepare(self.cache, seqs)
-            hidden = self.model(batch.input_ids, batch.positions, self.cache)
-            nxt = self.model.compute_logits(hidden[batch.last_rows]).argmax(-1).tolist()
+            step = prepare(self.cache, seqs)
+            hidden = self.model(step.input_ids, step.positions, self.cache)
+            nxt = self.model.compute_logits(hidden[step.last_rows]).argmax(-1).tolist()
             for r, t in zip(todo, nxt):
                 out[r.request_id].append(t)
             keep = [i for i, r in enumerate(todo) if ks[r.request_id] > j + 1]
             todo = [todo[i] for i in keep]
-            seqs = [([nxt[i]], todo_r.num_tokens + j, block_ids(todo_r.request_id)) for i, todo_r in zip(keep, todo)]
+            seqs = [([nxt[i]], todo_r.num_tokens + j, tables[todo_r.request_id]) for i, todo_r in zip(keep, todo)]
             if not todo:
                 break
         for r in reqs:
             d = out[r.request_id]
             self.state[r.request_id] = DraftState(r, r.num_tokens, d[:-1])
-        return out
+        return DraftProposal(out)
 
-    def forget(self, live: dict) -> None:
+    def forget(self, live: Collection[str]) -> None:
         for rid in [rid for rid in self.state if rid not in live]:
             del self.state[rid]
 

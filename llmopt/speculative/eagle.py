@@ -17,12 +17,14 @@ head ran on drafts are recomputed with the target's features once they are verif
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 from llmopt import defaults
+from llmopt.engine.proposer import DraftProposal, ProposeInput, Proposer, ProposerContext, StepHiddenStates
 from llmopt.errors import ModelLoadError, UserInputError
 from llmopt.kernels import cpu_quant
 from llmopt.models.config import parse_hf_config
@@ -245,52 +247,49 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
     raise ModelLoadError(f"{folder}: no model.safetensors or pytorch_model.bin")
 
 
-class EagleProposer:
-    """Drafts with an EAGLE / EAGLE-3 head from the target's hidden states of each step (`observe`).
-    The target's compiled decode step is turned off: it does not hand out hidden states."""
-    needs_slots = True
+class EagleProposer(Proposer):
+    """Drafts with an EAGLE / EAGLE-3 head from the target's hidden states of each step, which it
+    asks the runner for (`hidden_layers`: EAGLE-1 the final ones, EAGLE-3 also three layers' inputs)."""
+    writes_kv = True
 
-    def __init__(self, engine, config) -> None:
-        target = engine.loaded.model
-        tcfg = engine.loaded.config
+    def __init__(self, config, ctx: ProposerContext) -> None:
+        super().__init__(config)
+        target, tcfg = ctx.target, ctx.target.config
         self.eagle3 = config.method == "eagle3"
-        self.head = load_eagle_head(config.model, config.method, tcfg, engine.loaded.dtype, engine.loaded.device)
+        self.head = load_eagle_head(config.model, config.method, tcfg, target.dtype, target.device)
         use_cpu_kernels(self.head)
-        self.target = target
+        self.target = target.model
         self.layers = eagle3_layers(tcfg.num_hidden_layers) if self.eagle3 else ()
-        target.capture_hidden = self.layers
-        if getattr(engine.runner, "compiled", None) is not None:
-            engine.runner.compiled = None
+        self.hidden_layers = self.layers
         hc = self.head.config
-        self.cache = DraftKVCache(1, hc.num_key_value_heads, hc.head_dim, engine.runner.num_blocks,
-                                  engine.args.block_size, engine.loaded.dtype, engine.loaded.device,
-                                  engine.runner.backend)
+        self.cache = DraftKVCache(1, hc.num_key_value_heads, hc.head_dim, ctx.num_blocks, ctx.block_size,
+                                  target.dtype, target.device, ctx.backend)
         self.state: dict[str, DraftState] = {}
         self.feats: dict[str, list] = {}    # request id -> [first position, features [n, F]]
 
-    def observe(self, sched) -> None:
-        cap = self.target.captured
-        self.target.captured = None
-        n = sum(len(s.token_ids) for s in sched.scheduled)
-        if cap is None or cap[0].shape[0] != n:   # a step rerun request by request: features unknown
+    def observe(self, hidden: StepHiddenStates | None) -> None:
+        n = sum(rows for _, _, rows in hidden.rows) if hidden is not None else 0
+        if hidden is None or hidden.states.final.shape[0] != n:   # a step rerun request by request: features unknown
             self.feats.clear()
             self.state.clear()
             return
-        uniq = sorted(set(self.layers))      # captured once per layer, in order
-        f = torch.cat([cap[1][uniq.index(i)] for i in self.layers], -1) if self.eagle3 else cap[0]
+        uniq = sorted(set(self.layers))      # returned once per layer, in order
+        hs = hidden.states
+        f = torch.cat([hs.layers[uniq.index(i)] for i in self.layers], -1) if self.eagle3 else hs.final
         off = 0
-        for s in sched.scheduled:
-            rows = f[off:off + len(s.token_ids)]
-            off += len(s.token_ids)
-            buf = self.feats.get(s.request_id)
-            if buf is None or s.start_pos < buf[0] or s.start_pos > buf[0] + buf[1].shape[0]:
-                self.feats[s.request_id] = [s.start_pos, rows.clone()]
+        for rid, start, count in hidden.rows:
+            rows = f[off:off + count]
+            off += count
+            buf = self.feats.get(rid)
+            if buf is None or start < buf[0] or start > buf[0] + buf[1].shape[0]:
+                self.feats[rid] = [start, rows.clone()]
             else:
-                keep = buf[1][:s.start_pos - buf[0]]
+                keep = buf[1][:start - buf[0]]
                 buf[1] = torch.cat([keep, rows])
 
     @torch.inference_mode()
-    def propose(self, reqs, ks, block_ids) -> dict[str, list[int]]:
+    def propose(self, batch: ProposeInput) -> DraftProposal:
+        reqs, ks, tables = batch.requests, batch.num_draft_tokens, batch.block_ids
         seqs, hid, todo = [], [], []
         for r in reqs:
             buf = self.feats.get(r.request_id)
@@ -302,22 +301,22 @@ class EagleProposer:
             lo = max(c, buf[0])
             if lo > hi or hi >= buf[0] + buf[1].shape[0]:
                 continue
-            seqs.append((r.all_token_ids[lo + 1:hi + 2], lo, block_ids(r.request_id)))
+            seqs.append((r.all_token_ids[lo + 1:hi + 2], lo, tables[r.request_id]))
             hid.append(buf[1][lo - buf[0]:hi - buf[0] + 1])
             todo.append(r)
         out = {r.request_id: [] for r in todo}
         if not todo:
-            return out
+            return DraftProposal(out)
         hidden = torch.cat(hid)
         for j in range(max(ks[r.request_id] for r in todo)):
-            batch = prepare(self.cache, seqs)
-            h = self.head(self.target.embed(batch.input_ids), hidden, batch.positions, self.cache, fuse=j == 0)
-            last = h[batch.last_rows]
+            step = prepare(self.cache, seqs)
+            h = self.head(self.target.embed(step.input_ids), hidden, step.positions, self.cache, fuse=j == 0)
+            last = h[step.last_rows]
             nxt = self.head.logits_to_target(last, self.target).tolist()
             for r, t in zip(todo, nxt):
                 out[r.request_id].append(t)
             keep = [i for i, r in enumerate(todo) if ks[r.request_id] > j + 1]
-            seqs = [([nxt[i]], todo[i].num_tokens - 1 + j, block_ids(todo[i].request_id)) for i in keep]
+            seqs = [([nxt[i]], todo[i].num_tokens - 1 + j, tables[todo[i].request_id]) for i in keep]
             hidden = last[keep]
             todo = [todo[i] for i in keep]
             if not todo:
@@ -329,9 +328,9 @@ class EagleProposer:
             cut = r.num_tokens - 1 - buf[0]
             if cut > 0:
                 buf[0], buf[1] = buf[0] + cut, buf[1][cut:]
-        return out
+        return DraftProposal(out)
 
-    def forget(self, live: dict) -> None:
+    def forget(self, live: Collection[str]) -> None:
         for d in (self.state, self.feats):
             for rid in [rid for rid in d if rid not in live]:
                 del d[rid]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from llmopt.engine.proposer import DraftConfig, DraftProposal, ProposeInput, Proposer
+
 
 def ngram_propose(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
     """Up to k tokens following the latest earlier match of the longest suffix n-gram (n in
@@ -23,3 +25,19 @@ def ngram_propose(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int
             start = int(hits[-1]) + n
             return arr[start:start + k].tolist()
     return []
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup as a Proposer: no model, no K/V, no hidden states."""
+
+    def __init__(self, config: DraftConfig) -> None:
+        super().__init__(config)
+        self.n_min, self.n_max = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose(self, batch: ProposeInput) -> DraftProposal:
+        out = DraftProposal()
+        for r in batch.requests:
+            d = ngram_propose(r.all_token_ids, batch.num_draft_tokens[r.request_id], self.n_min, self.n_max)
+            if d:
+                out.token_ids[r.request_id] = d
+        return out

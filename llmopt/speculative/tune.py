@@ -33,8 +33,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmopt import defaults, fsutil
+from llmopt.data import read_dataset, resolve_data_path
+from llmopt.engine.args import EngineArgs
+from llmopt.engine.engine import LLMEngine
+from llmopt.engine.llm import LLM
+from llmopt.engine.sampling_params import SamplingParams
 from llmopt.errors import UserInputError
+from llmopt.models.loader import load_model
 from llmopt.speculative.config import METHODS, SpeculativeConfig
+from llmopt.speculative.draft_model import write_self_draft
+from llmopt.speculative.eagle import save_head
+from llmopt.speculative import self_instruct
 from llmopt.speculative.train import (DATA_DIR, DataSummary, Progress, TrainSettings, TrainSummary, _noop, build_data,
                                kv_bytes, make_prompts, pick_passages, text_sequences, train_head)
 
@@ -159,7 +168,6 @@ class SpecTuneResult:
 def prepare_output(cfg: SpecTuneConfig) -> Path:
     """Check --output before any work: a fresh run gets a new folder (marker only); --resume needs
     one that spec-tune wrote."""
-    from llmopt.data import resolve_data_path
     out = Path(cfg.output).expanduser()
     inputs = [p for p in (cfg.model, str(resolve_data_path(cfg.data)), cfg.draft_model)
               if p is not None and Path(p).expanduser().exists()]
@@ -180,21 +188,19 @@ def prepare_output(cfg: SpecTuneConfig) -> Path:
 
 # -- measuring --------------------------------------------------------------------------------------------
 
-def _engine(loaded, cfg: SpecTuneConfig, spec: dict | None, seqs: int, length: int):
-    from llmopt.engine.args import EngineArgs
-    from llmopt.engine.engine import LLMEngine
-    loaded.model.capture_hidden, loaded.model.captured = None, None
+# What is measured comes through the engine's interfaces: output tokens from the step outputs, drafts
+# and accepted tokens from `LLMEngine.stats().spec_decoding` (engine/spec_stats.py). The engines share
+# one loaded target: hidden states are asked for per forward (SchedulerOutput.hidden_layers).
+
+def _engine(loaded, cfg: SpecTuneConfig, spec: dict | None, seqs: int, length: int) -> LLMEngine:
     length = min(length + 2 * cfg.max_k + 8, loaded.config.max_position_embeddings)
-    eng = LLMEngine(EngineArgs(model=str(loaded.path), dtype=cfg.dtype, device=cfg.device, detokenize=False,
-                               max_num_seqs=seqs, kv_cache_memory=kv_bytes(loaded, seqs, length), max_model_len=length,
-                               enable_prefix_caching=False, speculative_config=spec), loaded=loaded)
-    eng._spec_tune_capture = loaded.model.capture_hidden     # what this engine needs the target to capture
-    return eng
+    return LLMEngine(EngineArgs(model=str(loaded.path), dtype=cfg.dtype, device=cfg.device, detokenize=False,
+                                max_num_seqs=seqs, kv_cache_memory=kv_bytes(loaded, seqs, length), max_model_len=length,
+                                enable_prefix_caching=False, speculative_config=spec), loaded=loaded)
 
 
-def _run(engine, groups: list[list[list[int]]], params) -> tuple[int, float]:
+def _run(engine: LLMEngine, groups: list[list[list[int]]], params: SamplingParams) -> tuple[int, float]:
     """Run each group of prompts at once, one group after the other: (output tokens, seconds)."""
-    engine.loaded.model.capture_hidden = engine._spec_tune_capture
     tokens, t0 = 0, time.perf_counter()
     for g in groups:
         for p in g:
@@ -206,7 +212,7 @@ def _run(engine, groups: list[list[list[int]]], params) -> tuple[int, float]:
     return tokens, time.perf_counter() - t0
 
 
-def _spec_counts(engine) -> tuple[int, int, list[int]]:
+def _spec_counts(engine: LLMEngine) -> tuple[int, int, list[int]]:
     st = engine.stats().spec_decoding
     return (0, 0, []) if st is None else (st.num_drafts, st.num_accepted_tokens, list(st.num_accepted_tokens_per_pos))
 
@@ -214,7 +220,6 @@ def _spec_counts(engine) -> tuple[int, int, list[int]]:
 def measure_acceptance(loaded, cfg: SpecTuneConfig, spec: dict, prompts: list[list[int]],
                        progress: Progress = _noop) -> AcceptanceResult:
     """Mean acceptance length of `spec` on `prompts` (greedy answers of up to max_new_tokens, batched)."""
-    from llmopt.engine.sampling_params import SamplingParams
     progress("acceptance", len(prompts), 0)
     eng = _engine(loaded, cfg, spec, cfg.gen_batch, max(map(len, prompts)) + cfg.max_new_tokens)
     groups = [prompts[i:i + cfg.gen_batch] for i in range(0, len(prompts), cfg.gen_batch)]
@@ -224,7 +229,6 @@ def measure_acceptance(loaded, cfg: SpecTuneConfig, spec: dict, prompts: list[li
         tokens, secs = tokens + t, secs + s
         progress("acceptance", None, len(g))
     st = eng.stats().spec_decoding
-    loaded.model.capture_hidden = None
     return AcceptanceResult(len(prompts), spec["num_speculative_tokens"], st.mean_acceptance_length,
                             st.acceptance_rate_per_pos(), tokens, secs)
 
@@ -240,7 +244,6 @@ def sweep(loaded, cfg: SpecTuneConfig, base: dict, prompts: list[list[int]], pro
           ks: list[int] | None = None, batch_sizes: tuple[int, ...] | None = None) -> list[TunePoint]:
     """Tokens/s of `base` with each K in `ks` (0: plain) at each batch size: one engine per K, warmed up,
     then per batch size its groups of prompts; speedups against K = 0 (measured when in `ks`)."""
-    from llmopt.engine.sampling_params import SamplingParams
     ks = list(range(0, cfg.max_k + 1)) if ks is None else ks
     bss = batch_sizes or cfg.batch_sizes
     params = SamplingParams(temperature=0.0, max_tokens=cfg.tune_max_tokens, ignore_eos=True)
@@ -269,7 +272,6 @@ def sweep(loaded, cfg: SpecTuneConfig, base: dict, prompts: list[list[int]], pro
             points.append(TunePoint(b, k, tps, tps / plain if plain else None, 1 + acc / drafts if drafts else None,
                                     base.get("prompt_lookup_min"), base.get("prompt_lookup_max")))
             progress("tune", None, 1)
-    loaded.model.capture_hidden = None
     return points
 
 
@@ -289,88 +291,31 @@ def choose(points: list[TunePoint], batch_sizes: tuple[int, ...],
 
 def spec_tune(cfg: SpecTuneConfig, progress: Progress = _noop) -> SpecTuneResult:
     """Train (EAGLE, EAGLE-3) and tune (every method); see the module docstring."""
-    from llmopt.data import read_dataset
-    from llmopt.models.loader import load_model
     t0 = time.perf_counter()
     out = prepare_output(cfg)
     loaded = load_model(cfg.model, cfg.dtype, cfg.device)
-    tok = loaded.tokenizer
-    if tok is None:
+    if loaded.tokenizer is None:
         raise UserInputError(f"{cfg.model}: spec-tune makes prompts from text and needs the model's tokenizer")
-    chat = cfg.chat if cfg.chat is not None else bool(getattr(tok, "chat_template", None))
+    prompts = _prompts(loaded, cfg, out, progress)
     trains = cfg.method in ("eagle", "eagle3")
-    n_train = cfg.num_prompts if trains else 0
-    n_held = max(cfg.eval_prompts, max(cfg.batch_sizes), cfg.tune_min_prompts)
-    text = read_dataset(cfg.data, cfg.text_field, defaults.CALIB_SPLIT).text \
-        if cfg.prompt_source == "text" or (trains and cfg.text_sequences) else ""
-    if cfg.prompt_source == "self":
-        picked = []
-        prompts = _self_prompts(loaded, cfg, n_train + n_held, out, progress)
-        train_prompts, held = prompts[:n_train], prompts[n_train:]
-    else:
-        picked = pick_passages(text, tok, n_train + n_held, cfg.prompt_tokens, cfg.seed)
-        texts = [p for _, p in picked]
-        train_prompts = make_prompts(tok, texts[:n_train], chat)
-        held = make_prompts(tok, texts[n_train:], chat, offset=n_train)
     data = tsum = acc = None
     base: dict = {"method": cfg.method}
     if trains:
-        meta = {"model": str(loaded.path), "method": cfg.method, "data": cfg.data, "text_field": cfg.text_field,
-                "num_prompts": cfg.num_prompts, "prompt_tokens": cfg.prompt_tokens, "chat": chat,
-                "max_new_tokens": cfg.max_new_tokens, "gen_batch": cfg.gen_batch, "seed": cfg.seed}
-        if cfg.prompt_source != "text":   # (absent for text prompts: a run from before the key still resumes)
-            meta["prompt_source"] = cfg.prompt_source
-        if cfg.train.soft_labels:         # the data keeps the target's final hidden states (same rule)
-            meta["final_hidden"] = True
-        seqs = []
-        if cfg.text_sequences:       # (keys absent without them: a run from before them still resumes)
-            length = min(defaults.SPEC_TUNE_TEXT_TOKENS, loaded.config.max_position_embeddings)
-            meta.update(text_sequences=cfg.text_sequences, text_tokens=length)
-            seqs = text_sequences(text, tok, cfg.text_sequences, length, cfg.prompt_tokens,
-                                  {i for i, _ in picked[n_train:]}, cfg.seed)
-        rows, data = build_data(loaded, train_prompts, out / DATA_DIR, cfg.method, cfg.max_new_tokens, cfg.gen_batch,
-                                meta, progress, seqs, keep_final=cfg.train.soft_labels)
-        head, tsum = train_head(loaded, rows, out, cfg.train, cfg.resume, progress)
-        del rows
+        data, tsum = _train(loaded, cfg, out, prompts, progress)
         if not tsum.finished:
             return _finish(cfg, out, loaded, t0, None, {}, {}, data, tsum, None, [], False)
-        from llmopt.speculative.eagle import save_head
-        with fsutil.atomic_folder(out / HEAD_DIR, {"command": "spec-tune", "method": cfg.method}) as tmp:
-            save_head(head, tmp)
         base["model"] = HEAD_DIR
     elif cfg.method == "draft_model":
-        if cfg.self_draft_layers is not None:
-            from llmopt.speculative.draft_model import write_self_draft
-            with fsutil.atomic_folder(out / DRAFT_DIR, {"command": "spec-tune", "self_draft_layers":
-                                                        cfg.self_draft_layers}) as tmp:
-                write_self_draft(loaded.path, cfg.self_draft_layers, tmp)
-            base["model"] = DRAFT_DIR
-        else:
-            base["model"] = str(Path(cfg.draft_model).expanduser().resolve()) \
-                if Path(cfg.draft_model).expanduser().exists() else cfg.draft_model
+        base["model"] = _draft_model(loaded, cfg, out)
     absolute = dict(base, model=str(out / base["model"])) if base.get("model") in (HEAD_DIR, DRAFT_DIR) else base
+    held = prompts.held
     if trains:
         acc = measure_acceptance(loaded, cfg, dict(absolute, num_speculative_tokens=cfg.eval_k),
                                  held[:cfg.eval_prompts], progress)
     points: list[TunePoint] = []
     if cfg.method == "ngram":
-        if cfg.prompt_lookup_min is None and cfg.prompt_lookup_max is None:
-            grid = defaults.SPEC_TUNE_LOOKUP_GRID
-            progress("tune", len(grid) + (cfg.max_k + 1) * len(cfg.batch_sizes), 0)
-            first = []
-            for lo, hi in grid:
-                first += sweep(loaded, cfg, dict(absolute, prompt_lookup_min=lo, prompt_lookup_max=hi), held,
-                               progress, ks=[cfg.eval_k], batch_sizes=cfg.batch_sizes[:1])
-            best = max(first, key=lambda p: p.tokens_per_s)
-            lo, hi = best.prompt_lookup_min, best.prompt_lookup_max
-            points += first
-        else:
-            sc = SpeculativeConfig(method="ngram", num_speculative_tokens=1, prompt_lookup_min=cfg.prompt_lookup_min,
-                                   prompt_lookup_max=cfg.prompt_lookup_max)     # vLLM's rules for one of the two
-            lo, hi = sc.prompt_lookup_min, sc.prompt_lookup_max
-            progress("tune", (cfg.max_k + 1) * len(cfg.batch_sizes), 0)
-        absolute = dict(absolute, prompt_lookup_min=lo, prompt_lookup_max=hi)
-        base = dict(base, prompt_lookup_min=lo, prompt_lookup_max=hi)
+        lookup, points = _ngram_lookup(loaded, cfg, absolute, held, progress)
+        absolute, base = dict(absolute, **lookup), dict(base, **lookup)
     else:
         progress("tune", (cfg.max_k + 1) * len(cfg.batch_sizes), 0)
     final = sweep(loaded, cfg, absolute, held, progress)
@@ -386,11 +331,94 @@ def spec_tune(cfg: SpecTuneConfig, progress: Progress = _noop) -> SpecTuneResult
     return _finish(cfg, out, loaded, t0, spec, choice, speedup, data, tsum, acc, points, True)
 
 
+@dataclass
+class _Prompts:
+    chat: bool
+    text: str                            # the dataset's text ("" when nothing reads it)
+    picked: list                         # (passage index, passage) of text prompts, train ones first
+    train: list[list[int]]
+    held: list[list[int]]                # held out: acceptance and tuning
+
+
+def _prompts(loaded, cfg: SpecTuneConfig, out: Path, progress: Progress) -> _Prompts:
+    """The training prompts (EAGLE only) and the held-out ones, from the text or written by the target."""
+    tok = loaded.tokenizer
+    chat = cfg.chat if cfg.chat is not None else bool(getattr(tok, "chat_template", None))
+    trains = cfg.method in ("eagle", "eagle3")
+    n_train = cfg.num_prompts if trains else 0
+    n_held = max(cfg.eval_prompts, max(cfg.batch_sizes), cfg.tune_min_prompts)
+    text = read_dataset(cfg.data, cfg.text_field, defaults.CALIB_SPLIT).text \
+        if cfg.prompt_source == "text" or (trains and cfg.text_sequences) else ""
+    if cfg.prompt_source == "self":
+        prompts = _self_prompts(loaded, cfg, n_train + n_held, out, progress)
+        return _Prompts(chat, text, [], prompts[:n_train], prompts[n_train:])
+    picked = pick_passages(text, tok, n_train + n_held, cfg.prompt_tokens, cfg.seed)
+    texts = [p for _, p in picked]
+    return _Prompts(chat, text, picked, make_prompts(tok, texts[:n_train], chat),
+                    make_prompts(tok, texts[n_train:], chat, offset=n_train))
+
+
+def _train(loaded, cfg: SpecTuneConfig, out: Path, prompts: _Prompts, progress: Progress):
+    """EAGLE: the target's answers and features (data/), then the head (head/ once training finished)."""
+    n_train = len(prompts.train)
+    meta = {"model": str(loaded.path), "method": cfg.method, "data": cfg.data, "text_field": cfg.text_field,
+            "num_prompts": cfg.num_prompts, "prompt_tokens": cfg.prompt_tokens, "chat": prompts.chat,
+            "max_new_tokens": cfg.max_new_tokens, "gen_batch": cfg.gen_batch, "seed": cfg.seed}
+    if cfg.prompt_source != "text":   # (absent for text prompts: a run from before the key still resumes)
+        meta["prompt_source"] = cfg.prompt_source
+    if cfg.train.soft_labels:         # the data keeps the target's final hidden states (same rule)
+        meta["final_hidden"] = True
+    seqs = []
+    if cfg.text_sequences:       # (keys absent without them: a run from before them still resumes)
+        length = min(defaults.SPEC_TUNE_TEXT_TOKENS, loaded.config.max_position_embeddings)
+        meta.update(text_sequences=cfg.text_sequences, text_tokens=length)
+        seqs = text_sequences(prompts.text, loaded.tokenizer, cfg.text_sequences, length, cfg.prompt_tokens,
+                              {i for i, _ in prompts.picked[n_train:]}, cfg.seed)
+    rows, data = build_data(loaded, prompts.train, out / DATA_DIR, cfg.method, cfg.max_new_tokens, cfg.gen_batch,
+                            meta, progress, seqs, keep_final=cfg.train.soft_labels)
+    head, tsum = train_head(loaded, rows, out, cfg.train, cfg.resume, progress)
+    del rows
+    if tsum.finished:
+        with fsutil.atomic_folder(out / HEAD_DIR, {"command": "spec-tune", "method": cfg.method}) as tmp:
+            save_head(head, tmp)
+    return data, tsum
+
+
+def _draft_model(loaded, cfg: SpecTuneConfig, out: Path) -> str:
+    """The draft model's path for spec_config.json: a self-draft written to draft/, or --draft-model."""
+    if cfg.self_draft_layers is not None:
+        with fsutil.atomic_folder(out / DRAFT_DIR, {"command": "spec-tune", "self_draft_layers":
+                                                    cfg.self_draft_layers}) as tmp:
+            write_self_draft(loaded.path, cfg.self_draft_layers, tmp)
+        return DRAFT_DIR
+    path = Path(cfg.draft_model).expanduser()
+    return str(path.resolve()) if path.exists() else cfg.draft_model
+
+
+def _ngram_lookup(loaded, cfg: SpecTuneConfig, absolute: dict, held: list[list[int]],
+                  progress: Progress) -> tuple[dict, list[TunePoint]]:
+    """prompt_lookup_min/max: the given ones (vLLM's rules for one of the two), else the grid's
+    fastest at the first batch size and eval_k; with the grid's points."""
+    points: list[TunePoint] = []
+    if cfg.prompt_lookup_min is None and cfg.prompt_lookup_max is None:
+        grid = defaults.SPEC_TUNE_LOOKUP_GRID
+        progress("tune", len(grid) + (cfg.max_k + 1) * len(cfg.batch_sizes), 0)
+        for lo, hi in grid:
+            points += sweep(loaded, cfg, dict(absolute, prompt_lookup_min=lo, prompt_lookup_max=hi), held,
+                            progress, ks=[cfg.eval_k], batch_sizes=cfg.batch_sizes[:1])
+        best = max(points, key=lambda p: p.tokens_per_s)
+        lo, hi = best.prompt_lookup_min, best.prompt_lookup_max
+    else:
+        sc = SpeculativeConfig(method="ngram", num_speculative_tokens=1, prompt_lookup_min=cfg.prompt_lookup_min,
+                               prompt_lookup_max=cfg.prompt_lookup_max)
+        lo, hi = sc.prompt_lookup_min, sc.prompt_lookup_max
+        progress("tune", (cfg.max_k + 1) * len(cfg.batch_sizes), 0)
+    return {"prompt_lookup_min": lo, "prompt_lookup_max": hi}, points
+
+
 def _self_prompts(loaded, cfg: SpecTuneConfig, n: int, out: Path, progress: Progress) -> list[list[int]]:
     """`n` prompts the target writes itself; kept in DIR/data/self_prompts.json, which --resume reads
     (sampling need not repeat exactly across runs)."""
-    from llmopt.engine.llm import LLM
-    from llmopt.speculative.self_instruct import self_prompts, user_turn_prefix
     f = out / DATA_DIR / SELF_PROMPTS_FILE
     if f.is_file():        # an earlier run in this folder: the same requests, or a refusal (nothing replaced)
         saved = json.loads(f.read_text())
@@ -400,11 +428,11 @@ def _self_prompts(loaded, cfg: SpecTuneConfig, n: int, out: Path, progress: Prog
                                  "--output")
         return saved["prompts"]
     progress("self-written prompts", n, 0)
-    length = min(len(user_turn_prefix(loaded.tokenizer)) + defaults.SPEC_TUNE_SELF_PROMPT_TOKENS,
+    length = min(len(self_instruct.user_turn_prefix(loaded.tokenizer)) + defaults.SPEC_TUNE_SELF_PROMPT_TOKENS,
                  loaded.config.max_position_embeddings)
     llm = LLM(loaded=loaded, model=str(loaded.path), detokenize=False, max_num_seqs=cfg.gen_batch,
               kv_cache_memory=kv_bytes(loaded, cfg.gen_batch, length), max_model_len=length)
-    prompts = self_prompts(llm, loaded.tokenizer, n, cfg.seed, cfg.gen_batch,
+    prompts = self_instruct.self_prompts(llm, loaded.tokenizer, n, cfg.seed, cfg.gen_batch,
                            kept=lambda k: progress("self-written prompts", None, k))
     f.parent.mkdir(parents=True, exist_ok=True)
     fsutil.write_atomic(f, json.dumps({"seed": cfg.seed, "prompts": prompts}) + "\n")

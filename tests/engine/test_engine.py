@@ -14,8 +14,10 @@ from llmopt.engine.args import EngineArgs
 from llmopt.engine.async_engine import AsyncLLMEngine
 from llmopt.engine.engine import LLMEngine
 from llmopt.engine.llm import LLM
+from llmopt.engine.proposer import DraftProposal, ProposeInput, Proposer
 from llmopt.engine.sampling_params import SamplingParams
 from llmopt.errors import UserInputError
+from llmopt.speculative.config import SpeculativeConfig
 from llmopt.models.loader import load_model
 
 N_NEW = 8
@@ -300,18 +302,19 @@ def test_draft_tokens_are_verified_in_one_forward(tiny, kind):
                        loaded=loaded)
     index = {f"p{i}": i for i in range(len(prompts))}
 
-    def drafter(reqs):
-        out = {}
-        for r in reqs:
-            want = ref[index[r.request_id]][r.num_output_tokens:r.num_output_tokens + 3]
-            if kind == "wrong":
-                want = [(t + 1) % 96 for t in want]
-            elif kind == "half":
-                want = want[:1] + [(t + 1) % 96 for t in want[1:]]
-            out[r.request_id] = want
-        return out
+    class Oracle(Proposer):
+        def propose(self, batch: ProposeInput) -> DraftProposal:
+            out = {}
+            for r in batch.requests:
+                want = ref[index[r.request_id]][r.num_output_tokens:r.num_output_tokens + 3]
+                if kind == "wrong":
+                    want = [(t + 1) % 96 for t in want]
+                elif kind == "half":
+                    want = want[:1] + [(t + 1) % 96 for t in want[1:]]
+                out[r.request_id] = want
+            return DraftProposal(out)
 
-    engine.drafter = drafter
+    engine.set_proposer(Oracle(SpeculativeConfig(method="ngram", num_speculative_tokens=3)))
     steps = 0
     ids = [engine.add_request(f"p{i}", p, GREEDY) for i, p in enumerate(prompts[:6])]
     done = {}

@@ -9,8 +9,10 @@ import pytest
 from engine_helpers import check_no_leak
 from llmopt.engine.args import EngineArgs
 from llmopt.engine.engine import LLMEngine
+from llmopt.engine.proposer import DraftProposal, ProposeInput, Proposer
 from llmopt.engine.sampling_params import SamplingParams
 from llmopt.models.loader import load_model
+from llmopt.speculative.config import SpeculativeConfig
 
 PROMPTS = ["The cat sat on the", "Once upon a time", "def main():", "1, 2, 3, 4,", "Paris is the capital of",
            "The quick brown fox", "Hello, my name is", "In 1905, Einstein"]
@@ -24,7 +26,8 @@ def tok_tiny(tiny_factory):
 
 def _run(path, loaded, params, drafter=None):
     engine = LLMEngine(EngineArgs(model=str(path), kv_cache_memory=1 << 22, block_size=4), loaded=loaded)
-    engine.drafter = drafter
+    if drafter is not None:
+        engine.set_proposer(drafter)
     for i, p in enumerate(PROMPTS):
         engine.add_request(f"p{i}", p, params)
     done, steps = {}, 0
@@ -37,18 +40,27 @@ def _run(path, loaded, params, drafter=None):
     return [done[f"p{i}"] for i in range(len(PROMPTS))], steps
 
 
-def _oracle(ref, kind, k=4):
-    def drafter(reqs):
+class Oracle(Proposer):
+    """Drafts from the reference outputs: right, half right or all wrong."""
+
+    def __init__(self, ref, kind: str, k: int) -> None:
+        super().__init__(SpeculativeConfig(method="ngram", num_speculative_tokens=k))
+        self.ref, self.kind, self.k = ref, kind, k
+
+    def propose(self, batch: ProposeInput) -> DraftProposal:
         out = {}
-        for r in reqs:
-            want = ref[int(r.request_id[1:])].token_ids[r.num_output_tokens:r.num_output_tokens + k]
-            if kind == "half":
+        for r in batch.requests:
+            want = self.ref[int(r.request_id[1:])].token_ids[r.num_output_tokens:r.num_output_tokens + self.k]
+            if self.kind == "half":
                 want = want[:len(want) // 2] + [(t + 7) % 1000 for t in want[len(want) // 2:]]
-            elif kind == "wrong":
+            elif self.kind == "wrong":
                 want = [(t + 7) % 1000 for t in want]
             out[r.request_id] = want
-        return out
-    return drafter
+        return DraftProposal(out)
+
+
+def _oracle(ref, kind, k=4):
+    return Oracle(ref, kind, k)
 
 
 def _params(tok_tiny, case):
