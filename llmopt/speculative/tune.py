@@ -35,8 +35,9 @@ from pathlib import Path
 from llmopt import defaults, fsutil
 from llmopt.errors import UserInputError
 from llmopt.speculative.config import METHODS, SpeculativeConfig
-from llmopt.speculative.train import (DATA_DIR, DataSummary, Progress, TrainSettings, TrainSummary, _noop, build_data,
-                               kv_bytes, make_prompts, pick_passages, text_sequences, train_head)
+from llmopt.speculative.train import TrainSettings, TrainSummary, train_head
+from llmopt.speculative.train_data import (DATA_DIR, DataSummary, Progress, _noop, build_data, kv_bytes, make_prompts,
+                                           pick_passages, text_sequences)
 
 HEAD_DIR = "head"
 DRAFT_DIR = "draft"
