@@ -12,14 +12,14 @@ import argparse
 import json
 import time
 
+from llmopt.engine.args import EngineArgs
+from llmopt.engine.engine import LLMEngine
 from llmopt.estimate import estimate, resolve_model_arch
 from llmopt.estimate.presets import MODEL_PRESETS
+from llmopt.models.loader import load_model
 
 
 def engine_rows(memory: int) -> list[dict]:
-    from llmopt.engine.args import EngineArgs
-    from llmopt.engine.engine import LLMEngine
-    from llmopt.models.loader import load_model
     loaded = load_model(None, "float32", "cpu")
     arch = resolve_model_arch(str(loaded.path))          # the converted checkpoint the engine runs
     out = []

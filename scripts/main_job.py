@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
+import httpx
+
+from llmopt.errors import LLMOptError
+from llmopt.serve.launch import free_port, launch, serve_command, stop
 
 ROOT = Path(__file__).resolve().parents[1]
 EVAL = ["--method", "chunks", "--ctx", "2048", "--dataset", "../shared/data/wikitext-2-raw/wiki.test.raw"]
@@ -41,7 +45,7 @@ def llmopt(*args: str, ok: tuple[int, ...] = (0,)) -> tuple[dict, float]:
     """Run one `llmopt ... --json` command; return its JSON object and wall time (exit codes other
     than `ok` end the main job)."""
     cmd = [sys.executable, "-m", "llmopt", *args, "--json"]
-    Console(stderr=True).print(f"[bold cyan]$ llmopt {' '.join(args)} --json")
+    print(f"$ llmopt {' '.join(args)} --json", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
     if proc.returncode not in ok:
@@ -54,14 +58,10 @@ def serve_and_query(model: str, question: str, offline: Path, max_tokens: int = 
     """Start `llmopt serve` on `model` (the ENGINE flags) on a free port, ask one chat completion
     over HTTP, bench it (concurrency 4, then one stream against the `offline` result), stop it with
     SIGTERM; returns the answer and the server's timings."""
-    import httpx
-
-    from llmopt.errors import LLMOptError
-    from llmopt.serve.launch import free_port, launch, serve_command, stop
     port = free_port()
     args = ["--model", model, *ENGINE, "--served-model-name", "main-job", "--uvicorn-log-level", "warning",
             "--log-interval", "0"]
-    Console(stderr=True).print(f"[bold cyan]$ llmopt serve {' '.join(args)} --port {port}")
+    print(f"$ llmopt serve {' '.join(args)} --port {port}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     try:
         server = launch(serve_command(args, port), f"http://127.0.0.1:{port}", port, cwd=ROOT, timeout=600)
@@ -120,10 +120,7 @@ def main() -> None:
     if a.json:
         print(json.dumps(summary))
         sys.exit(4 if regressed else 0)
-    t = Table(title="llmopt main job: SmolLM2-135M-Instruct, AWQ w4 g64", title_justify="left")
-    t.add_column("step", style="bold")
-    t.add_column("result")
-    t.add_column("time", justify="right")
+    t = Table("llmopt main job: SmolLM2-135M-Instruct, AWQ w4 g64")
     t.add_row("eval-ppl base", f"ppl {base['ppl']:.4f} over {base['scored_tokens']:,} tokens", f"{t_base:.0f} s")
     t.add_row("quantize awq", _quant_line(quant), f"{t_quant:.0f} s")
     kl = after.get("kl") or {}
@@ -146,9 +143,30 @@ def main() -> None:
               f"the engine offline {o['offline_output_throughput']:.1f} "
               f"({o['output_throughput'] / o['offline_output_throughput']:.2f}x); TPOT {o['mean_tpot_ms']:.1f} ms "
               f"(server's own: {o['server_mean_tpot_ms']:.1f}) against {o['offline_mean_tpot_ms']:.1f}; {verdict}", "")
-    Console().print(t)
+    t.print()
     if regressed:
         sys.exit(4)
+
+
+class Table:
+    """The summary: a title, then one row a step (step, result, time), the result wrapped to the terminal."""
+
+    def __init__(self, title: str) -> None:
+        self.title, self.rows = title, []
+
+    def add_row(self, step: str, result: str, seconds: str) -> None:
+        self.rows.append((step, result, seconds))
+
+    def print(self) -> None:
+        w0 = max(len(r[0]) for r in self.rows)
+        w2 = max(len(r[2]) for r in self.rows)
+        width = max(40, shutil.get_terminal_size((120, 24)).columns - w0 - w2 - 4)
+        print(self.title)
+        for step, result, seconds in self.rows:
+            lines = textwrap.wrap(result, width) or [""]
+            print(f"{step:<{w0}}  {lines[0]:<{width}}  {seconds:>{w2}}".rstrip())
+            for line in lines[1:]:
+                print(f"{'':<{w0}}  {line}")
 
 
 def _quant_line(q: dict) -> str:

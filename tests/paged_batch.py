@@ -1,5 +1,5 @@
-"""Random paged-attention batches for the kernel tests, scripts/gpu_check.py and scripts/bench_kernels_cpu.py
-(a test tool, not part of the runtime package; the scripts put tests/ on sys.path).
+"""Random paged-attention batches for the kernel tests, scripts/gpu_check.py and scripts/bench_kernels.py
+(a test tool, not part of the runtime package; scripts/benchlib.py loads it from this file).
 
 `make_batch` builds dense K/V per sequence, writes them into a paged cache whose blocks are a random
 permutation of the pool (with garbage in every unwritten slot, so a kernel that reads past a

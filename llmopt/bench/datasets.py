@@ -27,7 +27,9 @@ from pathlib import Path
 import numpy as np
 
 from llmopt import defaults
+from llmopt.data import read_jsonl, resolve_data_path
 from llmopt.errors import DataError, UserInputError
+from llmopt.validate import decode_utf8
 
 DATASETS = ("random", "sharegpt", "spec_bench", "prompts")
 _ALIASES = {"custom": "prompts", "spec-bench": "spec_bench"}
@@ -75,6 +77,7 @@ class Workload:
 
 def load_tokenizer(name: str | None):
     """The tokenizer of a model name as llmopt resolves it (folder, .gguf, HF id in the cache, built-in)."""
+    # deferred: llmopt.models imports torch and the model code, which importing llmopt.bench does not need
     from llmopt.models.loader import load_tokenizer as _load, resolve_checkpoint
     return _load(resolve_checkpoint(name))
 
@@ -109,7 +112,6 @@ def sample_requests(workload: Workload, tokenizer) -> list[SampleRequest]:
 
 
 def _path(arg: str) -> Path:
-    from llmopt.data import resolve_data_path
     p = resolve_data_path(arg)
     if not p.is_file():
         raise DataError(f"--dataset-path {arg}: no such file")
@@ -191,12 +193,10 @@ def random_requests(tokenizer, num_prompts: int, input_len: int, output_len: int
 
 # -- files ---------------------------------------------------------------------------------------------
 def _read_text(path: Path) -> str:
-    from llmopt.validate import decode_utf8
     return decode_utf8(path.read_bytes(), str(path))
 
 
 def _jsonl(path: Path) -> list[dict]:
-    from llmopt.data import read_jsonl
     rows = []
     for where, row in read_jsonl(path):
         if not isinstance(row, dict):

@@ -212,106 +212,124 @@ async def _sleep_until(t: float, stop) -> bool:
         await asyncio.sleep(min(left, _POLL))
 
 
+async def _warm_up(client: httpx.AsyncClient, cfg: BenchConfig, target: Target, requests: list[SampleRequest],
+                   load: Load, hooks: Hooks, description: str, headers: dict) -> None:
+    """Open the connections before the clock starts, as a warm client has them, then send the warm-ups."""
+    n = min(load.max_concurrency or len(requests), defaults.BENCH_PREOPEN_CONNECTIONS)
+    await asyncio.gather(*(client.get(target.root + "/v1/models", headers=headers) for _ in range(n)),
+                         return_exceptions=True)
+    if not cfg.num_warmups:
+        return
+    hooks.start(f"{description}: warm-up", cfg.num_warmups)
+    sem = asyncio.Semaphore(load.max_concurrency or cfg.num_warmups)
+
+    async def warm() -> None:
+        async with sem:
+            await _one(client, target.url, payload(cfg, target.model, requests[0]), headers, cfg.chat,
+                       RequestRecord(requests[0].prompt_len, requests[0].expected_output_len),
+                       time.perf_counter(), cfg.request_timeout)
+        hooks.advance(1)
+    await asyncio.gather(*(warm() for _ in range(cfg.num_warmups)))
+
+
+async def _sample_kv(client: httpx.AsyncClient, target: Target, headers: dict, interval: float,
+                     finished: asyncio.Event, kv: list[float]) -> None:
+    """Append the server's KV-cache usage to `kv` every `interval` seconds until `finished`."""
+    while not finished.is_set():
+        got = await scrape(client, target.root, headers)
+        if got is not None and got.kv_usage is not None:
+            kv.append(got.kv_usage)
+        try:
+            await asyncio.wait_for(finished.wait(), interval)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def _send_all(client: httpx.AsyncClient, cfg: BenchConfig, target: Target, requests: list[SampleRequest],
+                    load: Load, hooks: Hooks, description: str,
+                    headers: dict) -> tuple[list[RequestRecord], float, bool]:
+    """Send the requests on the load's schedule and wait for them (or a stop); returns the records, the
+    wall time from the first arrival slot to the end, and whether the run was interrupted."""
+    total = len(requests) if load.duration is None else None
+    hooks.start(description, total)
+    records: list[RequestRecord] = []
+    tasks: list[asyncio.Task] = []
+    slots = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
+    start = time.perf_counter()
+
+    def done(_task) -> None:
+        if slots is not None:
+            slots.release()
+        hooks.advance(1)
+
+    async def dispatch() -> None:
+        for i, offset in enumerate(arrivals(load, len(requests))):
+            if not await _sleep_until(start + offset, hooks.stop):
+                return
+            if slots is not None:
+                while True:
+                    try:
+                        await asyncio.wait_for(slots.acquire(), _POLL)
+                        break
+                    except asyncio.TimeoutError:
+                        if hooks.stop.is_set():
+                            return
+            if load.duration is not None and time.perf_counter() - start >= load.duration:
+                if slots is not None:
+                    slots.release()
+                return
+            req = requests[i % len(requests)]
+            rec = RequestRecord(req.prompt_len, req.expected_output_len, scheduled_time=offset,
+                                category=req.category)
+            records.append(rec)
+            task = asyncio.create_task(_one(client, target.url, payload(cfg, target.model, req), headers,
+                                            cfg.chat, rec, start, cfg.request_timeout))
+            task.add_done_callback(done)
+            tasks.append(task)
+
+    async def watch_stop() -> None:
+        while not hooks.stop.is_set():
+            await asyncio.sleep(_POLL)
+
+    sender = asyncio.create_task(dispatch())
+    stopper = asyncio.create_task(watch_stop())
+    await asyncio.wait({sender, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    interrupted = hooks.stop.is_set()
+    if not interrupted:
+        pending = asyncio.gather(*tasks)
+        await asyncio.wait({pending, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        interrupted = hooks.stop.is_set() and not pending.done()
+    end = time.perf_counter()
+    stopper.cancel()
+    sender.cancel()
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(sender, stopper, *tasks, return_exceptions=True)
+    for rec, t in zip(records, tasks):
+        if t.cancelled() and not rec.success:
+            rec.cancelled = True
+    return records, end - start, interrupted
+
+
 async def _run(cfg: BenchConfig, target: Target, requests: list[SampleRequest], load: Load, hooks: Hooks,
                description: str) -> RunOutput:
     headers = _headers(cfg.api_key)
     limits = httpx.Limits(max_connections=load.max_concurrency, max_keepalive_connections=load.max_concurrency,
                           keepalive_expiry=defaults.BENCH_KEEPALIVE)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None)) as client:
-        # open the connections before the clock starts, as a warm client has them
-        n = min(load.max_concurrency or len(requests), defaults.BENCH_PREOPEN_CONNECTIONS)
-        await asyncio.gather(*(client.get(target.root + "/v1/models", headers=headers) for _ in range(n)),
-                             return_exceptions=True)
-        if cfg.num_warmups:
-            hooks.start(f"{description}: warm-up", cfg.num_warmups)
-            sem = asyncio.Semaphore(load.max_concurrency or cfg.num_warmups)
-
-            async def warm() -> None:
-                async with sem:
-                    await _one(client, target.url, payload(cfg, target.model, requests[0]), headers, cfg.chat,
-                               RequestRecord(requests[0].prompt_len, requests[0].expected_output_len),
-                               time.perf_counter(), cfg.request_timeout)
-                hooks.advance(1)
-            await asyncio.gather(*(warm() for _ in range(cfg.num_warmups)))
-
+        await _warm_up(client, cfg, target, requests, load, hooks, description, headers)
         before = await scrape(client, target.root, headers)
         kv: list[float] = []
         finished = asyncio.Event()
-
-        async def sample_kv() -> None:
-            while not finished.is_set():
-                got = await scrape(client, target.root, headers)
-                if got is not None and got.kv_usage is not None:
-                    kv.append(got.kv_usage)
-                try:
-                    await asyncio.wait_for(finished.wait(), cfg.kv_sample_interval)
-                except asyncio.TimeoutError:
-                    pass
-        sampler = asyncio.create_task(sample_kv()) if before is not None else None
-
-        total = len(requests) if load.duration is None else None
-        hooks.start(description, total)
-        records: list[RequestRecord] = []
-        tasks: list[asyncio.Task] = []
-        slots = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
-        start = time.perf_counter()
-
-        def done(_task) -> None:
-            if slots is not None:
-                slots.release()
-            hooks.advance(1)
-
-        async def dispatch() -> None:
-            for i, offset in enumerate(arrivals(load, len(requests))):
-                if not await _sleep_until(start + offset, hooks.stop):
-                    return
-                if slots is not None:
-                    while True:
-                        try:
-                            await asyncio.wait_for(slots.acquire(), _POLL)
-                            break
-                        except asyncio.TimeoutError:
-                            if hooks.stop.is_set():
-                                return
-                if load.duration is not None and time.perf_counter() - start >= load.duration:
-                    if slots is not None:
-                        slots.release()
-                    return
-                req = requests[i % len(requests)]
-                rec = RequestRecord(req.prompt_len, req.expected_output_len, scheduled_time=offset,
-                                    category=req.category)
-                records.append(rec)
-                task = asyncio.create_task(_one(client, target.url, payload(cfg, target.model, req), headers,
-                                                cfg.chat, rec, start, cfg.request_timeout))
-                task.add_done_callback(done)
-                tasks.append(task)
-
-        async def watch_stop() -> None:
-            while not hooks.stop.is_set():
-                await asyncio.sleep(_POLL)
-
-        sender = asyncio.create_task(dispatch())
-        stopper = asyncio.create_task(watch_stop())
-        await asyncio.wait({sender, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        interrupted = hooks.stop.is_set()
-        if not interrupted:
-            pending = asyncio.gather(*tasks)
-            await asyncio.wait({pending, stopper}, return_when=asyncio.FIRST_COMPLETED)
-            interrupted = hooks.stop.is_set() and not pending.done()
-        end = time.perf_counter()
-        stopper.cancel()
-        sender.cancel()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(sender, stopper, *tasks, return_exceptions=True)
-        for rec, t in zip(records, tasks):
-            if t.cancelled() and not rec.success:
-                rec.cancelled = True
+        sampler = (asyncio.create_task(_sample_kv(client, target, headers, cfg.kv_sample_interval, finished, kv))
+                   if before is not None else None)
+        records, duration, interrupted = await _send_all(client, cfg, target, requests, load, hooks, description,
+                                                         headers)
         finished.set()
         if sampler is not None:
             await sampler
         after = await scrape(client, target.root, headers) if before is not None else None
-    return RunOutput(records, end - start, server_stats(before, after, kv), interrupted, target.model)
+    return RunOutput(records, duration, server_stats(before, after, kv), interrupted, target.model)
 
 
 def run_online(cfg: BenchConfig, target: Target, requests: list[SampleRequest], load: Load,

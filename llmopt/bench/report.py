@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmopt import fsutil
 from llmopt.bench.metrics import METRICS, RequestRecord, ServerStats, Summary, percentile_key
 from llmopt.errors import UserInputError
 
@@ -174,7 +175,7 @@ def plot(report: BenchReport, path: str | Path) -> None:
     """Latency CDFs (TTFT, TPOT, ITL, E2EL) of each run; for a sweep also throughput and latency
     against the achieved request rate. Written as a PNG."""
     check_matplotlib()
-    import matplotlib
+    import matplotlib   # deferred: matplotlib is optional (llmopt[plot]), needed for --plot only
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
@@ -208,7 +209,6 @@ def plot(report: BenchReport, path: str | Path) -> None:
             ax.set_xlabel("achieved requests/s")
             ax.grid(alpha=0.3)
     fig.tight_layout()
-    from llmopt import fsutil
     path = Path(path)
     tmp = fsutil.temp_path(path)
     try:

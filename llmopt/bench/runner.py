@@ -47,6 +47,8 @@ def result_of(cfg: BenchConfig, run: RunOutput, load: Load, tokenizer, model_id:
 def run_benchmark(cfg: BenchConfig, hooks: Hooks | None = None, progress=None) -> BenchReport:
     """Run what `cfg` asks for. `progress` is the model loader's callback (offline)."""
     hooks = hooks or Hooks()
+    # deferred imports here: a run against a server never loads the engine (torch), an offline run never
+    # needs httpx's client, and the speculative and transformers comparisons load what only they use
     if cfg.online:
         from llmopt.bench.online import resolve_target, run_online
         target = resolve_target(cfg)

@@ -264,36 +264,18 @@ def bench(
     **engine: Any,
 ) -> None:
     """Benchmark a server (online) or the engine (offline) with vLLM's metrics."""
-    from llmopt.bench.config import BenchConfig, Hooks, SamplingSpec
+    # deferred: keep CLI start-up fast
+    from llmopt.bench.config import BenchConfig, SamplingSpec
     from llmopt.bench.datasets import Workload
     from llmopt.bench.metrics import parse_goodput, parse_metric_names, parse_percentiles
-    from llmopt.bench.report import (EXIT_REGRESSION, check_matplotlib, comparable_metrics, compare as compare_results,
-                                     load_previous, plot, to_csv)
     from llmopt.bench.schedule import Load
-    from llmopt.bench.runner import run_benchmark
-    from llmopt.fsutil import check_output_file, write_atomic
-
     from llmopt.speculative.config import bench_speculative_config
+
     spec_config = bench_speculative_config(spec, spec_model, num_speculative_tokens, speculative_config)
     spec = spec_config.method if spec_config is not None else "none"
-    if compare not in (None, "hf"):
-        raise UserInputError(f"--compare {compare}: the one comparison is hf (transformers generate)")
-    if base_url is not None:
-        given = common.engine_flags_given(engine)
-        if given:
-            flags = ", ".join(given)
-            raise UserInputError(f"{flags}: engine flags are for offline runs; with --base-url the server's own "
-                                 "settings apply")
-    for path, flag in ((output_file, "--output"), (csv_file, "--csv"), (plot_file, "--plot")):
-        if path:
-            check_output_file(path, [compare_to, dataset_path], flag=flag)
-    if plot_file:
-        check_matplotlib()
-    previous = load_previous(compare_to) if compare_to else None
-    only = comparable_metrics(compare_metrics)
-    if only is not None and compare_to is None:
-        raise UserInputError("--compare-metrics needs --compare-to")
-
+    previous, only = _check_flags(compare, base_url, engine, {"--output": output_file, "--csv": csv_file,
+                                                               "--plot": plot_file}, [compare_to, dataset_path],
+                                  compare_to, compare_metrics)
     engine_args = None
     if base_url is None:
         from llmopt.engine.args import EngineArgs
@@ -310,8 +292,45 @@ def bench(
         percentile_metrics=parse_metric_names(percentile_metrics), goodput=parse_goodput(goodput),
         request_timeout=request_timeout, engine_args=engine_args, compare_hf=compare == "hf", sweep=sweep,
         sweep_size=sweep_size, spec=spec)
+    report = _run(cfg, quiet)
+    _report(report, previous, only, compare_to, fail_threshold, json_out, output_file, csv_file, plot_file)
 
+
+def _check_flags(compare: str | None, base_url: str | None, engine: dict, outputs: dict[str, str | None],
+                 inputs: list, compare_to: str | None, compare_metrics: str | None):
+    """Reject flag combinations that cannot work, before anything loads; returns the --compare-to result
+    (or None) and the metrics it compares (None: all)."""
+    # deferred: keep CLI start-up fast
+    from llmopt.bench.report import check_matplotlib, comparable_metrics, load_previous
+    from llmopt.fsutil import check_output_file
+
+    if compare not in (None, "hf"):
+        raise UserInputError(f"--compare {compare}: the one comparison is hf (transformers generate)")
+    if base_url is not None:
+        given = common.engine_flags_given(engine)
+        if given:
+            flags = ", ".join(given)
+            raise UserInputError(f"{flags}: engine flags are for offline runs; with --base-url the server's own "
+                                 "settings apply")
+    for flag, path in outputs.items():
+        if path:
+            check_output_file(path, inputs, flag=flag)
+    if outputs["--plot"]:
+        check_matplotlib()
+    previous = load_previous(compare_to) if compare_to else None
+    only = comparable_metrics(compare_metrics)
+    if only is not None and compare_to is None:
+        raise UserInputError("--compare-metrics needs --compare-to")
+    return previous, only
+
+
+def _run(cfg, quiet: bool):
+    """Run the benchmark with progress bars; the first Ctrl-C stops sending and reports what completed."""
+    # deferred: keep CLI start-up fast
+    from llmopt.bench.config import Hooks
+    from llmopt.bench.runner import run_benchmark
     from llmopt.cli.generate import log_to_stderr
+
     log_to_stderr(logging.WARNING if quiet else logging.INFO)
     stop = threading.Event()
 
@@ -326,10 +345,19 @@ def bench(
     previous_handler = signal.signal(signal.SIGINT, on_sigint) if in_main else None
     try:
         with _Bars(enabled=not quiet) as bars:
-            report = run_benchmark(cfg, Hooks(bars.start, bars.advance, stop))
+            return run_benchmark(cfg, Hooks(bars.start, bars.advance, stop))
     finally:
         if in_main:
             signal.signal(signal.SIGINT, previous_handler)
+
+
+def _report(report, previous, only, compare_to: str | None, fail_threshold: float, json_out: bool,
+            output_file: str | None, csv_file: str | None, plot_file: str | None) -> None:
+    """Print and write the report (with the --compare-to comparison); exit 130 when interrupted, 4 when a
+    metric regressed."""
+    # deferred: keep CLI start-up fast
+    from llmopt.bench.report import EXIT_REGRESSION, compare as compare_results, plot, to_csv
+    from llmopt.fsutil import write_atomic
 
     result = report.to_dict()
     if previous is not None and not report.interrupted:

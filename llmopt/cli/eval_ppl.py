@@ -71,6 +71,7 @@ def eval_ppl(
     quiet: bool = common.QuietOpt,
 ) -> None:
     """Perplexity (and KL divergence against a base model) on a text, by a peer's exact protocol."""
+    # deferred: keep CLI start-up fast
     from llmopt.eval import load_text_dataset, plan_ppl, run_ppl
     from llmopt.fsutil import check_output_file
     from llmopt.models.loader import load_model

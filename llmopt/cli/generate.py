@@ -122,6 +122,7 @@ def generate(
     **engine: Any,
 ) -> None:
     """Complete prompts with the paged-KV, continuous-batching engine."""
+    # deferred: keep CLI start-up fast
     from llmopt.engine.llm import LLM
     from llmopt.engine.sampling_params import SamplingParams
 
@@ -141,6 +142,15 @@ def generate(
             results = llm.chat(convs, params, progress=advance)
         else:
             results = llm.generate(texts, params, progress=advance)
+    print_completions(texts, results, json_out)
+    line = speed_line(results)
+    if line:
+        logging.getLogger("llmopt.cli").info(line)
+
+
+def print_completions(texts: list[str], results, json_out: bool) -> None:
+    """Each completion on stdout: a JSON line (with its token ids, finish reason, token counts and, when
+    asked for, logprobs), or its text, with a separator line between texts."""
     printed = 0
     for prompt, res in zip(texts, results):
         for c in res.outputs:
@@ -159,7 +169,3 @@ def generate(
                 sys.stdout.write(c.text + "\n")
             printed += 1
     sys.stdout.flush()
-    line = speed_line(results)
-    if line:
-        logging.getLogger("llmopt.cli").info(line)
-

@@ -93,6 +93,7 @@ def quantize(
     quiet: bool = common.QuietOpt,
 ) -> None:
     """Quantize a checkpoint layer by layer (peak memory: one layer plus the calibration activations)."""
+    # deferred: keep CLI start-up fast
     from llmopt.quant.evaluate import plan_quant_eval, run_quant_eval
     from llmopt.quant.pipeline import quantize_model
     from llmopt.quant.config import merge_sources

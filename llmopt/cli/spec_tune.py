@@ -175,9 +175,9 @@ def spec_tune(
     quiet: bool = common.QuietOpt,
 ) -> None:
     """Train an EAGLE/EAGLE-3 head and tune speculative decoding; writes spec_config.json."""
+    # deferred: keep CLI start-up fast
     from llmopt.speculative.train import TrainSettings
     from llmopt.speculative.tune import SpecTuneConfig
-    from llmopt.speculative.tune import spec_tune as run
 
     settings = TrainSettings(method, epochs=epochs, lr=lr, batch_size=train_batch_size, ttt_steps=ttt_steps,
                              draft_vocab_size=draft_vocab_size, checkpoint_every=checkpoint_every, seed=seed,
@@ -192,6 +192,13 @@ def spec_tune(
                          draft_model=draft_model, self_draft_layers=self_draft_layers,
                          prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max, dtype=dtype,
                          device=device, seed=seed)
+    _run(cfg, quiet, json_out)
+
+
+def _run(cfg, quiet: bool, json_out: bool) -> None:
+    """Run spec-tune with a progress bar per phase, then print its result."""
+    from llmopt.speculative.tune import spec_tune as run   # deferred: keep CLI start-up fast
+
     phases = _Phases(not quiet)
     try:
         result = run(cfg, progress=phases)

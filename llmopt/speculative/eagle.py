@@ -125,8 +125,8 @@ class CpuLinear(nn.Module):
     """An nn.Linear through the C++ kernels, for the one to a few rows of a draft step: float32
     weights (`llmopt_cpu::f32_gemm`), or an int8 copy (`gs` > 0: symmetric, round to nearest per
     group of `gs` inputs, `w8_gemm`: 4x fewer bytes to stream). Both use the two cores where aten's
-    GEMV uses one. Measured for an EAGLE-3 head of SmolLM2 at K = 2 (scripts/bench_spec_steps.py,
-    docs/benchmarks.md): drafting 11.8 ms a step on aten, 6.1 on f32_gemm, 4.5 on the int8 copy
+    GEMV uses one. Measured for an EAGLE-3 head of SmolLM2 at K = 2 (docs/benchmarks.md, speculative
+    decoding): drafting 11.8 ms a step on aten, 6.1 on f32_gemm, 4.5 on the int8 copy
     (held-out acceptance 1.549 float32, 1.553 int8: drafts are verified, outputs cannot change)."""
 
     def __init__(self, linear: nn.Linear, ops, gs: int = 0) -> None:

@@ -36,7 +36,7 @@ def self_prompts(llm, tokenizer, n: int, seed: int, batch: int,
     """`n` chat prompts (token ids, generation prompt included) around requests the model behind
     `llm` (an llmopt LLM) writes itself, in the order of their seeds; `kept(k)` after each batch."""
     from llmopt.engine.sampling_params import SamplingParams   # deferred: start-up time (torch)
-    from llmopt.speculative.train import chat_prompt   # deferred: start-up time (train.py imports torch)
+    from llmopt.speculative.train_data import chat_prompt   # deferred: start-up time (imports torch)
     prefix = user_turn_prefix(tokenizer)
     seen: set[str] = set()
     out: list[list[int]] = []

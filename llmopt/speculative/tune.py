@@ -44,8 +44,9 @@ from llmopt.speculative.config import METHODS, SpeculativeConfig
 from llmopt.speculative.draft_model import write_self_draft
 from llmopt.speculative.eagle import save_head
 from llmopt.speculative import self_instruct
-from llmopt.speculative.train import (DATA_DIR, DataSummary, Progress, TrainSettings, TrainSummary, _noop, build_data,
-                               kv_bytes, make_prompts, pick_passages, text_sequences, train_head)
+from llmopt.speculative.train import TrainSettings, TrainSummary, train_head
+from llmopt.speculative.train_data import (DATA_DIR, DataSummary, Progress, _noop, build_data, kv_bytes, make_prompts,
+                                           pick_passages, text_sequences)
 
 HEAD_DIR = "head"
 DRAFT_DIR = "draft"

@@ -2,7 +2,7 @@
 thread, alternating, give exactly the outputs of the main thread alone (tokens and logprobs, float32
 and int8 weights through the C++ decode step); a ComputeThread runs with the thread count it was
 given; handing the compute over gives the caller's OpenMP team back (the process never holds two
-teams), and so does closing the thread. The speed itself is in scripts/bench_serving.py."""
+teams), and so does closing the thread. The speed itself is in scripts/bench_serve_peers.py."""
 
 import os
 import threading

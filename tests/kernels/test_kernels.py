@@ -1,5 +1,5 @@
 """Every Triton kernel against the PyTorch reference, on the CPU under TRITON_INTERPRET=1, plus an
-ahead-of-time compile of the kernels for sm_90 (scripts/compile_check.py: what the interpreter
+ahead-of-time compile of the kernels for sm_90 (scripts/gpu_check.py --compile: what the interpreter
 cannot check), and the dispatch by an explicit backend argument.
 
 TRITON_INTERPRET must be set before a kernel is decorated, so it is set here, before any triton
@@ -155,7 +155,7 @@ def test_model_forward_through_fused_kernels(tiny_factory, monkeypatch, model_ty
 def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    r = subprocess.run([sys.executable, "scripts/compile_check.py", "90", "--quick"], cwd=ROOT, env=env,
+    r = subprocess.run([sys.executable, "scripts/gpu_check.py", "--compile", "90", "--quick"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "7/7 kernel variants compiled" in r.stdout

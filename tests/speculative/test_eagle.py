@@ -104,7 +104,7 @@ def test_cpu_kernel_linears_match_the_heads_torch_linears(setup, method, int8_gr
     tiles and the panels), bias included (EAGLE-1's fc)."""
     from llmopt.kernels import cpu_quant
     from llmopt.speculative.eagle import CpuLinear, use_cpu_kernels
-    from llmopt.speculative.train import TTTAttention
+    from llmopt.speculative.train_loss import TTTAttention
     _, loaded, heads = setup
     assert cpu_quant.ops() is not None, "the C++ kernels did not build"
     ref = load_eagle_head(heads[method], method, loaded.config, torch.float32, "cpu")

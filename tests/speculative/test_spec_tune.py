@@ -17,7 +17,8 @@ from llmopt.engine.engine import LLMEngine
 from llmopt.engine.sampling_params import SamplingParams
 from llmopt.models.loader import load_model
 from llmopt.speculative.config import SpeculativeConfig, parse_speculative_config
-from llmopt.speculative.train import TrainSettings, capture, make_prompts, passages, train_head
+from llmopt.speculative.train import TrainSettings, train_head
+from llmopt.speculative.train_data import capture, make_prompts, passages
 
 ARGS = ["--method", "eagle", "--num-prompts", "8", "--eval-prompts", "2", "--prompt-tokens", "16",
         "--max-new-tokens", "12", "--text-sequences", "3", "--epochs", "2", "--train-batch-size", "2", "--checkpoint-every", "2",
@@ -104,7 +105,7 @@ def test_loss_falls_on_the_targets_own_features(tiny_factory, tmp_path, method, 
     outs = LLM(loaded=loaded, model=str(path), detokenize=False, kv_cache_memory=1 << 22).generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
-    from llmopt.speculative.train import feature_layers
+    from llmopt.speculative.train_data import feature_layers
     rows = capture(loaded, seqs, feature_layers(method, layers), keep_final=soft)
     for r, p in zip(rows, prompts):
         r["prompt_len"] = len(p)
@@ -124,7 +125,9 @@ def test_soft_labels_are_the_targets_distribution_and_sharpen_to_hard_labels(tin
     distribution on the draft vocabulary (a float64 computation from transformers' logits), and with
     that distribution sharpened to one-hot it equals the hard-label loss."""
     from transformers import AutoModelForCausalLM
-    from llmopt.speculative.train import collate, eagle3_loss, feature_layers, init_head
+    from llmopt.speculative.train import init_head
+    from llmopt.speculative.train_data import feature_layers
+    from llmopt.speculative.train_loss import collate, eagle3_loss
     path = tiny_factory(tokenizer=True, num_hidden_layers=4)
     loaded = load_model(str(path), "float32", "cpu")
     g = torch.Generator().manual_seed(0)
@@ -146,7 +149,7 @@ def test_soft_labels_are_the_targets_distribution_and_sharpen_to_hard_labels(tin
         hard, _, n_hard = eagle3_loss(head, loaded.model, batch, 1, 0.8, prompts=True)
     # the reference: transformers' logits at the labelled positions (p = i + 1), restricted to the
     # draft vocabulary, against the head's log-probabilities there
-    from llmopt.speculative.train import TTTAttention
+    from llmopt.speculative.train_loss import TTTAttention
     n = batch["feats"].shape[1] - 1
     with torch.no_grad():
         out = head(loaded.model.embed(batch["tokens"][:, 1:1 + n]), batch["feats"][:, :n],
@@ -171,7 +174,7 @@ def test_text_sequences_leave_out_the_held_out_prompts_paragraphs(tiny):
     held-out prompts were made from (their passages do not occur in them)."""
     from transformers import AutoTokenizer
     from llmopt.data import read_dataset
-    from llmopt.speculative.train import paragraphs, pick_passages, text_sequences
+    from llmopt.speculative.train_data import paragraphs, pick_passages, text_sequences
     tok = AutoTokenizer.from_pretrained(str(tiny))
     text = read_dataset("../shared/data/wikitext-2/wiki.valid.tokens", "text", "train").text
     picked = pick_passages(text, tok, 40, 24, 0)
@@ -187,7 +190,7 @@ def test_text_sequences_leave_out_the_held_out_prompts_paragraphs(tiny):
 
 
 def test_prompt_loss_counts_every_position_with_a_next_token():
-    from llmopt.speculative.train import _valid
+    from llmopt.speculative.train_loss import _valid
     batch = {"lens": torch.tensor([6, 4]), "plens": torch.tensor([3, 0])}
     # query i at step j labels position p = i + 1 + j: answers from prompt_len - 1, all with prompts,
     # and never the last position (it has no next token)
