@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import threading
 from dataclasses import dataclass
 
 from llmopt.cache.kv_manager import KVCacheManager, cdiv
@@ -39,6 +40,7 @@ from llmopt.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from llmopt.engine.spec_stats import SpecDecodingStats
 from llmopt.errors import UserInputError
 from llmopt.models.loader import LoadedModel
+from llmopt.structured.backend import StructuredOutputManager
 from llmopt.validate import sample_seed
 
 log = logging.getLogger("llmopt.engine")
@@ -133,6 +135,8 @@ class LLMEngine:
             from llmopt.speculative.proposer import build_proposer
             self.set_proposer(build_proposer(args.speculative_config, self.proposer_context()))
         self.sampler = Sampler(args.seed)
+        self._structured: StructuredOutputManager | None = None   # built at the first structured request
+        self._structured_lock = threading.Lock()
         self._parents: dict[str, _Parent] = {}
         self._counter = 0
         log.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB (%s)", info.num_blocks, info.block_size,
@@ -210,6 +214,7 @@ class LLMEngine:
                                  "Unicode text or token ids") from None
         self.validate(ids, params)
         text = prompt if isinstance(prompt, str) else None
+        grammar = self._grammar(params)
         children = []
         for i in range(params.n):
             p = params if params.n == 1 else dataclasses.replace(
@@ -218,8 +223,22 @@ class LLMEngine:
             detok = IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens) \
                 if self.args.detokenize and self.tokenizer is not None else None
             children.append(Request(rid, ids, p, self.eos_token_ids, self.max_model_len, text, priority,
-                                    arrival_time, parent_id=request_id, index=i, detokenizer=detok))
+                                    arrival_time, parent_id=request_id, index=i, detokenizer=detok,
+                                    grammar=None if grammar is None else grammar.fork() if i else grammar))
         return _Parent(request_id, text, ids, children)
+
+    def _grammar(self, params: SamplingParams):
+        """A fresh structured-output matcher for the request (None without structured outputs). The
+        manager and llguidance's view of the tokenizer are built at the first such request."""
+        if params.structured_outputs is None:
+            return None
+        if self.tokenizer is None:
+            raise UserInputError("structured outputs need the model's tokenizer")
+        with self._structured_lock:
+            if self._structured is None:
+                self._structured = StructuredOutputManager(self.tokenizer, self.loaded.config.vocab_size,
+                                                           sorted(self.eos_token_ids))
+        return self._structured.grammar(params.structured_outputs)
 
     def add_prepared(self, parent: _Parent) -> None:
         """Queue a prompt built by prepare_request."""

@@ -30,7 +30,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: frozenset[int] = frozenset(), max_model_len: int | None = None,
                  prompt: str | None = None, priority: int = 0, arrival_time: float | None = None,
-                 parent_id: str | None = None, index: int = 0, detokenizer=None) -> None:
+                 parent_id: str | None = None, index: int = 0, detokenizer=None, grammar=None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -57,6 +57,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.error: str | None = None            # why it finished with FINISHED_ERROR
         self.detokenizer = detokenizer           # an IncrementalDetokenizer, or None (token ids only)
+        self.grammar = grammar                   # a structured.backend.RequestGrammar (structured outputs)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator()
@@ -97,6 +98,8 @@ class Request:
         returns the text it added ("" without a detokenizer)."""
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
+        if self.grammar is not None and not self.grammar.accept([token_id]):
+            raise RuntimeError(f"token {token_id} breaks the request's structured-output grammar")
         if self.logprobs is not None and logprob is not None:
             self.logprobs.append(TokenLogprobs(token_id, logprob, dict(top or {})))
             self.cumulative_logprob += logprob

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from llmopt.engine.sampling_params import SamplingParams
+from llmopt.structured.backend import allocate_bitmask, apply_bitmask
 
 
 @dataclass
@@ -125,10 +126,16 @@ class Sampler:
         if seed is not None:
             self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], return_probs: bool = False) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], return_probs: bool = False,
+                 grammar_mask: tuple[torch.Tensor, list[int]] | None = None) -> SamplerOutput:
         """logits [len(rows), vocab] -> one token per row (and logprobs where asked; with
-        return_probs, each row's target distribution in `probs`)."""
+        return_probs, each row's target distribution in `probs`). `grammar_mask` (bitmask, rows):
+        structured outputs' allowed tokens for those rows, applied before the penalties; logprobs
+        stay those of the model's raw distribution, as vLLM's."""
         raw = logits
+        if grammar_mask is not None:
+            logits = logits.float().clone()
+            apply_bitmask(logits, *grammar_mask)
         logits = self._penalized(logits, rows)
         greedy = [r.params.greedy for r in rows]
         probs = None
@@ -167,6 +174,7 @@ class Sampler:
         rows: list[SamplingRow] = []
         index: list[int] = []
         owners: list[tuple[str, int, int]] = []   # request id, first row in `rows`, number of rows
+        drafted: dict[str, list[int]] = {}           # request id -> the drafts its rows verify
         verify: list[tuple[str, int, list[int]]] = []  # sampled (not greedy) requests with drafts
         off = 0
         for s in scheduled:
@@ -176,6 +184,7 @@ class Sampler:
                 req = requests[rid]
                 drafts = list(s.spec_token_ids)[:m - 1] if rid == s.request_id else []
                 owners.append((rid, len(rows), m))
+                drafted[rid] = drafts
                 if drafts and not req.params.greedy:
                     verify.append((rid, len(rows), drafts))
                 rows.extend(_rows_with_drafts(req, drafts, m))
@@ -184,7 +193,7 @@ class Sampler:
         if not rows:
             return {}
         picked = logits if index == list(range(logits.shape[0])) else logits[torch.tensor(index, device=logits.device)]
-        res = self(picked, rows, return_probs=bool(verify))
+        res = self(picked, rows, return_probs=bool(verify), grammar_mask=_grammar_mask(owners, requests, drafted, picked))
         tokens = res.token_ids
         if verify:
             tokens = list(tokens)
@@ -252,6 +261,23 @@ class Sampler:
             out.top_ids = [ids[i][:r.params.logprobs or 0] for i, r in enumerate(rows)]
             out.top_logprobs = [vals[i][:r.params.logprobs or 0] for i, r in enumerate(rows)]
         return out
+
+
+def _grammar_mask(owners, requests, drafted: dict[str, list[int]], logits: torch.Tensor):
+    """The structured-output bitmask of the rows whose request has a grammar (row j of a request
+    verifying drafts: after its first j drafts), and those rows; None when no row has one."""
+    constrained = [(requests[rid], a, m) for rid, a, m in owners if requests[rid].grammar is not None]
+    if not constrained:
+        return None
+    bitmask = allocate_bitmask(sum(m for _, _, m in constrained), logits.shape[-1])
+    rows: list[int] = []
+    for req, a, m in constrained:
+        drafts = drafted[req.request_id][:m - 1]
+        first = len(rows)
+        req.grammar.fill(bitmask, first, drafts)
+        bitmask[first + len(drafts) + 1:first + m] = bitmask[first + len(drafts)]   # rows without a draft of their own
+        rows.extend(range(a, a + m))
+    return bitmask, rows
 
 
 def _rows_with_drafts(req, drafts: list[int], m: int) -> list[SamplingRow]:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from llmopt import defaults
 from llmopt.errors import UserInputError
+from llmopt.structured.params import StructuredOutputsParams
 from llmopt.validate import SEED_MAX, SEED_MIN
 
 
@@ -28,12 +29,15 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None           # number of top logprobs per output token (0 = sampled only)
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | dict | None = None  # vLLM's: json, regex, choice, grammar, ...
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.top_k == -1:
             self.top_k = 0
         checks = [

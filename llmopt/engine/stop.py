@@ -1,10 +1,11 @@
 """When a request stops: the one check after each accepted output token (vLLM's check_stop).
 
 Order: nothing may stop the request before `min_tokens` outputs except the length limit; then EOS
-(unless ignore_eos), a stop token id, a stop string completed by the newest text (the text is cut
-before it, or after it with include_stop_str_in_output); finally `max_tokens` (already capped by
-the model length). A stop string that ends on the token that also reaches max_tokens reports
-"stop", as vLLM does, since the text was cut there."""
+(unless ignore_eos), a stop token id, a structured-output grammar that allows nothing more, a stop
+string completed by the newest text (the text is cut before it, or after it with
+include_stop_str_in_output); finally `max_tokens` (already capped by the model length). A stop
+string that ends on the token that also reaches max_tokens reports "stop", as vLLM does, since the
+text was cut there."""
 
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ def check_stop(req: "Request", new_text: str = "") -> RequestStatus | None:
             return RequestStatus.FINISHED_STOPPED
         if tok in req.stop_token_ids:
             req.stop_reason = tok
+            return RequestStatus.FINISHED_STOPPED
+        if req.grammar is not None and req.grammar.is_terminated:
             return RequestStatus.FINISHED_STOPPED
         det = req.detokenizer
         hit = find_stop_string(det.text, len(new_text), p.stop) if det is not None and p.stop else None

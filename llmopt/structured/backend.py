@@ -51,15 +51,15 @@ class RequestGrammar:
         Drafts the grammar refuses leave the rows after them allowing everything (their draft is
         rejected by the masked row before it, so those rows are never used)."""
         llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
-        consumed = 0
-        for j, d in enumerate(drafts, start=1):
-            if self.matcher.is_stopped() or not self.matcher.consume_token(int(d)):
-                bitmask[row + j:row + len(drafts) + 1] = -1
-                break
-            consumed += 1
+        if not drafts:
+            return
+        ok = self.matcher.validate_tokens([int(d) for d in drafts])   # the longest valid prefix; no state change
+        for j in range(1, ok + 1):
+            self.matcher.consume_token(int(drafts[j - 1]))
             llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row + j)
-        if consumed:
-            self.matcher.rollback(consumed)
+        bitmask[row + ok + 1:row + len(drafts) + 1] = -1
+        if ok:
+            self.matcher.rollback(ok)
 
 
 class StructuredOutputManager:
@@ -95,7 +95,12 @@ class StructuredOutputManager:
         return RequestGrammar(matcher, params)
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
-        return llguidance.torch.allocate_token_bitmask(rows, self.vocab_size)
+        return allocate_bitmask(rows, self.vocab_size)
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """[rows, ceil(vocab / 32)] int32, every token allowed."""
+    return llguidance.torch.allocate_token_bitmask(rows, vocab_size)
 
 
 def check_grammar(params: StructuredOutputsParams, tokenizer=None) -> str:
