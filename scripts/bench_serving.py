@@ -57,7 +57,8 @@ def main() -> None:
     from llmopt.bench.runner import result_of
     from llmopt.bench.schedule import Load
     from llmopt.engine.args import EngineArgs
-    from llmopt.serve.launch import free_port, serve_command, stop, wait_ready
+    from llmopt.ports import free_port
+    from llmopt.serve.launch import serve_command, stop, wait_ready
 
     torch.set_num_threads(args.threads)
     levels = [int(x) for x in args.concurrency.split(",")]

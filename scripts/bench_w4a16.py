@@ -31,9 +31,9 @@ def _time_us(fn, iters: int = 50) -> float:
 
 def check_modules() -> list[dict]:
     from llmopt.quant.formats import pack_linear
-    from llmopt.quant.modules import AWQLinear, CTPackedLinear, GPTQLinear
-    from llmopt.quant.modules_w8a8 import W8Linear
-    from llmopt.quant.types import FloatQuantized, Int8Quantized, IntQuantized
+    from llmopt.layers.modules import AWQLinear, CTPackedLinear, GPTQLinear
+    from llmopt.layers.modules_w8a8 import W8Linear
+    from llmopt.layers.types import FloatQuantized, Int8Quantized, IntQuantized
     g = torch.Generator().manual_seed(0)
     out, n_in, gs = 512, 1024, 128
     w = torch.randn(out, n_in, generator=g) * 0.05
@@ -74,7 +74,7 @@ def check_modules() -> list[dict]:
 
 def bench_kernel() -> list[dict]:
     from llmopt.kernels.w4a16 import w4a16_matmul
-    from llmopt.quant.formats.packing import pack_codes
+    from llmopt.layers.formats.packing import pack_codes
     rows = []
     for K, N in ((4096, 4096), (4096, 14336), (14336, 4096)):
         gs = 128

@@ -57,7 +57,8 @@ def serve_and_query(model: str, question: str, offline: Path, max_tokens: int = 
     import httpx
 
     from llmopt.errors import LLMOptError
-    from llmopt.serve.launch import free_port, launch, serve_command, stop
+    from llmopt.ports import free_port
+    from llmopt.serve.launch import launch, serve_command, stop
     port = free_port()
     args = ["--model", model, *ENGINE, "--served-model-name", "main-job", "--uvicorn-log-level", "warning",
             "--log-interval", "0"]

@@ -91,7 +91,7 @@ class TPExecutor:
     # -- start-up --------------------------------------------------------------------------------
     def _spawn(self, args, plan: TPPlan, device: torch.device):
         from llmopt.distributed.worker import worker_main
-        from llmopt.serve.launch import free_port
+        from llmopt.ports import free_port
         n = plan.world_size
         threads = parallel.threads_per_rank(n) if device.type == "cpu" else 1
         torch.set_num_threads(threads)

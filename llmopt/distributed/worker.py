@@ -84,7 +84,7 @@ def load_rank(args, tp: TPGroup, progress=None):
     built as every other rank builds its own."""
     from llmopt.engine.runner import ModelRunner
     from llmopt.models.loader import load_model
-    from llmopt.quant import runtime  # noqa: F401 - imported before the resident memory is read
+    from llmopt.layers import runtime  # noqa: F401 - imported before the resident memory is read
     warm_up_meta()
     rss_start = _rss_now()
     loaded = load_model(args.model, args.dtype, args.device, progress, tokenizer=tp.rank == 0,
