@@ -40,10 +40,10 @@ from benchlib import median_seconds, paged_batch
 from llmopt import defaults
 from llmopt.kernels import cpu_quant, reference as ref
 from llmopt.quant.formats import pack_linear
-from llmopt.quant.formats.packing import pack_codes
-from llmopt.quant.modules import AWQLinear, CTPackedLinear, GPTQLinear
-from llmopt.quant.modules_w8a8 import W8Linear
-from llmopt.quant.types import FloatQuantized, Int8Quantized, IntQuantized
+from llmopt.layers.formats.packing import pack_codes
+from llmopt.layers.modules import AWQLinear, CTPackedLinear, GPTQLinear
+from llmopt.layers.modules_w8a8 import W8Linear
+from llmopt.layers.types import FloatQuantized, Int8Quantized, IntQuantized
 
 
 # -- attention ----------------------------------------------------------------------------------------

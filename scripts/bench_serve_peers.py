@@ -34,7 +34,8 @@ import time
 from pathlib import Path
 
 from llmopt.models.config import builtin_gguf
-from llmopt.serve.launch import free_port, launch, stop
+from llmopt.ports import free_port
+from llmopt.serve.launch import launch, stop
 
 REPO = Path(__file__).resolve().parents[1]
 WIKITEXT = REPO / ".." / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"

@@ -25,7 +25,8 @@ from pathlib import Path
 import httpx
 
 from llmopt.errors import LLMOptError
-from llmopt.serve.launch import free_port, launch, serve_command, stop
+from llmopt.ports import free_port
+from llmopt.serve.launch import launch, serve_command, stop
 
 ROOT = Path(__file__).resolve().parents[1]
 EVAL = ["--method", "chunks", "--ctx", "2048", "--dataset", "../shared/data/wikitext-2-raw/wiki.test.raw"]

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from llmopt.quant.formats import pack_linear, quantization_config
-from llmopt.quant.types import FloatQuantized, Int8Quantized, IntQuantized
+from llmopt.layers.types import FloatQuantized, Int8Quantized, IntQuantized
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")

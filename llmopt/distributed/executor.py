@@ -91,7 +91,7 @@ class TPExecutor:
 
     # -- start-up --------------------------------------------------------------------------------
     def _spawn(self, args, plan: TPPlan, device: torch.device):
-        from llmopt.serve.launch import free_port   # deferred: start-up time (the serve package is not needed otherwise)
+        from llmopt.ports import free_port   # deferred: start-up time (socket only when ranks start)
         n = plan.world_size
         threads = parallel.threads_per_rank(n) if device.type == "cpu" else 1
         torch.set_num_threads(threads)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from llmopt import defaults
 from llmopt.distributed.plan import TPPlan
+from llmopt.distributed.shard import shard_tensor
 from llmopt.errors import UserInputError
 
 
@@ -110,7 +111,6 @@ class TPGroup:
     # -- weights -----------------------------------------------------------------------------------
     def shard(self, name: str, tensor, quantization_config: dict | None):
         """This rank's slice of checkpoint tensor `name` (a tensor or a safetensors slice)."""
-        from llmopt.distributed.shard import shard_tensor
         return shard_tensor(name, tensor, self.plan, self.rank, quantization_config)
 
 

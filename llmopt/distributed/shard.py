@@ -7,7 +7,7 @@ columns are read, so a rank never holds a whole weight.
 - embedding and LM head: vocabulary rows, the last rank's padded with zeros to vocab_per_rank;
 - everything else (norms): whole on every rank.
 Packed tensors of quantized checkpoints (AWQ, GPTQ, compressed-tensors) are cut by
-`llmopt.distributed.shard_quant.shard_quantized`, which keeps codes, scales, zeros and g_idx together.
+`llmopt.layers.shard_quant.shard_quantized`, which keeps codes, scales, zeros and g_idx together.
 """
 
 from __future__ import annotations
@@ -15,25 +15,9 @@ from __future__ import annotations
 import torch
 
 from llmopt.distributed.plan import TPPlan
-from llmopt.distributed.shard_quant import is_quantized_tensor, read_whole, row_groups, shard_quantized, tensor_shape
 from llmopt.errors import ModelLoadError, UserInputError
-
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-ROW = ("o_proj", "down_proj")
-VOCAB = ("embed_tokens", "lm_head")
-
-
-def layout(name: str) -> str:
-    """column | row | vocab | replicated: how tensor `name` (an HF name) is split."""
-    parts = name.split(".")
-    module = parts[-2] if len(parts) > 1 else ""
-    if module in COLUMN:
-        return "column"
-    if module in ROW:
-        return "row"
-    if module in VOCAB:
-        return "vocab"
-    return "replicated"
+from llmopt.layers.shard_quant import is_quantized_tensor, read_whole, shard_quantized, tensor_shape
+from llmopt.layers.tp import layout
 
 
 def _part(name: str, plan: TPPlan, rank: int) -> tuple[int, int]:
@@ -90,23 +74,3 @@ def _shard(name: str, tensor, plan: TPPlan, rank: int, quantization_config: dict
         pad = rows.new_zeros((plan.vocab_per_rank - (stop - start), *rows.shape[1:]))
         rows = torch.cat([rows, pad])
     return rows
-
-
-def fit_quantized_modules(model, plan: TPPlan) -> int:
-    """After convert_for_runtime on a rank's shard: an act-order GPTQ row-parallel shard keeps every
-    group's scales and zeros (shard_quant), so its module is rebuilt with the whole Linear's group
-    count. Returns how many modules were rebuilt."""
-    qcfg = model.config.quantization_config or {}
-    if plan.world_size == 1 or not qcfg.get("desc_act"):
-        return 0
-    from llmopt.quant.modules import GPTQLinear
-    rebuilt = 0
-    for name, mod in list(model.named_modules()):
-        if type(mod) is not GPTQLinear or layout(f"{name}.qweight") != "row":
-            continue
-        groups = row_groups(name, qcfg, mod.in_features * plan.world_size, plan.world_size)
-        if groups != mod.n_groups:
-            model.set_submodule(name, GPTQLinear(mod.in_features, mod.out_features, mod.bias is not None, mod.bits,
-                                                 mod.group_size, mod.sym, mod.checkpoint_format, n_groups=groups))
-            rebuilt += 1
-    return rebuilt

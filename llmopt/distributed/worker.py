@@ -87,7 +87,7 @@ def load_rank(args, tp: TPGroup, progress=None):
     """(LoadedModel, ModelRunner, resident bytes before the weights): this rank's shard and runner,
     built as every other rank builds its own."""
     # deferred: start-up time; imported here, before the resident memory is read, so it is not counted
-    from llmopt.quant import runtime  # noqa: F401
+    from llmopt.layers import runtime  # noqa: F401
     warm_up_meta()
     rss_start = _rss_now()
     loaded = load_model(args.model, args.dtype, args.device, progress, tokenizer=tp.rank == 0,

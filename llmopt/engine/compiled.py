@@ -30,7 +30,7 @@ import time
 import torch
 
 from llmopt import defaults
-from llmopt.quant.fuse import drop_stale
+from llmopt.layers.fuse import drop_stale
 
 log = logging.getLogger("llmopt.engine")
 

@@ -4,7 +4,7 @@ A decode step of a few sequences (one new token each) spends most of its time be
 in Python: ~100 small ops per layer. `CpuDecode` holds one `torch.classes.llmopt_cpu.DecodeLayer`
 per layer, referencing (not copying) the layer's weights as loaded: float32 linears, the CPU
 layouts of quantized modules (int8 / int4 codes with scales, fp8) and the fused q/k/v and gate/up
-storage (llmopt/quant/fuse.py). Embedding, the final norm and the head stay in Python (one call
+storage (llmopt/layers/fuse.py). Embedding, the final norm and the head stay in Python (one call
 each). The runner uses it on the CPU, for a float32 model and KV cache, for steps of up to
 CPU_DECODE_MAX_ROWS tokens: decode steps, speculative decoding's verification steps and prefill
 chunks, each token a row that attends over its own prefix (prefill measured 1.1-2.0x faster than
@@ -36,8 +36,8 @@ def _f32(t: torch.Tensor | None) -> torch.Tensor:
 def linear_spec(lin) -> tuple | None:
     """(kind, weight, scales, scale * zeros, bias, act-order perm, group size) of a linear the C++
     layer runs, or None."""
-    from llmopt.quant.modules import PackedIntLinear   # deferred: start-up time (quantized modules)
-    from llmopt.quant.modules_w8a8 import W8Linear   # deferred: start-up time
+    from llmopt.layers.modules import PackedIntLinear   # deferred: start-up time (quantized modules)
+    from llmopt.layers.modules_w8a8 import W8Linear   # deferred: start-up time
     if isinstance(lin, tuple):   # fused float weights (w, b)
         w, b = lin
         if w.dtype != torch.float32 or w.is_meta:
@@ -97,7 +97,7 @@ class CpuDecode:
     def __init__(self, model, layers: list) -> None:
         self.model = model
         self.layers = layers
-        from llmopt.quant.modules_w8a8 import Int8Head   # deferred: start-up time (quantized modules)
+        from llmopt.layers.modules_w8a8 import Int8Head   # deferred: start-up time (quantized modules)
         head = model.lm_head   # the int8 head (quantized models): integer tiles too, its codes in [-127, 127]
         self.int8_head = type(head) is Int8Head and not head._forward_hooks and \
             bool(head.codes.min() > -128) and head.in_features % 32 == 0

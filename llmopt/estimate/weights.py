@@ -101,7 +101,7 @@ def param_bytes(p: Param, shape: tuple[int, ...], fmt: str, group: int, base: in
     for s in shape:
         numel *= s
     if int8_head and len(shape) == 2 and p.group in ("head", "embed"):
-        return numel + shape[0] * 4      # int8 per row + a float32 scale per row (quant/runtime.py Int8Head)
+        return numel + shape[0] * 4      # int8 per row + a float32 scale per row (layers/runtime.py Int8Head)
     if fmt in FLOAT_FORMATS:
         return numel * FLOAT_FORMATS[fmt]
     if fmt.upper() in ggml_type_names():

@@ -3,7 +3,7 @@
 // Built on first use by llmopt/kernels/cpu_quant.py (torch.utils.cpp_extension), registered as
 // torch.ops.llmopt_cpu.* so eager code and torch.compile graphs call them the same way.
 //
-// Weight layouts (prepared once at load by llmopt/quant/modules*.py):
+// Weight layouts (prepared once at load by llmopt/layers/modules*.py):
 // - w8: int8 codes c [N, K]; W[n, k] = (c - z') * s with per-group s, and sz = s * z' [N, G].
 // - w4: uint8 [N, K / 2], 64-column blocks: byte 32b + j holds column 64b + j in its low nibble and
 //       column 64b + 32 + j in its high nibble (no interleave to undo); W = (q - z) * s, sz = s * z.

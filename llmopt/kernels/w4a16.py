@@ -1,6 +1,6 @@
 """W4A16 (and W8A16) dequantize-GEMM in Triton: y = x @ dequant(W)ᵀ with group-wise integer weights.
 
-Weight layout (the one llmopt.quant.modules repacks every format into, GPTQ's qweight order):
+Weight layout (the one llmopt.layers.modules repacks every format into, GPTQ's qweight order):
   qweight int32 [K / (32 / bits), N]: word (r, n) holds the codes of input rows r*8 .. r*8+7
                                      (4-bit) of output column n, lowest bits first;
   scales  [G, N] float, zeros [G, N] float (the integer zero points), group g = k // group_size;

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from llmopt import kernels
 from llmopt.models.config import ModelConfig
-from llmopt.quant.fuse import Fused, call_fused, fuse
+from llmopt.layers.fuse import Fused, call_fused, fuse
 
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, "int | None"], torch.Tensor]
 
@@ -106,7 +106,7 @@ class Attention(nn.Module):
     def fuse_qkv(self) -> bool:
         """One [q; k; v] GEMM instead of three (the narrow k/v ones run far below the CPU's peak):
         float weights, or quantized ones in one layout (one kernel call), concatenated once with
-        q/k/v_proj's tensors left as views into them (llmopt/quant/fuse.py)."""
+        q/k/v_proj's tensors left as views into them (llmopt/layers/fuse.py)."""
         self._qkv = fuse(self, ("q_proj", "k_proj", "v_proj"))
         return self._qkv is not None
 
@@ -260,7 +260,7 @@ class LlamaForCausalLM(nn.Module):
                 tensor = self.tp.shard(name, tensor, self.config.quantization_config)
             keep_dtype = target.dtype if not target.is_floating_point() else dtype
             if name in buffers and getattr(self.get_submodule(name.rpartition(".")[0]), "keep_checkpoint_dtype", False):
-                keep_dtype = tensor.dtype   # quantized modules (llmopt.quant.modules): fp16 scales, fp8 codes as stored
+                keep_dtype = tensor.dtype   # quantized modules (llmopt.layers.modules): fp16 scales, fp8 codes as stored
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(target.shape)}")
             new = tensor.to(device=device, dtype=keep_dtype)

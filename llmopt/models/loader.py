@@ -12,8 +12,12 @@ import torch
 
 from llmopt import defaults
 from llmopt.errors import ModelLoadError, UserInputError
+from llmopt.layers import runtime
+from llmopt.layers.tp import fit_quantized_modules
 from llmopt.models.config import ModelConfig, builtin_gguf, resolve_device_name, resolve_dtype_name
+from llmopt.models.gguf_convert import cached_conversion
 from llmopt.models.llama import LlamaForCausalLM, rope_inv_freq
+from llmopt.validate import safetensors_header
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -73,14 +77,12 @@ def hf_cache_folder(repo_id: str) -> Path:
 def gguf_folder(path: Path, progress=None) -> Path:
     """The converted checkpoint of a GGUF file, cached under CACHE_DIR/gguf by the file's content
     (checked on each use, rebuilt with a warning when damaged: gguf_convert.cached_conversion)."""
-    from llmopt.models.gguf_convert import cached_conversion
     return cached_conversion(Path(path), defaults.CACHE_DIR / "gguf", progress)
 
 
 def safetensors_files(folder: Path) -> list[Path]:
     """The folder's weight files, each header checked against its size (validate.safetensors_header:
     a truncated or garbage file is a one-line ModelLoadError naming it, before anything is read)."""
-    from llmopt.validate import safetensors_header
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -126,9 +128,8 @@ def build_model(cfg: ModelConfig, folder: Path, dtype: torch.dtype, device: torc
                 quantization: str | None = None, lm_head_dtype: str = defaults.LM_HEAD_DTYPE,
                 tp=None) -> LlamaForCausalLM:
     """`quantization` int8|fp8: a float checkpoint's decoder Linears quantized per channel as they
-    load; `lm_head_dtype` auto|float|int8 (quant/runtime.py: resolve_lm_head_dtype). `tp` (a
+    load; `lm_head_dtype` auto|float|int8 (layers/runtime.py: resolve_lm_head_dtype). `tp` (a
     llmopt.distributed.parallel.TPGroup): build and load this rank's shard only."""
-    from llmopt.quant import runtime
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, tp)
     weights = iter_safetensors(folder, lazy=tp is not None)
@@ -143,7 +144,6 @@ def build_model(cfg: ModelConfig, folder: Path, dtype: torch.dtype, device: torc
     elif cfg.quantization_config:
         runtime.convert_for_runtime(model, cfg.quantization_config)  # swaps Linear for quantized modules
         if tp is not None:
-            from llmopt.distributed.shard import fit_quantized_modules
             fit_quantized_modules(model, tp.plan)
     head = runtime.resolve_lm_head_dtype(lm_head_dtype, bool(quantization or cfg.quantization_config), device)
     loaded = model.load_weights(weights, dtype, device)

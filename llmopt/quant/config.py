@@ -7,11 +7,24 @@ from pathlib import Path
 
 from llmopt import defaults
 from llmopt.errors import UserInputError
+from llmopt.validate import SEED_MAX, SEED_MIN, decode_utf8
 
 METHODS = ("awq", "gptq", "rtn", "fp8", "int8")
 FORMATS = ("awq", "gptq", "compressed-tensors", "dequantized")
 DEFAULT_FORMAT = {"awq": "awq", "gptq": "gptq", "rtn": "compressed-tensors", "fp8": "compressed-tensors",
                   "int8": "compressed-tensors"}
+
+
+ACT_ORDERS = ("none", "static", "group")
+
+
+def act_order_mode(act_order: "str | bool | None") -> str:
+    """`none`, `static` or `group` (llm-compressor's names); True is GPTQModel's desc_act (`group`)."""
+    if act_order is True:
+        return "group"
+    if act_order is False or act_order is None:
+        return "none"
+    return str(act_order)
 
 
 @dataclass
@@ -65,7 +78,6 @@ class QuantConfig:
             raise UserInputError(f"--method {s.method} is written as compressed-tensors only: use --format compressed-tensors")
         if s.act_order not in (None, False, "none") and s.method != "gptq":
             raise UserInputError("--act-order applies to --method gptq only")
-        from llmopt.quant.gptq import ACT_ORDERS, act_order_mode
         s.act_order = act_order_mode(s.act_order if s.act_order is not None or s.method != "gptq"
                                      else defaults.GPTQ_ACT_ORDER)
         if s.act_order not in ACT_ORDERS:
@@ -86,7 +98,6 @@ class QuantConfig:
         if not 1 <= s.num_samples <= defaults.QUANT_MAX_NUM_SAMPLES:
             raise UserInputError(f"--num-samples {s.num_samples}: use 1 to {defaults.QUANT_MAX_NUM_SAMPLES:,} "
                                  "calibration windows")
-        from llmopt.validate import SEED_MAX, SEED_MIN
         if not SEED_MIN <= s.seed <= SEED_MAX:
             raise UserInputError(f"--seed {s.seed} does not fit in 64 bits: use {SEED_MIN} to {SEED_MAX}")
         if not 0 < s.damp < 1:
@@ -164,7 +175,6 @@ def load_recipe(path: str | Path) -> dict:
     p = Path(path)
     if not p.is_file():
         raise UserInputError(f"recipe {p} not found")
-    from llmopt.validate import decode_utf8
     text = decode_utf8(p.read_bytes(), f"recipe {p}")
     try:
         data = yaml.safe_load(text) or {}

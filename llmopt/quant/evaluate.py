@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from llmopt import defaults
+from llmopt.eval import load_text_dataset, plan_ppl, run_ppl
+from llmopt.models.loader import load_model
 
 
 @dataclass
@@ -36,8 +38,6 @@ def plan_quant_eval(base: str, quantized: str, *, dataset: str = defaults.PPL_DA
                     limit: int | None = defaults.QUANT_EVAL_LIMIT, ctx: int = defaults.PPL_CTX,
                     dtype: str = "auto", device: str = "auto") -> QuantEvalPlan:
     """Load both checkpoints and plan the chunks windows (the first `limit` tokens of `dataset`)."""
-    from llmopt.eval import load_text_dataset, plan_ppl
-    from llmopt.models.loader import load_model
     data = load_text_dataset(dataset)
     base_lm = load_model(base, dtype, device)
     q_lm = load_model(quantized, dtype, device)
@@ -48,7 +48,6 @@ def plan_quant_eval(base: str, quantized: str, *, dataset: str = defaults.PPL_DA
 
 def run_quant_eval(plan: QuantEvalPlan, progress: Callable[[int], None] | None = None) -> QuantEval:
     """Score the quantized model with KLD against the source; progress(n) after each n windows."""
-    from llmopt.eval import run_ppl
     r = run_ppl(plan.quantized, plan.ppl, base=plan.base, progress=progress)
     return QuantEval(perplexity_before=r.kl.base_ppl, perplexity_after=r.ppl, kld_mean=r.kl.kld_mean,
                      top1_agreement=r.kl.top1_agreement, scored_tokens=r.scored_tokens, dataset=r.dataset,

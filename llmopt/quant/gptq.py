@@ -16,8 +16,9 @@ import torch
 
 from llmopt import defaults
 from llmopt.errors import LLMOptError
+from llmopt.quant.config import act_order_mode
 from llmopt.quant.rtn import check_group_size, group_params
-from llmopt.quant.types import IntQuantized
+from llmopt.layers.types import IntQuantized
 
 
 class HessianAccumulator:
@@ -57,18 +58,6 @@ class HessianAccumulator:
 class GPTQResult:
     quantized: IntQuantized
     loss: float                    # Σ (w - q)² / [H⁻¹]_jj², the objective's proxy GPTQ reports
-
-
-ACT_ORDERS = ("none", "static", "group")
-
-
-def act_order_mode(act_order: "str | bool | None") -> str:
-    """`none`, `static` or `group` (llm-compressor's names); True is GPTQModel's desc_act (`group`)."""
-    if act_order is True:
-        return "group"
-    if act_order is False or act_order is None:
-        return "none"
-    return str(act_order)
 
 
 def gptq_quantize(w: torch.Tensor, H: torch.Tensor, bits: int, group_size: int, sym: bool,

@@ -16,8 +16,9 @@ import torch
 import torch.nn as nn
 
 from llmopt import defaults
-from llmopt.quant import awq, fp8, gptq, int8, rtn
-from llmopt.quant.activations import fake_quantize_tokens
+from llmopt.layers import fp8, int8
+from llmopt.quant import awq, gptq, rtn, smoothquant
+from llmopt.layers.activations import fake_quantize_tokens
 from llmopt.quant.config import QuantConfig
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -81,7 +82,7 @@ def quantize_layer(layer: nn.Module, x: torch.Tensor, err_samples: int, ctx: Lay
     quantized, next_x = METHODS[qconfig.method](layer, x, ctx, qconfig)
     handles = []
     if qconfig.method in ("fp8", "int8") and qconfig.activations == "dynamic":
-        # the arithmetic the runtime modules run (quant/modules_w8a8.py), as dequantize(quantize(x))
+        # the arithmetic the runtime modules run (layers/modules_w8a8.py), as dequantize(quantize(x))
         handles = [layer.get_submodule(n).register_forward_pre_hook(
             lambda _m, a: (fake_quantize_tokens(a[0], qconfig.method),)) for n in LINEARS]
     try:
@@ -260,8 +261,8 @@ def _int8(layer, x, ctx, qconfig):
             next_x = ctx.forward(layer, x)      # smoothing leaves the float function as it is
         finally:
             stats.close()
-        int8.smooth(layer.input_layernorm, [at.q_proj, at.k_proj, at.v_proj], stats.amax["qkv"], qconfig.smoothquant_alpha)
-        int8.smooth(layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj], stats.amax["mlp"],
+        smoothquant.smooth(layer.input_layernorm, [at.q_proj, at.k_proj, at.v_proj], stats.amax["qkv"], qconfig.smoothquant_alpha)
+        smoothquant.smooth(layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj], stats.amax["mlp"],
                     qconfig.smoothquant_alpha)
     out = {}
     for n in LINEARS:

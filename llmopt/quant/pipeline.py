@@ -26,10 +26,11 @@ from llmopt.fsutil import atomic_folder, check_output_folder
 from llmopt.models.attention import DenseCausalAttention
 from llmopt.models.config import ModelConfig
 from llmopt.models.llama import DecoderLayer, rope_cos_sin, rope_inv_freq
-from llmopt.models.loader import load_tokenizer, resolve_checkpoint, safetensors_files
+from llmopt.models.loader import DTYPES, load_tokenizer, resolve_checkpoint, safetensors_files
 from llmopt.quant.calib import load_calibration
 from llmopt.quant.checkpoint import CheckpointReader, save_shard, write_metadata
 from llmopt.quant.evaluate import QuantEval
+from llmopt.quant.formats import pack_linear, quantization_config
 from llmopt.quant.layerwise import LINEARS, LayerContext, quantize_layer
 from llmopt.quant.rtn import check_group_size
 from llmopt.quant.config import QuantConfig
@@ -91,7 +92,6 @@ def auto_group_size(widths: list[int]) -> tuple[int, str]:
 
 def output_dtype(qconfig: QuantConfig, reader: "CheckpointReader") -> torch.dtype:
     if qconfig.dtype != "auto":
-        from llmopt.models.loader import DTYPES
         if qconfig.dtype not in DTYPES:
             raise UserInputError(f"unknown --out-dtype {qconfig.dtype!r}: use auto, float16, bfloat16 or float32")
         return DTYPES[qconfig.dtype]
@@ -211,7 +211,6 @@ def _packer(fmt: str):
         def pack(prefix, qt, _fmt, dtype):
             return {f"{prefix}.weight": qt.dequantize(dtype)}
         return pack, lambda _fmt, qconfig: None
-    from llmopt.quant.formats import pack_linear, quantization_config
     return pack_linear, quantization_config
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from llmopt.errors import UserInputError
-from llmopt.quant.types import IntQuantized
+from llmopt.layers.types import IntQuantized, round_scale
 
 
 def check_group_size(in_features: int, group_size: int, name: str = "weight") -> int:
@@ -29,14 +29,6 @@ def largest_divisor(n: int) -> int:
         if n % g == 0:
             return g
     return n
-
-
-def round_scale(scale: torch.Tensor, scale_dtype: torch.dtype | None) -> torch.Tensor:
-    """Scales as the checkpoint will store them (e.g. fp16), so codes are chosen against those."""
-    if scale_dtype is None or scale_dtype == torch.float32:
-        return scale
-    tiny = torch.finfo(scale_dtype).tiny
-    return scale.clamp(min=tiny).to(scale_dtype).float()
 
 
 def group_params(w: torch.Tensor, bits: int, sym: bool,

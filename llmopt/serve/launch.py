@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Iterator
 
 from llmopt.errors import LLMOptError
+from llmopt.ports import free_port
 
 
 @dataclass
@@ -28,13 +28,6 @@ class Launched:
     port: int
     log: Path | None
     seconds_to_ready: float
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_command(args: list[str], port: int) -> list[str]:

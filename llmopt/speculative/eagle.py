@@ -29,7 +29,7 @@ from llmopt.errors import ModelLoadError, UserInputError
 from llmopt.kernels import cpu_quant
 from llmopt.models.config import parse_hf_config
 from llmopt.models.llama import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
-from llmopt.quant.modules_w8a8 import int8_rows
+from llmopt.layers.modules_w8a8 import int8_rows
 from llmopt.speculative.draft_model import DraftState
 from llmopt.speculative.paged import DraftKVCache, prepare
 

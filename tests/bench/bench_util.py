@@ -24,7 +24,8 @@ from pathlib import Path
 
 import httpx
 
-from llmopt.serve.launch import free_port, serving
+from llmopt.ports import free_port
+from llmopt.serve.launch import serving
 
 
 @dataclass

@@ -9,7 +9,7 @@ import torch
 
 from llmopt.distributed.parallel import TPGroup
 from llmopt.distributed.plan import plan_for_config
-from llmopt.distributed.shard import layout
+from llmopt.layers.tp import layout
 from llmopt.models import loader
 from llmopt.models.config import ModelConfig
 

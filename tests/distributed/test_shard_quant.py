@@ -1,4 +1,4 @@
-"""llmopt.distributed.shard_quant: tensor-parallel shards of quantized tensors. Each format's tensors are
+"""llmopt.layers.shard_quant: tensor-parallel shards of quantized tensors. Each format's tensors are
 written by the project's packers (llmopt.quant.formats.pack_linear over tests/quant_util's
 quantizers), cut for 2 and 3 ranks by column and by row, loaded into the runtime module built with
 the shard's features (its own shape checks), and dequantized: the shards are exactly the slices of
@@ -13,12 +13,12 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from llmopt.distributed.shard_quant import is_quantized_tensor, row_groups, shard_quantized
+from llmopt.layers.shard_quant import is_quantized_tensor, row_groups, shard_quantized
 from llmopt.errors import UserInputError
 from llmopt.quant.formats import pack_linear, quantization_config
-from llmopt.quant.modules import AWQLinear, GPTQLinear
-from llmopt.quant.runtime import ct_group_for, ct_module
-from llmopt.quant.types import FloatQuantized
+from llmopt.layers.modules import AWQLinear, GPTQLinear
+from llmopt.layers.runtime import ct_group_for, ct_module
+from llmopt.layers.types import FloatQuantized
 from quant_util import fp8, int8, rtn
 
 OUT, IN = 48, 192

@@ -20,7 +20,7 @@ from llmopt.distributed.worker import _rss_now, _status_bytes, warm_up_meta
 from llmopt.engine.runner import ModelRunner
 from llmopt.engine.scheduler import ScheduledRequest, SchedulerOutput
 from llmopt.models.loader import load_model
-from llmopt.quant import runtime
+from llmopt.layers import runtime
 warm_up_meta()
 start = _rss_now()
 runner = ModelRunner(load_model(sys.argv[1], "float32", "cpu", tokenizer=False), 16, kv_cache_memory=1 << 20)

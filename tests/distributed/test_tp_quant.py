@@ -1,6 +1,6 @@
 """Quantized checkpoints over 2 ranks: a tiny AWQ and a tiny GPTQ model (written by the project's
 packers, tests/quant_util.py) give the logits of one rank within float32 rounding; each rank's
-packed codes, group scales and zeros are its shard (llmopt/distributed/shard_quant.py), the int8 head its
+packed codes, group scales and zeros are its shard (llmopt/layers/shard_quant.py), the int8 head its
 vocabulary rows."""
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ import torch
 
 from llmopt.kernels import cpu_quant
 from llmopt.quant.formats import pack_linear
-from llmopt.quant.modules import GPTQLinear
-from llmopt.quant.types import IntQuantized
+from llmopt.layers.modules import GPTQLinear
+from llmopt.layers.types import IntQuantized
 
 K = 384
 NS = (1, 5, 7, 193)

@@ -8,7 +8,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from llmopt.kernels.w4a16 import w4a16_matmul, w4a16_reference  # noqa: E402
-from llmopt.quant.formats.packing import pack_codes  # noqa: E402
+from llmopt.layers.formats.packing import pack_codes  # noqa: E402
 
 
 def make(K, N, group_size, bits=4, seed=0):
@@ -73,8 +73,8 @@ def test_modules_repack_every_format_for_the_kernel(fmt):
     """What a quantized module runs on a GPU: its checkpoint tensors repacked into the kernel's
     layout (act-order columns sorted by group), against the module's CPU path."""
     from llmopt.quant.formats import pack_linear
-    from llmopt.quant.modules import AWQLinear, CTPackedLinear, GPTQLinear
-    from llmopt.quant.types import IntQuantized
+    from llmopt.layers.modules import AWQLinear, CTPackedLinear, GPTQLinear
+    from llmopt.layers.types import IntQuantized
     out, n_in, gs = 32, 128, 32
     g = torch.Generator().manual_seed(5)
     qt = IntQuantized(qweight=torch.randint(0, 16, (out, n_in), generator=g, dtype=torch.int32),

@@ -1,4 +1,4 @@
-"""W8A8 activation quantization: one definition (llmopt.quant.activations) that the runtime
+"""W8A8 activation quantization: one definition (llmopt.layers.activations) that the runtime
 modules run and calibration simulates. Checked against vLLM's rules written out by hand, and the
 calibration fake-quant against the runtime module's forward, including all-zero and tiny rows."""
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmopt.quant import fp8, int8
-from llmopt.quant.activations import fake_quantize_tokens, quantize_tokens
+from llmopt.layers import fp8, int8
+from llmopt.layers.activations import fake_quantize_tokens, quantize_tokens
 from llmopt.quant.layerwise import LINEARS, quantize_layer
-from llmopt.quant.modules_w8a8 import W8Linear
+from llmopt.layers.modules_w8a8 import W8Linear
 from llmopt.quant.config import QuantConfig
 from quant_util import our_layer
 

@@ -1,4 +1,4 @@
-"""The CPU quantized modules (quant/modules*.py over kernels/cpu_quant): each format's module,
+"""The CPU quantized modules (layers/modules*.py over kernels/cpu_quant): each format's module,
 loaded from its checkpoint tensors, keeps packed codes (no float weight) and its forward equals
 x @ dequantized(W)^T (float64 reference) within float32 rounding, for M in {1, 4, 16, 64}, group
 sizes 32/64/128, with and without act-order g_idx; the int8 LM head and tied embedding; the
@@ -16,11 +16,11 @@ import torch
 
 from llmopt import defaults
 from llmopt.kernels import cpu_quant
-from llmopt.quant.activations import quantize_tokens
+from llmopt.layers.activations import quantize_tokens
 from llmopt.quant.formats import pack_linear
-from llmopt.quant.modules import AWQLinear, CTPackedLinear, GPTQLinear
-from llmopt.quant.modules_w8a8 import Int8Embedding, Int8Head, W8Linear, int8_rows
-from llmopt.quant.types import IntQuantized
+from llmopt.layers.modules import AWQLinear, CTPackedLinear, GPTQLinear
+from llmopt.layers.modules_w8a8 import Int8Embedding, Int8Head, W8Linear, int8_rows
+from llmopt.layers.types import IntQuantized
 
 OUT, IN = 96, 384            # IN a multiple of 64 and 128
 MS = (1, 4, 16, 64)
@@ -204,7 +204,7 @@ MEMORY_SCRIPT = textwrap.dedent("""
     import json, sys, torch
     from llmopt.kernels import cpu_quant
     from llmopt.models.loader import load_model
-    from llmopt.quant.runtime import release_freed_memory
+    from llmopt.layers.runtime import release_freed_memory
     def rss_anon():
         for line in open("/proc/self/status"):
             if line.startswith("RssAnon:"):

@@ -1,4 +1,4 @@
-"""Fused q/k/v and gate/up (llmopt/quant/fuse.py): the fused module's outputs equal the separate
+"""Fused q/k/v and gate/up (llmopt/layers/fuse.py): the fused module's outputs equal the separate
 modules' for every CPU-runtime format, M in {1, 4, 16, 64}, group sizes 32/64/128; the modules'
 tensors become views of the fused storage (no second copy); a replaced, reloaded or hooked
 projection falls back to separate calls; the engine's greedy tokens do not change."""
@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 
 from llmopt.quant.formats import pack_linear
-from llmopt.quant.fuse import call_fused, drop_stale, fuse, fuse_quantized
-from llmopt.quant.modules_w8a8 import W8Linear
+from llmopt.layers.fuse import call_fused, drop_stale, fuse, fuse_quantized
+from llmopt.layers.modules_w8a8 import W8Linear
 from tests.quant.test_cpu_kernels import CASES, IN, MS, close, int_module, kernel_for_every_m, load, random_int  # noqa: F401
 
 SIZES = (96, 32, 32)      # q, k, v rows (k/v narrower, as with GQA)

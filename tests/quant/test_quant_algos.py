@@ -6,7 +6,8 @@ import torch
 import transformers
 
 from llmopt.errors import UserInputError
-from llmopt.quant import awq, fp8, gptq, int8, rtn
+from llmopt.layers import fp8, int8
+from llmopt.quant import awq, gptq, rtn, smoothquant
 from llmopt.quant.layerwise import LINEARS, batches, input_of, quantize_layer
 from llmopt.quant.config import QuantConfig
 from quant_util import our_layer
@@ -191,7 +192,7 @@ def test_smoothquant_folding_keeps_the_float_function_and_tames_outliers():
         h = layer.input_layernorm(x)
         amax = h.reshape(-1, 64).abs().amax(0)
         at = layer.self_attn
-        s = int8.smooth(layer.input_layernorm, [at.q_proj, at.k_proj, at.v_proj], amax, 0.5)
+        s = smoothquant.smooth(layer.input_layernorm, [at.q_proj, at.k_proj, at.v_proj], amax, 0.5)
         torch.testing.assert_close(ctx.forward(layer, x), ref, rtol=1e-4, atol=1e-4)
         h2 = layer.input_layernorm(x).reshape(-1, 64).abs().amax(0)
         torch.testing.assert_close(h2, amax / s)

@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from llmopt.errors import UserInputError
-from llmopt.quant.formats import pack_linear, quantization_config, unpack_linear
-from llmopt.quant.formats import compressed_tensors as ct
-from llmopt.quant.types import FloatQuantized, Int8Quantized, IntQuantized
+from llmopt.layers.formats import compressed_tensors as ct
+from llmopt.layers.formats import unpack_linear
+from llmopt.quant.formats import pack_linear, quantization_config
+from llmopt.layers.types import FloatQuantized, Int8Quantized, IntQuantized
 
 OUT, IN, GS = 16, 64, 32
 
@@ -187,9 +188,9 @@ def _meta_model(tie=False):
 
 def test_convert_for_runtime_targets():
     from llmopt.errors import ModelLoadError
-    from llmopt.quant.modules import AWQLinear, CTPackedLinear, GPTQLinear
-    from llmopt.quant.modules_w8a8 import W8Linear
-    from llmopt.quant.runtime import convert_for_runtime
+    from llmopt.layers.modules import AWQLinear, CTPackedLinear, GPTQLinear
+    from llmopt.layers.modules_w8a8 import W8Linear
+    from llmopt.layers.runtime import convert_for_runtime
     kinds = lambda m: {n: type(x).__name__ for n, x in m.named_modules() if n.endswith(("proj", "lm_head"))}  # noqa
     m = _meta_model()
     assert convert_for_runtime(m, dict(quantization_config("awq", method="awq", group_size=32),

@@ -16,9 +16,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from llmopt.errors import ModelLoadError
-from llmopt.quant.formats import quantization_config, unpack_linear
-from llmopt.quant.formats.packing import unpack_codes
-from llmopt.quant.types import IntQuantized
+from llmopt.layers.formats import unpack_linear
+from llmopt.quant.formats import quantization_config
+from llmopt.layers.formats.packing import unpack_codes
+from llmopt.layers.types import IntQuantized
 from quant_util import FakeQuantActivations, dequantized_reference, fp8, int8, our_logits, rtn, write_quantized
 
 IDS = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))

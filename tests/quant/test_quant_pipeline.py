@@ -17,10 +17,10 @@ from llmopt.models.attention import DenseCausalAttention
 from llmopt.models.llama import rope_cos_sin, rope_inv_freq
 from llmopt.models.loader import load_model, load_tokenizer
 from llmopt.quant.calib import load_calibration
-from llmopt.quant.formats import unpack_linear
+from llmopt.layers.formats import unpack_linear
 from llmopt.quant.layerwise import LINEARS, LayerContext, quantize_layer
 from llmopt.quant.pipeline import quantize_model
-from llmopt.quant.runtime import ct_group_for
+from llmopt.layers.runtime import ct_group_for
 from llmopt.quant.config import QuantConfig
 from quant_pipeline_util import write_checkpoint
 

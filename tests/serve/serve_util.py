@@ -19,7 +19,8 @@ import httpx
 from conftest import REPO
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmopt.serve.launch import free_port, launch, stop  # noqa: F401 (re-exported to the tests)
+from llmopt.ports import free_port  # noqa: F401 (re-exported to the tests)
+from llmopt.serve.launch import launch, stop  # noqa: F401 (re-exported to the tests)
 
 API_KEY = "test-key"
 MODEL_NAME = "tiny"

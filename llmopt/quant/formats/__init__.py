@@ -1,15 +1,17 @@
-"""Checkpoint formats other tools load: AutoAWQ GEMM (`awq`), GPTQ v1 (`gptq`) and llm-compressor's
-`compressed-tensors`. Pure functions between the canonical forms of llmopt.quant.types and
-(name -> tensor) dicts plus the `quantization_config` entry of config.json."""
+"""Writing the checkpoint formats other tools load (llmopt.layers.formats describes and reads them):
+AutoAWQ GEMM (`awq`), GPTQ v1 (`gptq`) and llm-compressor's `compressed-tensors`. Pure functions
+from the canonical forms of llmopt.layers.types to (name -> tensor) dicts, plus the
+`quantization_config` entry of config.json."""
 
 from __future__ import annotations
 
 import torch
 
-from llmopt.errors import ModelLoadError, UserInputError
+from llmopt.errors import UserInputError
+from llmopt.layers.formats import FORMATS
+from llmopt.quant.config import act_order_mode
 from llmopt.quant.formats import awq, compressed_tensors, gptq
 
-FORMATS = ("awq", "gptq", "compressed-tensors")
 # the dtype a format stores scales in: algorithms round their scales to it before choosing codes
 SCALE_DTYPE = {"awq": awq.SCALE_DTYPE, "gptq": gptq.SCALE_DTYPE, "compressed-tensors": None}
 
@@ -34,7 +36,6 @@ def quantization_config(fmt: str, qconfig=None, *, method: str | None = None, bi
     or the keywords."""
     if qconfig is not None:
         method, bits, group_size, sym = qconfig.method, qconfig.bits, qconfig.group_size, bool(qconfig.sym)
-        from llmopt.quant.gptq import act_order_mode
         act_order = act_order_mode(getattr(qconfig, "act_order", False)) == "group"   # static keeps g_idx trivial
         activations = getattr(qconfig, "activations", activations)
         fp8_scale = getattr(qconfig, "fp8_scale", fp8_scale)
@@ -49,37 +50,3 @@ def quantization_config(fmt: str, qconfig=None, *, method: str | None = None, bi
     if fmt == "compressed-tensors":
         return compressed_tensors.quantization_config(method, bits, group_size, sym, activations, fp8_scale)
     raise UserInputError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
-
-
-def format_of(qcfg: dict) -> str:
-    """Which of our formats a checkpoint's quantization_config is."""
-    method = str(qcfg.get("quant_method", "")).lower()
-    if method == "awq":
-        version = str(qcfg.get("version", "gemm")).lower()
-        if version != "gemm":
-            raise ModelLoadError(f"AWQ version {version!r} is not supported: llmopt runs AutoAWQ GEMM checkpoints")
-        return "awq"
-    if method == "gptq":
-        cf = str(qcfg.get("checkpoint_format", qcfg.get("format", "gptq"))).lower()
-        if cf not in ("gptq", "gptq_v2"):
-            raise ModelLoadError(f"GPTQ checkpoint_format {cf!r} is not supported: llmopt runs gptq (v1) and gptq_v2")
-        return "gptq"
-    if method == "compressed-tensors":
-        return "compressed-tensors"
-    raise ModelLoadError(f"quant_method {qcfg.get('quant_method')!r} is not supported: llmopt runs awq, gptq "
-                         "and compressed-tensors checkpoints")
-
-
-def unpack_linear(tensors: dict[str, torch.Tensor], qcfg: dict, group: dict | None = None):
-    """A module's tensors (local names: qweight, scales, ...) -> canonical form. For
-    compressed-tensors pass the module's config group (see runtime.ct_group_for)."""
-    fmt = format_of(qcfg)
-    if fmt == "awq":
-        return awq.unpack(tensors, int(qcfg.get("bits", qcfg.get("w_bit", 4))),
-                          int(qcfg.get("group_size", qcfg.get("q_group_size"))), sym=False)
-    if fmt == "gptq":
-        cf = str(qcfg.get("checkpoint_format", "gptq")).lower()
-        return gptq.unpack(tensors, int(qcfg["bits"]), int(qcfg["group_size"]), bool(qcfg.get("sym", True)), cf)
-    if group is None:
-        raise UserInputError("unpacking compressed-tensors needs the module's config group")
-    return compressed_tensors.unpack(tensors, group)

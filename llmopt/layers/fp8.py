@@ -1,14 +1,14 @@
 """FP8 e4m3 weights with per-tensor or per-output-channel scales (W ≈ w8·s, s = absmax / 448),
-weight-only or W8A8 with dynamic per-token activation scales (quant/activations.py, applied at run time)."""
+weight-only or W8A8 with dynamic per-token activation scales (layers/activations.py, applied at run
+time): what `quantize --method fp8` writes and `--quantization fp8` runs at load time."""
 
 from __future__ import annotations
 
 import torch
 
 from llmopt.errors import UserInputError
-from llmopt.quant.activations import FP8_MAX
-from llmopt.quant.rtn import round_scale
-from llmopt.quant.types import FloatQuantized
+from llmopt.layers.activations import FP8_MAX
+from llmopt.layers.types import FloatQuantized, round_scale
 
 
 def quantize_fp8(w: torch.Tensor, scheme: str = "channel", activations: str = "dynamic",

@@ -2,7 +2,7 @@
 naive-quantized when weight-only) and INT8 W8A8 (int-quantized).
 
 W8A8 quantizes the activations per token, dynamically and symmetrically, as vLLM does
-(`quant/activations.py`, the definition calibration simulates too), then y = (xq @ w8ᵀ) * s * s_w.
+(`layers/activations.py`, the definition calibration simulates too), then y = (xq @ w8ᵀ) * s * s_w.
 On CUDA through torch._scaled_mm (fp8, row-wise scales) and torch._int_mm (int8), on the CPU the
 same arithmetic in float32 through llmopt.kernels.cpu_quant (the 8-bit weight decoded inside the
 GEMV/GEMM: no float copy is kept). Weight-only 8-bit dequantizes per call on a GPU.
@@ -18,9 +18,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from llmopt.kernels import cpu_quant
-from llmopt.quant.activations import quantize_tokens, quantize_tokens_fp8, quantize_tokens_int8
-from llmopt.quant.modules import QuantLinear
-from llmopt.quant.types import FloatQuantized, Int8Quantized
+from llmopt.layers.activations import quantize_tokens, quantize_tokens_fp8, quantize_tokens_int8
+from llmopt.layers.modules import QuantLinear
+from llmopt.layers.types import FloatQuantized, Int8Quantized
 
 _EMPTY = torch.empty(0)
 
@@ -159,12 +159,11 @@ class Int8Embedding(nn.Module):
         self.num_embeddings, self.embedding_dim = head.codes.shape
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        from llmopt.kernels.cpu_quant import w8_rows
         h = self.head[0]
         if ids.is_cuda:
             out = h.codes[ids].to(self.dtype) * h.scales[ids, None].to(self.dtype)
             return out
-        return w8_rows(ids, h.codes, h.scales).to(self.dtype).view(*ids.shape, self.embedding_dim)
+        return cpu_quant.w8_rows(ids, h.codes, h.scales).to(self.dtype).view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, int8 rows of the tied LM head"

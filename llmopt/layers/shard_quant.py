@@ -34,9 +34,9 @@ import torch
 import torch.nn as nn
 
 from llmopt.errors import UserInputError
-from llmopt.quant.formats import format_of
-from llmopt.quant.formats.packing import codes_per_word
-from llmopt.quant.runtime import ct_group_for, gptq_args
+from llmopt.layers.formats import format_of
+from llmopt.layers.formats.packing import codes_per_word
+from llmopt.layers.runtime import ct_group_for, gptq_args
 
 AWQ_TENSORS = ("qweight", "qzeros", "scales")
 GPTQ_TENSORS = ("qweight", "qzeros", "scales", "g_idx")

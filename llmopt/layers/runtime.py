@@ -16,9 +16,11 @@ import re
 import torch.nn as nn
 
 from llmopt.errors import ModelLoadError
-from llmopt.quant.formats import format_of
-from llmopt.quant.modules import AWQLinear, CTPackedLinear, GPTQLinear
-from llmopt.quant.modules_w8a8 import Int8Embedding, Int8Head, W8Linear, int8_rows
+from llmopt.layers.formats import format_of
+from llmopt.layers.fp8 import quantize_fp8
+from llmopt.layers.int8 import quantize_int8
+from llmopt.layers.modules import AWQLinear, CTPackedLinear, GPTQLinear
+from llmopt.layers.modules_w8a8 import Int8Embedding, Int8Head, W8Linear, int8_rows
 
 
 def convert_for_runtime(model: nn.Module, quantization_config: dict) -> int:
@@ -144,8 +146,6 @@ def convert_for_load_quantization(model: nn.Module, method: str) -> set[str]:
 def quantize_as_loaded(weights, names: set[str], method: str):
     """Wrap a (name, tensor) stream: the weights of `names` come out as their int8/fp8 codes and
     per-channel scales (W8Linear's buffers), one Linear at a time; everything else passes through."""
-    from llmopt.quant.fp8 import quantize_fp8
-    from llmopt.quant.int8 import quantize_int8
     for name, tensor in weights:
         prefix = name[:-len(".weight")] if name.endswith(".weight") else None
         if prefix not in names:

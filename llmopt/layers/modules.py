@@ -20,9 +20,9 @@ import torch.nn.functional as F
 
 from llmopt.errors import ModelLoadError
 from llmopt.kernels import cpu_quant
-from llmopt.quant.formats import awq, compressed_tensors, gptq
-from llmopt.quant.formats.packing import codes_per_word, pack_codes
-from llmopt.quant.types import IntQuantized
+from llmopt.layers.formats import awq, compressed_tensors, gptq
+from llmopt.layers.formats.packing import codes_per_word, pack_codes
+from llmopt.layers.types import IntQuantized
 
 
 def dequantize_fast(qt: IntQuantized, dtype: torch.dtype) -> torch.Tensor:
@@ -93,7 +93,6 @@ class PackedIntLinear(QuantLinear):
 
     def _prepare_cpu(self) -> None:
         """Repack for llmopt.kernels.cpu_quant and free the checkpoint's tensors."""
-        from llmopt.kernels.cpu_quant import pack_int4
         qt = self.canonical()
         k = qt.in_features
         gs = k if qt.group_size == -1 else qt.group_size
@@ -109,7 +108,7 @@ class PackedIntLinear(QuantLinear):
         scales = qt.scales.float().contiguous()
         zeros = qt.zeros.float()
         if qt.bits == 4 and k % 64 == 0 and (gs == 32 or gs % 64 == 0):
-            kind, packed = "w4", pack_int4(codes)
+            kind, packed = "w4", cpu_quant.pack_int4(codes)
         else:                      # any width up to 8 bits as int8 codes; 8-bit codes shifted by -128
             shift = 128 if qt.bits == 8 else 0
             kind, packed = "w8", (codes - shift).to(torch.int8).contiguous()
@@ -133,9 +132,8 @@ class PackedIntLinear(QuantLinear):
         """The float weight [out, in] (a new tensor each call: tests and references, never the forward)."""
         if self._cpu is None:
             return dequantize_fast(self.canonical(), dtype)
-        from llmopt.kernels.cpu_quant import unpack_int4
         kind, gs = self._cpu
-        codes = unpack_int4(self.cpu_codes) if kind == "w4" else self.cpu_codes
+        codes = cpu_quant.unpack_int4(self.cpu_codes) if kind == "w4" else self.cpu_codes
         n, k = codes.shape
         w = codes.float().view(n, k // gs, gs) * self.cpu_scales[..., None] - self.cpu_szeros[..., None]
         w = w.view(n, k)
@@ -161,7 +159,7 @@ class PackedIntLinear(QuantLinear):
             if not torch.equal(g, torch.arange(qt.in_features, device=g.device) // gs):
                 return   # unequal groups: stay on the dequantized path
         if qt.in_features % self.per or qt.scales.shape[1] != -(-qt.in_features // gs):
-            return   # odd widths, or an act-order row shard's groups (llmopt.distributed.shard_quant)
+            return   # odd widths, or an act-order row shard's groups (llmopt.layers.shard_quant)
         scales = qt.scales.t().contiguous()
         self._kernel = (pack_codes(codes.t(), qt.bits, dim=0), scales, qt.zeros.t().to(scales.dtype).contiguous(),
                         perm, gs)
@@ -172,7 +170,7 @@ class PackedIntLinear(QuantLinear):
         if self._cpu is not None and not x.is_cuda:
             return cpu_quant.linear_2d(x, self._cpu_matmul, self.out_features, self.bias)
         if self._kernel is not None and x.is_cuda:
-            from llmopt.kernels.w4a16 import w4a16_matmul
+            from llmopt.kernels.w4a16 import w4a16_matmul  # deferred: imports triton, an optional dependency
             qweight, scales, zeros, perm, gs = self._kernel
             x2 = x.reshape(-1, self.in_features)
             if perm is not None:
@@ -210,7 +208,7 @@ class GPTQLinear(PackedIntLinear):
     def __init__(self, in_features, out_features, bias, bits, group_size, sym, checkpoint_format="gptq",
                  n_groups: int | None = None):
         super().__init__(in_features, out_features, bias, bits, group_size, sym)
-        if n_groups is not None:   # an act-order row shard keeps every group (llmopt.distributed.shard_quant)
+        if n_groups is not None:   # an act-order row shard keeps every group (llmopt.layers.shard_quant)
             self.n_groups = n_groups
         if in_features % self.per or out_features % self.per:
             raise ModelLoadError(f"a GPTQ layer of {out_features}x{in_features} does not fit {bits}-bit packing")

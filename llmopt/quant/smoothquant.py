@@ -1,6 +1,6 @@
-"""INT8 weights, symmetric per output channel (W ≈ w8·s, s = absmax / 127), weight-only or W8A8
-with dynamic per-token activation scales; for W8A8, SmoothQuant (Xiao et al., 2023) first moves
-activation outliers into the weights: s_j = max|X_j|^α / max|W_j|^(1−α), folded into the norm."""
+"""SmoothQuant (Xiao et al., 2023) for INT8 W8A8: before the weights are quantized
+(llmopt.layers.int8), activation outliers move into them: s_j = max|X_j|^α / max|W_j|^(1−α), folded
+into the norm before the Linears (the float function is unchanged)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,6 @@ import torch
 import torch.nn as nn
 
 from llmopt.quant.awq import fold_scales
-from llmopt.quant.rtn import round_scale
-from llmopt.quant.types import Int8Quantized
-
-
-def quantize_int8(w: torch.Tensor, activations: str = "dynamic", bias: torch.Tensor | None = None,
-                  scale_dtype: torch.dtype | None = None) -> Int8Quantized:
-    w = w.float()
-    scale = round_scale((w.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-12), scale_dtype)
-    w8 = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
-    return Int8Quantized(weight=w8, weight_scale=scale, activations=activations, bias=bias)
 
 
 def smoothing_scales(act_absmax: torch.Tensor, linears: list[nn.Linear], alpha: float) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """W8A8's activation quantization, per token, dynamic and symmetric, as vLLM computes it: the one
-definition that the runtime modules (`quant/modules_w8a8.py`) run and that calibration's error
+definition that the runtime modules (`layers/modules_w8a8.py`) run and that calibration's error
 report (`quant/layerwise.py`) simulates as dequantize(quantize(x)).
 
   fp8:  s = max(amax|x| / 448, 1 / (448 * 512)),  codes = fp8_e4m3(clamp(x / s, ±448))

@@ -20,8 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llmopt.quant.modules import PackedIntLinear
-from llmopt.quant.modules_w8a8 import W8Linear
+from llmopt.layers.modules import PackedIntLinear
+from llmopt.layers.modules_w8a8 import W8Linear
 
 
 def _tensors(lin: nn.Module) -> tuple:

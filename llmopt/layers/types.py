@@ -1,5 +1,5 @@
-"""The canonical form of a quantized linear weight, between the algorithms (which produce it) and
-the checkpoint formats / runtime modules (which pack, unpack and run it)."""
+"""The canonical form of a quantized linear weight, between the algorithms (llmopt.quant, which
+produce it) and the checkpoint formats / runtime modules (which pack, unpack and run it)."""
 
 from __future__ import annotations
 
@@ -75,3 +75,11 @@ class Int8Quantized:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.weight.to(torch.float32) * self.weight_scale.to(torch.float32)).to(dtype)
+
+
+def round_scale(scale: torch.Tensor, scale_dtype: torch.dtype | None) -> torch.Tensor:
+    """Scales as the checkpoint will store them (e.g. fp16), so codes are chosen against those."""
+    if scale_dtype is None or scale_dtype == torch.float32:
+        return scale
+    tiny = torch.finfo(scale_dtype).tiny
+    return scale.clamp(min=tiny).to(scale_dtype).float()
