@@ -6,20 +6,20 @@ a TVM FFI runtime on a CPU-only machine. llguidance also compiles lazily (a matc
 under a millisecond and computes each mask in tens of microseconds), so no grammar compile can
 stall the step loop, and it rolls back (speculative drafts) and deep-copies (n > 1 forks).
 
-`StructuredOutputManager(tokenizer, vocab_size, eos_token_ids)` builds llguidance's tokenizer once,
-in a background thread (about a second for a 49k vocabulary), and makes a `RequestGrammar` per
-request. A step fills one bitmask row per sampled row (`fill_bitmask`), the sampler masks the
-logits with it (`apply_bitmask`), and the tokens the scheduler accepts advance the matcher
-(`RequestGrammar.accept`). Draft rows are filled by consuming the drafts and rolling them back."""
+`StructuredOutputManager(tokenizer, vocab_size, eos_token_ids)` builds llguidance's tokenizer once
+(the engine, at its first structured request) and makes a `RequestGrammar` per request. A step
+fills one bitmask row per sampled row (`RequestGrammar.fill`; draft rows by consuming the drafts and
+rolling them back), the sampler masks the logits with it (`apply_bitmask`), and each accepted token
+advances the matcher (`RequestGrammar.accept`)."""
 
 from __future__ import annotations
 
-import threading
-from typing import Sequence
+import json
+import re
+from typing import Any, Sequence
 
 import llguidance
-import llguidance.hf
-import llguidance.torch
+from llguidance.gbnf_to_lark import gbnf_to_lark
 import torch
 
 from llmopt.errors import UserInputError
@@ -50,48 +50,40 @@ class RequestGrammar:
         """Rows row .. row + len(drafts): the mask after the accepted tokens and the first j drafts.
         Drafts the grammar refuses leave the rows after them allowing everything (their draft is
         rejected by the masked row before it, so those rows are never used)."""
-        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
+        _fill_row(self.matcher, bitmask, row)
         if not drafts:
             return
         ok = self.matcher.validate_tokens([int(d) for d in drafts])   # the longest valid prefix; no state change
         for j in range(1, ok + 1):
             self.matcher.consume_token(int(drafts[j - 1]))
-            llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row + j)
+            _fill_row(self.matcher, bitmask, row + j)
         bitmask[row + ok + 1:row + len(drafts) + 1] = -1
         if ok:
             self.matcher.rollback(ok)
 
 
 class StructuredOutputManager:
+    """llguidance's view of the model's tokenizer (built once: about half a second for a 49k
+    vocabulary) and a matcher per request."""
+
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int] = ()) -> None:
         self.vocab_size = vocab_size
-        self._lltok = None
-        self._error: BaseException | None = None
-        self._ready = threading.Event()
-        eos = sorted(eos_token_ids)
-        threading.Thread(target=self._build, args=(tokenizer, eos), name="llmopt-grammar-tokenizer", daemon=True).start()
-
-    def _build(self, tokenizer, eos: list[int]) -> None:
+        import llguidance.hf   # deferred: start-up time (it imports transformers' tokenizer classes)
         try:
-            self._lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size, eos_token=eos or None)
-        except BaseException as e:   # re-raised in the thread that asks for a grammar
-            self._error = e
-        finally:
-            self._ready.set()
-
-    @property
-    def tokenizer(self) -> "llguidance.LLTokenizer":
-        self._ready.wait()
-        if self._error is not None:
-            raise UserInputError(f"structured outputs need a fast (Rust) Hugging Face tokenizer: {self._error}")
-        return self._lltok
+            self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
+                                                          eos_token=sorted(eos_token_ids) or None)
+        except (ValueError, TypeError, AttributeError) as e:
+            raise UserInputError(f"structured outputs need a fast (Rust) Hugging Face tokenizer: {e}") from None
 
     def grammar(self, params: StructuredOutputsParams) -> RequestGrammar:
-        """A fresh matcher for `params`; an invalid schema, regex or grammar is a UserInputError."""
-        text = check_grammar(params, self.tokenizer)
-        matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
+        """A fresh matcher for `params`; an invalid schema, regex or grammar is a UserInputError
+        naming the problem (e.g. an unclosed regex group, an unsupported schema keyword)."""
+        try:
+            matcher = llguidance.LLMatcher(self.tokenizer, grammar_text(params), log_level=0)
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise UserInputError(f"structured outputs: invalid {params.kind}: {_one_line(str(e))}") from None
         if matcher.is_error():
-            raise UserInputError(f"structured outputs: {_one_line(matcher.get_error())}")
+            raise UserInputError(f"structured outputs: invalid {params.kind}: {_one_line(matcher.get_error())}")
         return RequestGrammar(matcher, params)
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
@@ -99,31 +91,61 @@ class StructuredOutputManager:
 
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
-    """[rows, ceil(vocab / 32)] int32, every token allowed."""
-    return llguidance.torch.allocate_token_bitmask(rows, vocab_size)
+    """[rows, ceil(vocab / 32)] int32, every token allowed (bit t % 32 of word t // 32: token t)."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
-def check_grammar(params: StructuredOutputsParams, tokenizer=None) -> str:
-    """The grammar text for `params`, after llguidance's own check (a UserInputError naming the
-    problem, e.g. an unclosed regex group or an unsupported schema keyword)."""
-    try:
-        text = params.grammar_text()
-    except (ValueError, TypeError, RuntimeError) as e:
-        raise UserInputError(f"structured outputs: invalid {params.kind}: {_one_line(str(e))}") from None
-    problem = llguidance.LLMatcher.validate_grammar(text, tokenizer)
-    if problem:
-        raise UserInputError(f"structured outputs: invalid {params.kind}: {_one_line(problem)}")
-    return text
+def _fill_row(matcher: "llguidance.LLMatcher", bitmask: torch.Tensor, row: int) -> None:
+    """The matcher's allowed next tokens into bitmask row `row` (a contiguous CPU int32 row).
+    llguidance.torch has the same helper, but importing it compiles a kernel with torch.compile
+    (triton and dynamo: ~6 s on every engine start, and an inductor compile at the first step)."""
+    v = bitmask[row]
+    matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+
+
+def grammar_text(params: StructuredOutputsParams) -> str:
+    """The llguidance grammar (its JSON or Lark text) for `params`."""
+    m = llguidance.LLMatcher
+    if params.json is not None or params.json_object:
+        schema = params.json if params.json is not None else {"type": "object"}
+        if params.disable_additional_properties:
+            schema = closed_schema(schema)
+        return m.grammar_from_json_schema(json.dumps(schema),
+                                          defaults={"whitespace_flexible": not params.disable_any_whitespace})
+    if params.regex is not None:
+        return m.grammar_from_regex(params.regex)
+    if params.choice is not None:
+        return m.grammar_from_regex("|".join(re.escape(c) for c in params.choice))
+    text = params.grammar
+    if "::=" in text:   # GBNF (llama.cpp); llguidance converts it to its Lark dialect
+        text = gbnf_to_lark(text)
+    return m.grammar_from_lark(text)
+
+
+def closed_schema(schema: Any) -> Any:
+    """The schema with `additionalProperties: false` on every object that does not say otherwise."""
+    if isinstance(schema, list):
+        return [closed_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed_schema(v) for k, v in schema.items()}
+    if out.get("type") == "object" and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
-    """Set to -inf, in place, the logits of rows `rows` that their bitmask rows (same order) forbid."""
+    """Set to -inf, in place, the logits of rows `rows` that their bitmask rows (same order) forbid;
+    columns past the bitmask's vocabulary (padding of the logits) are forbidden too."""
     if not rows:
         return
+    vocab = logits.shape[-1]
+    bits = torch.arange(32, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
     idx = torch.tensor(list(rows), device=logits.device)
-    sub = logits[idx].float()
-    llguidance.torch.apply_token_bitmask_inplace(sub, bitmask.to(logits.device))
-    logits[idx] = sub.to(logits.dtype)
+    logits[idx] = logits[idx].masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
 def _one_line(text: str) -> str:

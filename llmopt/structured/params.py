@@ -3,14 +3,13 @@
 Exactly one of `json` (a JSON schema, as a dict or its JSON text), `regex`, `choice` (the output is
 one of these strings), `grammar` (a Lark grammar, or GBNF as llama.cpp writes it: rules with `::=`)
 or `json_object` (any JSON object: OpenAI's `response_format: {"type": "json_object"}`).
-`grammar_text()` turns it into the llguidance grammar the matcher runs. No llguidance at import
-time: the check of the shape is pure Python; whether a schema or a regex compiles is checked by
-`structured.backend.check_grammar`, with the same one-line errors."""
+Pure Python (no grammar library): this checks the shape; whether a schema, regex or grammar
+compiles is checked by `structured.backend` when the engine builds the request's matcher, with the
+same one-line errors."""
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,26 +48,6 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
-    def grammar_text(self) -> str:
-        """The llguidance grammar (its JSON or Lark text) for this constraint."""
-        import llguidance   # deferred: only requests with structured outputs need the grammar library
-        m = llguidance.LLMatcher
-        if self.json is not None or self.json_object:
-            schema = self.json if self.json is not None else {"type": "object"}
-            if self.disable_additional_properties:
-                schema = _closed(schema)
-            return m.grammar_from_json_schema(json.dumps(schema),
-                                              defaults={"whitespace_flexible": not self.disable_any_whitespace})
-        if self.regex is not None:
-            return m.grammar_from_regex(self.regex)
-        if self.choice is not None:
-            return m.grammar_from_regex("|".join(re.escape(c) for c in self.choice))
-        text = self.grammar
-        if "::=" in text:   # GBNF (llama.cpp); llguidance converts it to its Lark dialect
-            from llguidance.gbnf_to_lark import gbnf_to_lark   # deferred: as above
-            text = gbnf_to_lark(text)
-        return m.grammar_from_lark(text)
-
 
 def _schema(value: Any) -> dict | bool:
     if isinstance(value, str):
@@ -79,15 +58,3 @@ def _schema(value: Any) -> dict | bool:
     if not isinstance(value, (dict, bool)):
         raise UserInputError(f"structured outputs: a JSON schema is an object, got {type(value).__name__}")
     return value
-
-
-def _closed(schema: Any) -> Any:
-    """The schema with `additionalProperties: false` on every object that does not say otherwise."""
-    if isinstance(schema, list):
-        return [_closed(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: _closed(v) for k, v in schema.items()}
-    if out.get("type") == "object" and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
