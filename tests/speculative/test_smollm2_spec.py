@@ -11,7 +11,7 @@ from llmopt.engine.sampling_params import SamplingParams
 from llmopt.models.loader import load_model, resolve_checkpoint
 from llmopt.speculative.draft_model import write_self_draft
 from llmopt.speculative.eagle import new_head, save_head
-from engine_helpers import check_no_leak
+from engine_helpers import check_no_leak, run_engine
 
 PROMPTS = ["The capital of France is Paris. The capital of France is", "def add(a, b):\n    return a + b\n\ndef"]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.1)
@@ -30,18 +30,11 @@ def smol(tmp_path_factory):
 
 
 def _run(loaded, spec):
-    loaded.model.capture_hidden = None
     engine = LLMEngine(EngineArgs(kv_cache_memory=1 << 26, max_model_len=512, enforce_eager=True, speculative_config=spec),
                        loaded=loaded)
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(f"p{i}", p, PARAMS)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
+    got = run_engine(engine, PROMPTS, PARAMS)
     check_no_leak(engine)
-    return [done[f"p{i}"] for i in range(len(PROMPTS))], engine.stats().spec_decoding
+    return got, engine.stats().spec_decoding
 
 
 def test_smollm2_greedy_identity_per_method(smol):

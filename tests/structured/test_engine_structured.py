@@ -8,14 +8,13 @@ decoding."""
 import json
 import re
 
+import jsonschema
 import pytest
 
 from llmopt.engine.args import EngineArgs
 from llmopt.engine.engine import LLMEngine
 from llmopt.engine.sampling_params import SamplingParams
 from llmopt.errors import UserInputError
-
-jsonschema = pytest.importorskip("jsonschema")
 
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
                                            "kind": {"enum": ["cat", "dog"]}, "ok": {"type": "boolean"}},

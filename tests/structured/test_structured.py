@@ -6,14 +6,13 @@ tokens equal the rows filled one accepted token at a time."""
 import json
 import re
 
+import jsonschema
 import pytest
 import torch
 
 from llmopt.errors import UserInputError
 from llmopt.structured import StructuredOutputsParams as P
-
-jsonschema = pytest.importorskip("jsonschema")
-backend = pytest.importorskip("llmopt.structured.backend")
+from llmopt.structured import backend
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 150},
