@@ -47,8 +47,10 @@ MaxModelLenOpt = typer.Option(None, "--max-model-len", callback=in_range(2),
                               help="Context per request, 2 to the model's context length (the default).")
 MaxNumSeqsOpt = typer.Option(defaults.MAX_NUM_SEQS, "--max-num-seqs", callback=in_range(1),
                              help="Requests per engine step, >= 1.")
-MaxNumBatchedTokensOpt = typer.Option(defaults.MAX_NUM_BATCHED_TOKENS, "--max-num-batched-tokens", callback=in_range(0),
-                                      help="Token budget per step (chunked prefill), >= 1; 0 = unlimited.")
+MaxNumBatchedTokensOpt = typer.Option(None, "--max-num-batched-tokens", callback=in_range(0),
+                                      help="Token budget per step (chunked prefill), >= 1; 0 = unlimited. "
+                                      f"Default: {defaults.MAX_NUM_BATCHED_TOKENS} on a GPU, "
+                                      f"{defaults.MAX_NUM_BATCHED_TOKENS_CPU} on the CPU.")
 PrefixCachingOpt = typer.Option(defaults.ENABLE_PREFIX_CACHING, "--enable-prefix-caching/--no-enable-prefix-caching",
                                 help="Reuse the KV blocks of prompt prefixes seen before.")
 AttentionBackendOpt = typer.Option(defaults.ATTENTION_BACKEND, "--attention-backend",

@@ -6,8 +6,16 @@ from dataclasses import dataclass
 
 from llmopt import defaults
 from llmopt.errors import UserInputError
+from llmopt.models.config import resolve_device_name
 
 UNLIMITED_TOKENS = 1 << 40
+
+
+def default_batched_tokens(device: str) -> int:
+    """--max-num-batched-tokens when none is given: smaller chunks on the CPU, where a prefill
+    chunk is compute-bound and stalls every running decode for its whole length."""
+    on_cpu = resolve_device_name(device, must_exist=False) == "cpu"
+    return defaults.MAX_NUM_BATCHED_TOKENS_CPU if on_cpu else defaults.MAX_NUM_BATCHED_TOKENS
 
 
 @dataclass
@@ -18,7 +26,7 @@ class EngineArgs:
     block_size: int = defaults.BLOCK_SIZE
     max_model_len: int | None = None              # default: the model's max_position_embeddings
     max_num_seqs: int = defaults.MAX_NUM_SEQS
-    max_num_batched_tokens: int | None = defaults.MAX_NUM_BATCHED_TOKENS  # None or 0 = unlimited
+    max_num_batched_tokens: int | None = None     # None: the device's default (defaults.py); 0 = unlimited
     enable_prefix_caching: bool = defaults.ENABLE_PREFIX_CACHING
     kv_cache_memory: int | None = None            # bytes; default: all of KV_CACHE_MEMORY_CPU on the CPU
     gpu_memory_utilization: float = defaults.GPU_MEMORY_UTILIZATION
@@ -43,6 +51,8 @@ class EngineArgs:
             raise UserInputError("--block-size must be at least 1")
         if self.max_num_seqs < 1:
             raise UserInputError("--max-num-seqs must be at least 1")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = default_batched_tokens(self.device)
         if not self.max_num_batched_tokens:
             self.max_num_batched_tokens = UNLIMITED_TOKENS
         if self.max_num_batched_tokens < 1:
