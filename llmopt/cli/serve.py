@@ -80,6 +80,7 @@ def run(*, model, config, host, port, api_key, served_model_name, max_num_queued
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%m-%d %H:%M:%S", stream=sys.stderr)
 
+    # the engine and server imports are here, not at the top: every command's start-up (and --help) stays fast
     from llmopt.engine.args import EngineArgs
     args = EngineArgs(**engine_args)
     if args.tensor_parallel_size > 1:
@@ -91,7 +92,8 @@ def run(*, model, config, host, port, api_key, served_model_name, max_num_queued
     sock = bind(host, port)   # a busy port fails now, not after the model has loaded
 
     from llmopt.engine.async_engine import AsyncLLMEngine
-    from llmopt.serve.app import ServeConfig, build_app
+    from llmopt.serve.api_server import build_app
+    from llmopt.serve.server import ServeConfig
 
     async_engine = AsyncLLMEngine.from_engine_args(args)
     name = served_model_name or model or defaults.DEFAULT_MODEL

@@ -1,17 +1,20 @@
-"""The OpenAI-compatible wire format: request bodies (pydantic), the error body, and the helpers that
-turn a request into the engine's SamplingParams.
+"""The OpenAI-compatible wire format: request bodies (pydantic), the error body and response, and
+the usage object of a response.
 
 Field names follow OpenAI's API and vLLM's extensions (top_k, min_p, repetition_penalty,
 ignore_eos, min_tokens, stop_token_ids). Unknown fields are ignored, as vLLM does. Types are checked
-by pydantic (a wrong type is a 400 in OpenAI's error shape, see app.py); ranges are checked by
-`SamplingParams` and by the server against the model (vocabulary, context length)."""
+by pydantic (a wrong type is a 400 in OpenAI's error shape, see api_server.py); ranges are checked by
+`SamplingParams` and against the model by `LLMEngine.validate` and the serving classes (context
+length in OpenAI's wording)."""
 
 from __future__ import annotations
 
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from starlette.responses import JSONResponse
 
+from llmopt.engine.outputs import RequestOutput
 
 
 class OpenAIError(Exception):
@@ -31,6 +34,19 @@ _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundErro
 def error_body(message: str, status: int, type: str | None = None, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": type or _TYPES.get(status, "BadRequestError"),
                       "param": param, "code": status}}
+
+
+def error_response(e: OpenAIError) -> JSONResponse:
+    return JSONResponse(error_body(e.message, e.status, e.type, e.param), status_code=e.status)
+
+
+def usage(finals: list[RequestOutput | None]) -> dict:
+    """The `usage` object of a response over the final output of each prompt."""
+    prompt = sum(len(o.prompt_token_ids) for o in finals if o is not None)
+    completion = sum(len(c.token_ids) for o in finals if o is not None for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in finals if o is not None)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 class StreamOptions(BaseModel):

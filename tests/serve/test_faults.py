@@ -21,7 +21,8 @@ from llmopt.engine.args import EngineArgs
 from llmopt.engine.async_engine import AsyncLLMEngine
 from llmopt.engine.engine import LLMEngine
 from llmopt.errors import UserInputError
-from llmopt.serve.app import ServeConfig, build_app
+from llmopt.serve.api_server import build_app
+from llmopt.serve.server import ServeConfig
 from serve_util import ENGINE_ARGS, TINY_CHAT, inprocess_server
 
 C = "/v1/completions"
@@ -252,6 +253,47 @@ def test_a_failure_no_request_explains_kills_the_engine(model, loaded, monkeypat
         steps = engine.num_steps
         time.sleep(0.5)
         assert engine.num_steps == steps and not engine.stepping   # stopped, not spinning
+
+
+# -- admission ---------------------------------------------------------------------------------------
+def test_admission_counts_n_after_validation_and_frees_on_abort(model, loaded, monkeypatch):
+    """max_num_queued_reqs 2 with one sequence in flight: n=2 more is a 503 and one more fits; a bad
+    request is still a 400 in the engine's words (it is validated before admission); a request whose
+    client leaves gives its place back."""
+    engine = make_engine(model, loaded)
+    execute = engine.engine.runner.execute
+
+    def slow_execute(out):
+        time.sleep(0.02)
+        return execute(out)
+
+    monkeypatch.setattr(engine.engine.runner, "execute", slow_execute)
+    app = build_app(engine, ServeConfig(model_name="tiny", log_interval=0, max_num_queued_reqs=2))
+    server = app.state.server
+    with inprocess_server(app) as url:
+        async def main():
+            async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+                hold = asyncio.create_task(c.post(C, json={"prompt": "hold", "max_tokens": 200, "ignore_eos": True}))
+                await asyncio.to_thread(wait_until, lambda: server.in_flight == 1)
+                over = await c.post(C, json={"prompt": "x", "max_tokens": 2, "n": 2})
+                bad = await c.post(C, json={"prompt": [1, 10 ** 9], "n": 2})
+                fits = await c.post(C, json={"prompt": "y", "max_tokens": 2})
+                assert not hold.done(), "the held request finished before the checks"
+                hold.cancel()   # the client leaves: the request is aborted
+                await asyncio.gather(hold, return_exceptions=True)
+            return over, bad, fits
+
+        over, bad, fits = asyncio.run(main())
+        assert over.status_code == 503 and "at capacity (2 queued sequences)" in over.json()["error"]["message"]
+        err = bad.json()["error"]
+        assert bad.status_code == 400 and err["param"] == "prompt", bad.text
+        assert err["message"].startswith("prompt token id 1000000000 is outside the vocabulary"), err
+        assert fits.status_code == 200, fits.text
+        wait_until(lambda: server.in_flight == 0)
+        r = httpx.post(url + C, json={"prompt": "z", "max_tokens": 2, "n": 2}, timeout=60)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+        wait_until(lambda: not engine.engine.has_unfinished_requests())
+        check_no_leak(engine.engine)
 
 
 # -- scheduling policy -------------------------------------------------------------------------------

@@ -263,6 +263,23 @@ def test_bad_request(http, name, path, body, status):
     assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["code"] == status
 
 
+@pytest.mark.parametrize("path,body,param,message", [
+    (C, {"prompt": [1, 10 ** 9]}, "prompt", "prompt token id 1000000000 is outside the vocabulary"),
+    (C, {"prompt": "hi", "top_k": 10 ** 6}, "prompt", "top_k 1000000 is larger than the vocabulary"),
+    (C, {"prompt": "hi", "stop_token_ids": [-5]}, "prompt", "stop token id -5 is outside the vocabulary"),
+    (CHAT, {"messages": MSG, "stop_token_ids": [-5]}, "messages", "stop token id -5 is outside the vocabulary"),
+    (C, {"prompt": [[1, 2], []]}, "prompt", "the prompt is empty"),
+    (C, {"prompt": "hi", "temperature": -1}, None, "temperature must be >= 0"),
+])
+def test_engine_checks_answer_as_openai_400(http, path, body, param, message):
+    """What SamplingParams and LLMEngine.validate refuse is a 400 in their own words (the server
+    keeps no copy of those checks), with the field it is about."""
+    r = http.post(path, json=body)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == 400 and err["param"] == param, r.text
+    assert err["message"].startswith(message), err
+
+
 def test_bad_requests_leave_concurrent_good_ones_alone(client, http):
     from concurrent.futures import ThreadPoolExecutor
 

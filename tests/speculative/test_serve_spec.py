@@ -8,7 +8,8 @@ from llmopt.engine.args import EngineArgs
 from llmopt.engine.async_engine import AsyncLLMEngine
 from llmopt.engine.engine import LLMEngine
 from llmopt.models.loader import load_model
-from llmopt.serve.app import ServeConfig, build_app
+from llmopt.serve.api_server import build_app
+from llmopt.serve.server import ServeConfig
 from serve.serve_util import ENGINE_ARGS, TINY_CHAT, inprocess_server, metrics
 
 PROMPTS = ["a b c a b c a b", "one two three one two three one", "x y x y x y x"]

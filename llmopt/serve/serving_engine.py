@@ -1,0 +1,168 @@
+"""`OpenAIServing`: what the completion and chat endpoints share (vLLM's serving_engine.py): the
+model check, tokenization, the request -> SamplingParams fields both have, the prompt checks,
+admission, starting the engine requests of an HTTP request, the request log line, and logprobs in
+both of OpenAI's shapes.
+
+Every request is validated completely before anything is queued or streamed: types by pydantic,
+ranges by `SamplingParams`, then against the model by `LLMEngine.validate` (vocabulary, top_k,
+logprobs and stop ids, a prompt that leaves no room) and here (context length in OpenAI's wording,
+`n`, priority); the engine's own `add_request` checks again, synchronously. The engine's
+`UserInputError` is answered as OpenAI's 400, so a bad request never reaches the engine's step."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from llmopt.engine.async_engine import RequestStream
+from llmopt.engine.outputs import RequestOutput, TokenLogprobs
+from llmopt.engine.sampling_params import SamplingParams
+from llmopt.errors import UserInputError
+from llmopt.serve.protocol import OpenAIError
+from llmopt.serve.server import OpenAIServer
+from llmopt.serve.streaming import Job
+
+log = logging.getLogger("llmopt.serve")
+
+LOGPROB_FLOOR = -9999.0   # vLLM's stand-in for -inf (JSON has no infinities)
+
+
+def _lp(x: float) -> float:
+    return x if x == x and x > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+class OpenAIServing:
+    def __init__(self, server: OpenAIServer) -> None:
+        self.server = server
+        self.engine, self.llm, self.config = server.engine, server.llm, server.config
+        self.tokenizer, self.max_model_len, self.metrics = server.tokenizer, server.max_model_len, server.metrics
+
+    # -- validation ------------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.model_name:
+            raise OpenAIError(f"The model `{model}` does not exist.", 404, "model", "NotFoundError")
+
+    def sampling_params_of(self, r, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The SamplingParams of the fields completions and chat share (`r`), with their own
+        max_tokens and logprobs; SamplingParams checks the ranges."""
+        max_n = self.server.max_n
+        if r.n > max_n:
+            raise OpenAIError(f"n must be at most {max_n}, got {r.n}", 400, "n")
+        policy = self.llm.args.scheduling_policy
+        if r.priority and policy != "priority":
+            raise OpenAIError(f"priority {r.priority} is only allowed with --scheduling-policy priority (this "
+                              f"server runs {policy}): send 0 or omit it", 400, "priority")
+        kw: dict[str, Any] = dict(
+            n=r.n, temperature=1.0 if r.temperature is None else r.temperature,
+            top_p=1.0 if r.top_p is None else r.top_p, top_k=r.top_k or 0,
+            min_p=r.min_p or 0.0, seed=r.seed, presence_penalty=r.presence_penalty or 0.0,
+            frequency_penalty=r.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if r.repetition_penalty is None else r.repetition_penalty,
+            stop=[r.stop] if isinstance(r.stop, str) else list(r.stop or []),
+            stop_token_ids=list(r.stop_token_ids or []), include_stop_str_in_output=r.include_stop_str_in_output,
+            max_tokens=max_tokens, min_tokens=r.min_tokens, ignore_eos=r.ignore_eos, logprobs=logprobs,
+            skip_special_tokens=r.skip_special_tokens)
+        try:
+            return SamplingParams(**kw)
+        except (UserInputError, ValueError, TypeError) as e:
+            raise OpenAIError(str(e), 400) from None
+
+    def tokenize_text(self, text: str, add_special_tokens: bool = True, what: str = "prompt") -> list[int]:
+        try:
+            return self.llm.tokenize(text, add_special_tokens=add_special_tokens)
+        except UserInputError as e:   # no tokenizer
+            raise OpenAIError(f"{e}", 400, what) from None
+        except (TypeError, ValueError) as e:   # e.g. a lone surrogate ("\ud800"), which UTF-8 cannot encode
+            raise OpenAIError(f"the {what} cannot be tokenized ({type(e).__name__}): send valid Unicode text "
+                              "(no lone surrogates)", 400, what) from None
+
+    def check_prompt(self, ids: list[int], params: SamplingParams, what: str = "prompt") -> None:
+        """The context length in OpenAI's wording (prompt + max_tokens), then the engine's checks."""
+        want = len(ids) + (params.max_tokens or 1)
+        if ids and want > self.max_model_len:
+            where = "messages" if what == "messages" else "prompt"
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{want} tokens ({len(ids)} in the {where}, {params.max_tokens or 1} for the completion). "
+                f"Please reduce the length of the {where} or completion.", 400, what)
+        try:
+            self.llm.validate(ids, params)
+        except UserInputError as e:
+            raise OpenAIError(str(e), 400, what) from None
+
+    def admit(self, n: int) -> None:
+        cap = self.config.max_num_queued_reqs
+        if cap is not None and self.server.in_flight + n > cap:
+            raise OpenAIError(f"the server is at capacity ({cap} queued sequences): retry later", 503)
+
+    def release(self, n: int) -> None:
+        """Give back the admission of n sequences that finished or were aborted."""
+        self.server.in_flight -= n
+
+    # -- running requests ------------------------------------------------------------------------
+    def start(self, prompts: list[list[int]], params: SamplingParams, prefix: str, arrival: float,
+              priority: int = 0, what: str = "prompt") -> Job:
+        """Queue one engine request per prompt now (synchronously: a request the engine refuses
+        is a 400 here, before any response starts); the caller must `aclose` the job."""
+        if self.server.draining:
+            raise OpenAIError("the server is shutting down: retry on another replica", 503)
+        if self.engine.dead is not None:
+            raise OpenAIError(f"the engine is dead ({self.engine.dead}): restart the server", 503)
+        self.admit(params.n * len(prompts))
+        streams: list[RequestStream] = []
+        try:
+            for i, ids in enumerate(prompts):
+                streams.append(self.engine.add_request(f"{prefix}-{i}", ids, params, priority, arrival))
+        except UserInputError as e:
+            for st in streams:
+                self.engine.abort(st.request_id)
+            raise OpenAIError(str(e), 400, what) from None
+        except BaseException:
+            for st in streams:
+                self.engine.abort(st.request_id)
+            raise
+        self.server.in_flight += params.n * len(prompts)
+        return Job(self, streams, params, arrival)
+
+    def log_request(self, request_id: str, out: RequestOutput | None, arrival: float, how: str | None = None) -> None:
+        """One line per request that ended: how, its tokens, and its latencies (vLLM logs one too)."""
+        if not self.config.log_requests:
+            return
+        if out is None:
+            log.info("request %s %s before its prompt was computed", request_id, how)
+            return
+        m = out.metrics
+        gen = sum(len(c.token_ids) for c in out.outputs)
+        reasons = ",".join(sorted({c.finish_reason for c in out.outputs if c.finish_reason})) or "-"
+
+        def since(t: float | None) -> str:
+            return "-" if t is None else f"{max(t - arrival, 0.0):.3f} s"
+        log.info("request %s %s: prompt %d tokens (%d cached), output %d tokens, queue %s, TTFT %s, e2e %s",
+                 request_id, how or f"finished ({reasons})", len(out.prompt_token_ids), out.num_cached_tokens, gen,
+                 since(m.first_scheduled_time if m else None), since(m.first_token_time if m else None),
+                 since(m.finished_time if m and m.finished_time else time.monotonic()))
+
+    # -- logprobs --------------------------------------------------------------------------------
+    def _decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+
+    def logprobs_completion(self, lps: list[TokenLogprobs], offset: int) -> dict:
+        """Completions' logprobs: tokens, token_logprobs, top_logprobs, text_offset (from `offset`)."""
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for t in lps:
+            s = self._decode_one(t.token_id)
+            tokens.append(s)
+            token_lps.append(_lp(t.logprob))
+            tops.append({self._decode_one(k): _lp(v) for k, v in t.top.items()} or None)
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def logprobs_chat(self, lps: list[TokenLogprobs]) -> dict:
+        """Chat's logprobs: per token its text, logprob, UTF-8 bytes and top alternatives."""
+        def entry(tid, lp):
+            s = self._decode_one(tid)
+            return {"token": s, "logprob": _lp(lp), "bytes": list(s.encode("utf-8"))}
+        return {"content": [{**entry(t.token_id, t.logprob),
+                             "top_logprobs": [entry(k, v) for k, v in t.top.items()]} for t in lps]}
