@@ -7,6 +7,8 @@ of llmopt.errors' one-line errors that says what was given and what is allowed:
 - `decode_utf8`: text the user wrote (prompts from --file or stdin, a YAML recipe), strict UTF-8.
 - `available_memory` / `check_kv_cache_memory`: a KV cache larger than the device is refused up
   front, as vLLM refuses one, instead of failing inside the allocator.
+- `check_engine_limits`: the engine's sizes (--block-size, --max-num-seqs, --max-num-batched-tokens,
+  --max-model-len, --gpu-memory-utilization), for EngineArgs and for kv-estimate's plans alike.
 - `SEED_MIN`, `SEED_MAX`: a seed is a 64-bit integer (vLLM's range: torch.long); `sample_seed`:
   the seed of sample i of n, inside that range.
 
@@ -24,6 +26,24 @@ from llmopt.errors import ModelLoadError, UserInputError
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1      # torch.iinfo(torch.long), as vLLM's seed field
 SAFETENSORS_MAX_HEADER = 100 << 20                  # the safetensors library refuses larger headers
+MAX_BLOCK_SIZE = 1 << 16       # tokens per KV block at most (vLLM's largest is 128; one block is one allocation)
+MAX_TOKENS = (1 << 31) - 1     # token counts, positions and slots are int32 indices on the device
+
+
+def check_engine_limits(*, block_size: int, max_num_seqs: int, max_num_batched_tokens: int | None,
+                        max_model_len: int | None = None, gpu_memory_utilization: float = 1.0) -> None:
+    """The engine's sizes, each an integer in its range (max_num_batched_tokens 0 or None:
+    unlimited); the message names the flag, what was given and what is allowed."""
+    for flag, v, lo, hi in (("--block-size", block_size, 1, MAX_BLOCK_SIZE),
+                            ("--max-num-seqs", max_num_seqs, 1, MAX_TOKENS),
+                            ("--max-num-batched-tokens", max_num_batched_tokens or 1, 1, MAX_TOKENS),
+                            ("--max-model-len", 2 if max_model_len is None else max_model_len, 2, MAX_TOKENS)):
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise UserInputError(f"{flag} {v}: give an integer from {lo} to {hi:,}"
+                                 + (" (0 = unlimited)" if flag == "--max-num-batched-tokens" else ""))
+    if not 0 < gpu_memory_utilization <= 1:
+        raise UserInputError(f"--gpu-memory-utilization {gpu_memory_utilization}: use a share of the "
+                             "GPU's memory in (0, 1], as vLLM")
 
 
 def sample_seed(seed: int, i: int) -> int:
@@ -106,14 +126,22 @@ def available_memory(device_type: str, index: int | None = None) -> int | None:
     return None
 
 
+def kv_cache_memory_problem(nbytes: int, device_type: str, index: int | None = None) -> str | None:
+    """Why this device cannot hold a --kv-cache-memory of `nbytes` (None: it can)."""
+    free = available_memory(device_type, index)
+    if free is not None and nbytes > free:
+        return (f"--kv-cache-memory {fmt_bytes(nbytes)} is more than the {fmt_bytes(free)} "
+                f"{'available RAM' if device_type == 'cpu' else 'free GPU memory'} of this "
+                f"{device_type}: give at most that (e.g. 1GiB)")
+    return None
+
+
 def check_kv_cache_memory(nbytes: int, device_type: str, index: int | None = None) -> None:
     """Refuse a --kv-cache-memory the device cannot hold (vLLM refuses a KV cache larger than the
     memory left after the model), before anything is allocated."""
-    free = available_memory(device_type, index)
-    if free is not None and nbytes > free:
-        raise UserInputError(f"--kv-cache-memory {fmt_bytes(nbytes)} is more than the {fmt_bytes(free)} "
-                             f"{'available RAM' if device_type == 'cpu' else 'free GPU memory'} of this "
-                             f"{device_type}: give at most that (e.g. 1GiB)")
+    problem = kv_cache_memory_problem(nbytes, device_type, index)
+    if problem is not None:
+        raise UserInputError(problem)
 
 
 def fmt_bytes(n: int) -> str:

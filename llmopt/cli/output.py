@@ -4,6 +4,7 @@ a progress bar on stderr, and errors as one red line (traceback with --debug / L
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import json
 import math
@@ -175,6 +176,11 @@ def run_guarded(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     except KeyboardInterrupt:
         fail("interrupted", 130, as_json=as_json, kind="Interrupted")
     except Exception as e:   # noqa: BLE001 - a bug: one line (--debug shows where), exit 1
+        if isinstance(e, OSError) and e.errno == errno.ENAMETOOLONG:   # a path the user gave: bad input
+            name = str(e.filename or "")
+            shown = name if len(name) <= 80 else f"{name[:60]}... ({len(name):,} characters)"
+            _failed(f"{e.strerror}: {shown}", 2, as_json, "UserInputError")
+            return None
         _failed(f"unexpected {type(e).__name__}: {e} (llmopt --debug shows the traceback)", 1, as_json,
                 "InternalError")
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from llmopt import defaults
 from llmopt.errors import UserInputError
 from llmopt.models.config import resolve_device_name
+from llmopt.validate import check_engine_limits
 
 UNLIMITED_TOKENS = 1 << 40
 
@@ -47,18 +48,10 @@ class EngineArgs:
         self.speculative_config = parse_speculative_config(self.speculative_config)
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise UserInputError(f"--tensor-parallel-size {self.tensor_parallel_size}: give at least 1")
-        if self.block_size < 1:
-            raise UserInputError("--block-size must be at least 1")
-        if self.max_num_seqs < 1:
-            raise UserInputError("--max-num-seqs must be at least 1")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = default_batched_tokens(self.device)
+        check_engine_limits(block_size=self.block_size, max_num_seqs=self.max_num_seqs,
+                            max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
+                            gpu_memory_utilization=self.gpu_memory_utilization)
         if not self.max_num_batched_tokens:
             self.max_num_batched_tokens = UNLIMITED_TOKENS
-        if self.max_num_batched_tokens < 1:
-            raise UserInputError("--max-num-batched-tokens must be at least 1 (0 = unlimited)")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise UserInputError("--max-model-len must be at least 2")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise UserInputError(f"--gpu-memory-utilization {self.gpu_memory_utilization}: use a share of the "
-                                 "GPU's memory in (0, 1], as vLLM")

@@ -18,6 +18,7 @@ from llmopt.units import GIB
 from llmopt.estimate.weights import WeightMemory, weight_memory
 from llmopt.estimate.whatif import WhatIf, what_ifs
 from llmopt.models.config import resolve_device_name, resolve_dtype_name
+from llmopt.validate import check_engine_limits, kv_cache_memory_problem
 
 
 @dataclass
@@ -144,16 +145,11 @@ def estimate(arch: ModelArch, *, device: str | None = None, dtype: str = default
                   reserve_bytes=reserve_bytes, weight_format=weight_format, group_size=group_size, hybrid=hybrid)
     tp = tensor_parallel_size
     plan = tp_split(arch, tp, _tp_group_size(arch, weight_format, group_size))   # the engine's check and split
-    if not 0 < gpu_memory_utilization <= 1:
-        raise UserInputError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
-    if max_num_seqs < 1:
-        raise UserInputError(f"--max-num-seqs must be positive, got {max_num_seqs}")
-    if max_num_batched_tokens < 1:
-        raise UserInputError(f"--max-num-batched-tokens must be positive, got {max_num_batched_tokens}")
+    check_engine_limits(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                        max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization)
     kv_dtype = canonical_kv_dtype(kv_cache_dtype, arch)
     max_len = max_model_len or arch.max_position_embeddings
-    if max_len < 1:
-        raise UserInputError(f"--max-model-len must be positive, got {max_len}")
+    max_num_batched_tokens = max_num_batched_tokens or max_len   # 0: unlimited, a whole context per step
     layers = layer_kv_specs(arch, kv_dtype, tp)
     layout = build_layout(layers, block_size, hybrid)
     per_kind: dict[tuple, list] = {}
@@ -189,6 +185,10 @@ def estimate(arch: ModelArch, *, device: str | None = None, dtype: str = default
             est.problems.append(f"weights ({weights.bytes_per_rank / GIB:.1f} GiB per GPU) + reserve "
                                 f"({est.memory.reserve_bytes / GIB:.1f} GiB) exceed the budget "
                                 f"({est.memory.budget_bytes / GIB:.1f} GiB)")
+    if kv_cache_memory is not None and dev == "cpu":   # the engine refuses what this machine cannot hold
+        problem = kv_cache_memory_problem(kv_cache_memory, "cpu")
+        if problem is not None:
+            est.problems.append(problem)
     if available is not None:
         est.paged = _paged(layout, max(0, available), max_len, max_num_batched_tokens, arch)
         budget_ok = est.memory is None or est.memory.kv_available_bytes > 0

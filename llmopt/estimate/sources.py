@@ -26,17 +26,21 @@ def _hf_cache_config(repo_id: str) -> Path | None:
 
 def _from_folder(folder: Path, name: str, source: str) -> ModelArch:
     d = read_config_json(folder)     # the loader's reading: JSON object, UTF-8, one-line errors
+    origin = str(folder / "config.json")
     try:
-        arch = arch_from_config(d, name, source, str(folder))
+        arch = arch_from_config(d, name, source, origin)
     except ModelLoadError as first:
-        # config.json files list only non-default values (Gemma-3's text_config omits vocab_size...):
-        # let transformers fill in its defaults, only when needed (importing it takes seconds)
+        # a multimodal config's text_config lists only non-default values (Gemma-3's omits
+        # vocab_size...): let transformers fill in its defaults there (importing it takes seconds).
+        # A plain decoder config must name its fields, as the engine's loader requires.
+        if "text_config" not in d:
+            raise
         try:
             from transformers import AutoConfig
             full = AutoConfig.from_pretrained(str(folder)).to_dict()
         except Exception:  # noqa: BLE001 - unknown to transformers too: report the first problem
             raise first from None
-        arch = arch_from_config(full, name, source, str(folder))
+        arch = arch_from_config(full, name, source, origin)
     arch.tensors = safetensors_tensors(folder)
     return arch
 

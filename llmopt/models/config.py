@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import sys
 from dataclasses import asdict, dataclass, field
@@ -112,7 +113,7 @@ class ModelConfig:
     @classmethod
     def from_path(cls, path: str | Path) -> "ModelConfig":
         p = Path(path)
-        return cls.from_hf_dict(read_config_json(p), str(p))
+        return cls.from_hf_dict(read_config_json(p), str(p / "config.json" if p.is_dir() else p))
 
 
 def read_config_json(path: Path) -> dict[str, Any]:
@@ -147,12 +148,34 @@ _DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "float": "float32", "bf
                 "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16"}
 
 
-def _int(d: dict[str, Any], key: str, origin: str, default: Any = None) -> int:
-    v = d.get(key, default)
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        raise ModelLoadError(f"{origin}: config has no valid {key} (got {v!r})") from None
+_REQUIRED = object()
+
+
+def _int(d: dict[str, Any], key: str, origin: str, default: Any = _REQUIRED, lo: int = 1) -> int:
+    """An integer field of a config, at least `lo`: missing (without a default), a string, a float
+    or a bool is one line naming the field and the file (HF's config classes would carry a string
+    "576" into the model and fail far from the cause)."""
+    v = d.get(key)
+    if v is None:
+        if default is _REQUIRED:
+            raise ModelLoadError(f"{origin}: {key} is missing (an integer the model's shape needs)")
+        v = default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ModelLoadError(f"{origin}: {key} must be an integer, got {v!r}")
+    if v < lo:
+        raise ModelLoadError(f"{origin}: {key} must be at least {lo}, got {v}")
+    return v
+
+
+def _float(d: dict[str, Any], key: str, origin: str, default: float) -> float:
+    """A positive, finite number field of a config (rms_norm_eps, rope_theta): NaN or infinity
+    would make every logit NaN and the output empty."""
+    v = d.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ModelLoadError(f"{origin}: {key} must be a positive finite number, got {v!r}")
+    return float(v)
 
 
 def layer_windows(d: dict[str, Any], model_type: str, num_layers: int, origin: str = "config") -> list[int | None]:
@@ -193,14 +216,14 @@ def layer_windows(d: dict[str, Any], model_type: str, num_layers: int, origin: s
     return [int(sw) if sw and t == "sliding_attention" else None for t in given_types]
 
 
-def _rope(d: dict[str, Any]) -> tuple[float, dict | None]:
+def _rope(d: dict[str, Any], origin: str) -> tuple[float, dict | None]:
     rope = d.get("rope_parameters") or {}
-    theta = d.get("rope_theta") or rope.get("rope_theta") or 10000.0
+    theta = _float(d, "rope_theta", origin, 0.0) or _float(rope, "rope_theta", origin, 10000.0)
     scaling = d.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"} or None)
     if scaling is not None:
         rtype = scaling.get("rope_type", scaling.get("type", "default"))
         scaling = None if rtype == "default" else dict(scaling, rope_type=rtype)
-    return float(theta), scaling
+    return theta, scaling
 
 
 def parse_hf_config(d: dict[str, Any], origin: str = "config") -> ModelConfig:
@@ -211,26 +234,21 @@ def parse_hf_config(d: dict[str, Any], origin: str = "config") -> ModelConfig:
     hidden = _int(d, "hidden_size", origin)
     heads = _int(d, "num_attention_heads", origin)
     vocab = _int(d, "vocab_size", origin)
-    kv = d["num_key_value_heads"] if "num_key_value_heads" in d else _KV_HEADS_DEFAULT.get(mt)
-    kv = int(kv) if kv else heads
+    kv = _int(d, "num_key_value_heads", origin, _KV_HEADS_DEFAULT.get(mt, heads))
     if mt == "deepseek_v3":                    # DeepseekV3Config sets head_dim = qk_rope_head_dim
-        head_dim = int(d.get("qk_rope_head_dim") or 64)
+        head_dim = _int(d, "qk_rope_head_dim", origin, 64)
     else:
-        head_dim = d.get("head_dim") or _HEAD_DIM_DEFAULT.get(mt) or (hidden // heads if heads else 0)
-    for key, v in (("num_hidden_layers", n), ("hidden_size", hidden), ("num_attention_heads", heads),
-                   ("num_key_value_heads", kv), ("head_dim", head_dim), ("vocab_size", vocab)):
-        if int(v) <= 0:
-            raise UserInputError(f"{origin}: {key} must be positive, got {v}")
+        head_dim = _int(d, "head_dim", origin, _HEAD_DIM_DEFAULT.get(mt) or max(hidden // heads, 1))
     if heads % kv:
         raise UserInputError(f"{origin}: {heads} attention heads are not a multiple of {kv} KV heads")
-    theta, scaling = _rope(d)
+    theta, scaling = _rope(d, origin)
     attention_bias = bool(d.get("attention_bias", False))
     qkv_bias, o_bias = (True, False) if mt in _QKV_BIAS_ONLY else (attention_bias, attention_bias)
     return ModelConfig(
-        model_type=mt, vocab_size=vocab, hidden_size=hidden, intermediate_size=int(d.get("intermediate_size") or 0),
-        num_hidden_layers=n, num_attention_heads=heads, num_key_value_heads=kv, head_dim=int(head_dim),
-        rms_norm_eps=float(d.get("rms_norm_eps") or 1e-6), rope_theta=theta, rope_scaling=scaling,
-        max_position_embeddings=int(d.get("max_position_embeddings") or 4096),
+        model_type=mt, vocab_size=vocab, hidden_size=hidden, intermediate_size=_int(d, "intermediate_size", origin, 0, lo=0),
+        num_hidden_layers=n, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+        rms_norm_eps=_float(d, "rms_norm_eps", origin, 1e-6), rope_theta=theta, rope_scaling=scaling,
+        max_position_embeddings=_int(d, "max_position_embeddings", origin, 4096),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", _TIED_DEFAULT.get(mt, False))),
         qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=bool(d.get("mlp_bias", False)), qk_norm=mt in _QK_NORM,
         layer_windows=layer_windows(d, mt, n, origin),

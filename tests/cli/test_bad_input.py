@@ -43,11 +43,19 @@ def env(tiny_factory, tmp_path_factory):
         del cfg["hidden_size"]
         (d / "config.json").write_text(json.dumps(cfg))
 
+    def set_key(key, value):
+        def damage(d):
+            cfg = json.loads((d / "config.json").read_text())
+            cfg[key] = value
+            (d / "config.json").write_text(json.dumps(cfg))   # NaN is written as NaN, as Python's json reads it
+        return damage
+
     def drop_tokenizer(d):
         for f in d.iterdir():
             if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
                 f.unlink()
 
+    (root / "empty.gguf").write_bytes(b"")
     text = root / "text.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
     (root / "latin1.txt").write_bytes(LATIN1)
@@ -57,6 +65,9 @@ def env(tiny_factory, tmp_path_factory):
             "truncated": copy("truncated", truncate),
             "garbage": copy("garbage", lambda d: (d / "model.safetensors").write_bytes(b"\x00not safetensors" * 64)),
             "nokey": copy("nokey", drop_key),
+            "strkey": copy("strkey", set_key("hidden_size", "64")),
+            "naneps": copy("naneps", set_key("rms_norm_eps", float("nan"))),
+            "empty_gguf": str(root / "empty.gguf"),
             "notok": copy("notok", drop_tokenizer)}
 
 
@@ -86,7 +97,11 @@ COMMANDS = {
 DAMAGED = [  # (model, fragment, commands that read it)
     ("truncated", "is a damaged safetensors file: truncated", list(COMMANDS)),
     ("garbage", "is a damaged safetensors file", list(COMMANDS)),
-    ("nokey", "no valid hidden_size", [c for c in COMMANDS if c != "kv-estimate"]),  # kv-estimate: transformers' default
+    # the same parser for every command (kv-estimate too): one line naming the field and the file
+    ("nokey", "nokey/config.json: hidden_size is missing", list(COMMANDS)),
+    ("strkey", "strkey/config.json: hidden_size must be an integer, got '64'", list(COMMANDS)),
+    ("naneps", "naneps/config.json: rms_norm_eps must be a positive finite number, got nan", list(COMMANDS)),
+    ("empty_gguf", "empty.gguf is not", list(COMMANDS)),
     ("notok", "has no tokenizer", [c for c in COMMANDS if c != "kv-estimate"]),      # kv-estimate needs none
 ]
 CASES = [(f"{model}-{cmd}", [a.replace("{model}", "{%s}" % model).replace("{model_name}", model)
@@ -115,6 +130,18 @@ CASES += [
     ("kv-group-size-7", ["kv-estimate", "--model", "{tiny}", "--weight-format", "int4", "--group-size", "7"], 2,
      "--group-size 7 does not divide the model's layer width 64"),
     ("tp-0", ["kv-estimate", "--tensor-parallel-size", "0"], 2, "0 is out of range: use >= 1"),
+    # the engine's limits, the same in kv-estimate's plans
+    ("block-size-2**70", ["kv-estimate", "--block-size", str(2 ** 70)], 2,
+     f"--block-size {2 ** 70}: give an integer from 1 to 65,536"),
+    ("generate-block-size-2**70", ["generate", "--model", "{tiny}", "hi", "--block-size", str(2 ** 70)], 2,
+     f"--block-size {2 ** 70}: give an integer from 1 to 65,536"),
+    ("max-num-seqs-2**70", ["kv-estimate", "--max-num-seqs", str(2 ** 70)], 2,
+     f"--max-num-seqs {2 ** 70}: give an integer from 1 to 2,147,483,647"),
+    ("generate-max-num-seqs-2**70", ["generate", "--model", "{tiny}", "hi", "--max-num-seqs", str(2 ** 70)], 2,
+     f"--max-num-seqs {2 ** 70}: give an integer from 1 to 2,147,483,647"),
+    # a path the system cannot take is bad input, shown short
+    ("path-5000", ["kv-estimate", "--model", "a" * 5000], 2, "File name too long: aaaa"),
+    ("generate-path-5000", ["generate", "--model", "a" * 5000, "hi"], 2, "(5,000 characters)"),
     # lengths past the model's context (512), refused as vLLM refuses them
     ("generate-max-model-len", ["generate", "--model", "{tiny}", "hi", "--max-model-len", "100000",
                                 "--kv-cache-memory", "4MiB", "-q"], 2,
@@ -144,6 +171,20 @@ def test_bad_input_is_one_line_and_the_documented_exit_code(env, case):
     line = assert_one_error_line(res, code, fragment)
     err = json.loads(res.stdout.strip().splitlines()[-1])["error"]
     assert err["exit_code"] == code and "error: " + err["message"] == line and err["type"]
+
+
+def test_kv_estimate_does_not_fit_what_generate_refuses_on_this_cpu(env):
+    """A 1 TiB KV cache on this machine: generate refuses it (exit 2) and kv-estimate's plan for the
+    CPU says it does not fit, in the same words (exit 3 with --require-fit)."""
+    big = ["--kv-cache-memory", "1TiB", "--device", "cpu"]
+    refused = assert_one_error_line(invoke(_fill(["generate", "--model", "{tiny}", "hi", "-q", *big], env)), 2,
+                                    "--kv-cache-memory 1.0 TiB is more than the")
+    res = invoke(_fill(["kv-estimate", "--model", "{tiny}", "--json", *big], env))
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout)
+    assert plan["fits"] is False and refused.removeprefix("error: ") in plan["problems"], plan["problems"]
+    gate = invoke(_fill(["kv-estimate", "--model", "{tiny}", "--require-fit", *big], env))
+    assert_one_error_line(gate, 3, refused.removeprefix("error: "))
 
 
 def test_json_error_types_name_the_kind(env):

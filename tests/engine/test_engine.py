@@ -37,6 +37,18 @@ def tiny(tiny_llama):
 SMALL_KV = 256 * 16 * 14  # 14 blocks of 16 tokens: far fewer than 16 prompts need at once
 
 
+def test_token_budget_defaults_by_device_and_reaches_the_scheduler(tiny):
+    """--max-num-batched-tokens: 256 on the CPU, 2048 on a GPU when not given; 0 is unlimited; a
+    given value is kept; the scheduler spends what EngineArgs holds."""
+    path, loaded, _, _ = tiny
+    assert EngineArgs(device="cpu").max_num_batched_tokens == 256
+    assert EngineArgs(device="cuda").max_num_batched_tokens == 2048
+    assert EngineArgs(device="cpu", max_num_batched_tokens=0).max_num_batched_tokens >= 1 << 31
+    assert EngineArgs(device="cpu", max_num_batched_tokens=100).max_num_batched_tokens == 100
+    engine = LLMEngine(EngineArgs(model=str(path), detokenize=False, kv_cache_memory=1 << 22), loaded=loaded)
+    assert engine.scheduler.max_num_batched_tokens == 256
+
+
 @pytest.mark.parametrize("kw", [
     dict(),
     dict(enable_prefix_caching=False),
