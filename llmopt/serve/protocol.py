@@ -54,6 +54,34 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool | None = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's response_format.json_schema: a name and the schema (`strict` is accepted; the
+    constraint is always enforced)."""
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: Union[dict[str, Any], StrictBool, None] = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` request field (the names of SamplingParams.structured_outputs)."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_schema: Union[dict[str, Any], str, StrictBool, None] = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: StrictBool | None = None
+    disable_additional_properties: StrictBool = False
+    disable_any_whitespace: StrictBool = False
+
+
 class _Sampling(BaseModel):
     """Fields shared by completions and chat."""
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
@@ -78,6 +106,13 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: StrictInt = 0
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs, vLLM's older guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: Union[dict[str, Any], str, StrictBool, None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 # a prompt: text, token ids, several texts, or several token-id lists

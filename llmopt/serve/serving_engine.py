@@ -20,6 +20,7 @@ from llmopt.engine.outputs import RequestOutput, TokenLogprobs
 from llmopt.engine.sampling_params import SamplingParams
 from llmopt.errors import UserInputError
 from llmopt.serve.protocol import OpenAIError
+from llmopt.structured.params import StructuredOutputsParams
 from llmopt.serve.server import OpenAIServer
 from llmopt.serve.streaming import Job
 
@@ -30,6 +31,39 @@ LOGPROB_FLOOR = -9999.0   # vLLM's stand-in for -inf (JSON has no infinities)
 
 def _lp(x: float) -> float:
     return x if x == x and x > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def structured_outputs_of(r) -> StructuredOutputsParams | None:
+    """The request's output constraint from whichever one field gives it: response_format
+    (json_object, json_schema), structured_outputs, or one guided_* field; 400 for two, or for a
+    constraint StructuredOutputsParams refuses (whether it compiles is the engine's check)."""
+    given: dict[str, dict] = {}
+    fmt = r.response_format
+    if fmt is not None and fmt.type != "text":
+        if fmt.type == "json_object":
+            given["response_format"] = {"json_object": True}
+        elif fmt.json_schema is None or fmt.json_schema.json_schema is None:
+            raise OpenAIError("response_format json_schema needs json_schema.schema", 400, "response_format")
+        else:
+            given["response_format"] = {"json": fmt.json_schema.json_schema}
+    if r.structured_outputs is not None:
+        so = r.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+        given["structured_outputs"] = {k: v for k, v in so.items() if v is not False or k == "json"}
+    for field, kind in GUIDED.items():
+        if getattr(r, field) is not None:
+            given[field] = {kind: getattr(r, field)}
+    if not given:
+        return None
+    if len(given) > 1:
+        raise OpenAIError(f"give one output constraint, not {' and '.join(given)}", 400, next(iter(given)))
+    (field, kw), = given.items()
+    try:
+        return StructuredOutputsParams(**kw)
+    except UserInputError as e:
+        raise OpenAIError(str(e), 400, field) from None
 
 
 class OpenAIServing:
@@ -53,6 +87,7 @@ class OpenAIServing:
         if r.priority and policy != "priority":
             raise OpenAIError(f"priority {r.priority} is only allowed with --scheduling-policy priority (this "
                               f"server runs {policy}): send 0 or omit it", 400, "priority")
+        structured = structured_outputs_of(r)
         kw: dict[str, Any] = dict(
             n=r.n, temperature=1.0 if r.temperature is None else r.temperature,
             top_p=1.0 if r.top_p is None else r.top_p, top_k=r.top_k or 0,
@@ -62,7 +97,7 @@ class OpenAIServing:
             stop=[r.stop] if isinstance(r.stop, str) else list(r.stop or []),
             stop_token_ids=list(r.stop_token_ids or []), include_stop_str_in_output=r.include_stop_str_in_output,
             max_tokens=max_tokens, min_tokens=r.min_tokens, ignore_eos=r.ignore_eos, logprobs=logprobs,
-            skip_special_tokens=r.skip_special_tokens)
+            skip_special_tokens=r.skip_special_tokens, structured_outputs=structured)
         try:
             return SamplingParams(**kw)
         except (UserInputError, ValueError, TypeError) as e:

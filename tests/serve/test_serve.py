@@ -409,3 +409,75 @@ def test_server_tpot_agrees_with_the_client(server, http):
     assert d["completed"] == 4 and n == 4
     assert d["server_mean_tpot_ms"] == pytest.approx(server_ms, rel=1e-6)   # bench read the same figure
     assert server_ms == pytest.approx(d["mean_tpot_ms"], rel=0.15, abs=0.5)
+
+
+# -- structured outputs -------------------------------------------------------------------------------
+RECORD = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "n": {"type": "integer"}},
+          "required": ["kind", "n"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("path,fields,engine_kw", [
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": RECORD}}},
+     {"json": RECORD}),
+    (CHAT, {"response_format": {"type": "json_object"}}, {"json_object": True}),
+    (C, {"structured_outputs": {"json": RECORD, "disable_any_whitespace": True}},
+     {"json": RECORD, "disable_any_whitespace": True}),
+    (C, {"structured_outputs": {"regex": r"[a-z]{3}-\d{2}"}}, {"regex": r"[a-z]{3}-\d{2}"}),
+    (C, {"guided_choice": ["alpha", "beta"]}, {"choice": ["alpha", "beta"]}),
+    (CHAT, {"guided_regex": r"\d{4}"}, {"regex": r"\d{4}"}),
+    (C, {"guided_json": RECORD}, {"json": RECORD}),
+], ids=["response_format-json_schema", "response_format-json_object", "structured_outputs-json",
+        "structured_outputs-regex", "guided_choice", "guided_regex-chat", "guided_json"])
+def test_structured_output_fields_constrain_as_the_engine_does(http, offline, path, fields, engine_kw):
+    """Each request field is the engine's own constraint: the greedy text equals the offline engine's
+    with SamplingParams(structured_outputs=...) on the rendered prompt, and a finished output passes
+    the constraint's checker (jsonschema, re.fullmatch, membership) though the random model's own
+    text is noise."""
+    import re
+
+    import jsonschema
+    from llmopt import SamplingParams
+    from llmopt.structured.params import StructuredOutputsParams
+    body = {"max_tokens": 48, "temperature": 0, **fields}
+    if path == CHAT:
+        body["messages"] = MSG
+        prompt = http.post("/tokenize", json={"messages": MSG}).json()["tokens"]
+    else:
+        body["prompt"] = prompt = "Give me a record:"
+    r = http.post(path, json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    text = choice["message"]["content"] if path == CHAT else choice["text"]
+    params = SamplingParams(max_tokens=48, temperature=0, structured_outputs=StructuredOutputsParams(**engine_kw))
+    ref = offline.generate([prompt], params)[0].outputs[0]
+    assert text == ref.text and choice["finish_reason"] == ref.finish_reason
+    if ref.finish_reason == "stop":
+        if "json" in engine_kw:
+            jsonschema.validate(json.loads(text), RECORD)
+        elif "json_object" in engine_kw:
+            assert isinstance(json.loads(text), dict)
+        elif "regex" in engine_kw:
+            assert re.fullmatch(engine_kw["regex"], text), text
+        else:
+            assert text in engine_kw["choice"]
+    if "regex" in engine_kw or "choice" in engine_kw:
+        assert ref.finish_reason == "stop", text   # short constraints always finish in 48 tokens
+
+
+@pytest.mark.parametrize("fields,param,message", [
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "response_format",
+     "give one output constraint, not response_format and guided_regex"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "r"}}}, "response_format",
+     "response_format json_schema needs json_schema.schema"),
+    ({"structured_outputs": {"regex": "a+", "choice": ["a"]}}, "structured_outputs",
+     "structured outputs: give exactly one of"),
+    ({"guided_json": "{not json"}, "guided_json", "structured outputs: the JSON schema is not JSON"),
+    ({"guided_regex": "(unclosed"}, None, "regex"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "response_format.type"),
+])
+def test_bad_output_constraints_are_openai_400s(http, fields, param, message):
+    r = http.post(C, json={"prompt": "hi", "max_tokens": 4, **fields})
+    err = r.json()["error"]
+    assert r.status_code == 400 and message in err["message"], r.text
+    if param is not None:
+        assert err["param"] == param, err
