@@ -2,7 +2,8 @@
 the usage object of a response.
 
 Field names follow OpenAI's API and vLLM's extensions (top_k, min_p, repetition_penalty,
-ignore_eos, min_tokens, stop_token_ids). Unknown fields are ignored, as vLLM does. Types are checked
+ignore_eos, min_tokens, stop_token_ids). Unknown fields are logged and ignored, as vLLM does; fields
+that would change the output and are not implemented (UNSUPPORTED_FIELDS) are refused. Types are checked
 by pydantic (a wrong type is a 400 in OpenAI's error shape, see api_server.py); ranges are checked by
 `SamplingParams` and against the model by `LLMEngine.validate` and the serving classes (context
 length in OpenAI's wording)."""
@@ -82,9 +83,21 @@ class StructuredOutputs(BaseModel):
     disable_any_whitespace: StrictBool = False
 
 
+# Fields of OpenAI's or vLLM's API that change what is generated and that this server does not
+# implement: a value other than these no-ops is a 400 naming the field, never dropped.
+UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    "logit_bias": (None, {}), "use_beam_search": (None, False), "length_penalty": (None, 1.0, 1),
+    "prompt_logprobs": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,), "logits_processors": (None, []), "guided_whitespace_pattern": (None,),
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "spaces_between_special_tokens": (None, True), "best_of": (None, 1),
+}
+
+
 class _Sampling(BaseModel):
-    """Fields shared by completions and chat."""
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    """Fields shared by completions and chat. Other fields are kept in `model_extra`: the serving
+    class refuses those of UNSUPPORTED_FIELDS with a real value and logs the rest, as vLLM does."""
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str | None = None
     n: StrictInt = 1

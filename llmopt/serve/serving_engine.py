@@ -19,7 +19,7 @@ from llmopt.engine.async_engine import RequestStream
 from llmopt.engine.outputs import RequestOutput, TokenLogprobs
 from llmopt.engine.sampling_params import SamplingParams
 from llmopt.errors import UserInputError
-from llmopt.serve.protocol import OpenAIError
+from llmopt.serve.protocol import UNSUPPORTED_FIELDS, OpenAIError
 from llmopt.structured.params import StructuredOutputsParams
 from llmopt.serve.server import OpenAIServer
 from llmopt.serve.streaming import Job
@@ -77,9 +77,22 @@ class OpenAIServing:
         if model is not None and model != self.config.model_name:
             raise OpenAIError(f"The model `{model}` does not exist.", 404, "model", "NotFoundError")
 
+    def check_fields(self, r) -> None:
+        """Refuse a field we do not implement that would change the output (400); log the others
+        we do not know (vLLM's warning), so nothing is dropped without a word."""
+        extra = r.model_extra or {}
+        for name, value in extra.items():
+            noop = UNSUPPORTED_FIELDS.get(name)
+            if noop is not None and not any(value == v and type(value) is type(v) for v in noop):
+                raise OpenAIError(f"{name} is not supported by this server: drop it", 400, name)
+        unknown = sorted(k for k in extra if k not in UNSUPPORTED_FIELDS)
+        if unknown:
+            log.warning("The following fields were present in the request but ignored: %s", set(unknown))
+
     def sampling_params_of(self, r, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The SamplingParams of the fields completions and chat share (`r`), with their own
         max_tokens and logprobs; SamplingParams checks the ranges."""
+        self.check_fields(r)
         max_n = self.server.max_n
         if r.n > max_n:
             raise OpenAIError(f"n must be at most {max_n}, got {r.n}", 400, "n")

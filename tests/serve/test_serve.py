@@ -481,3 +481,34 @@ def test_bad_output_constraints_are_openai_400s(http, fields, param, message):
     assert r.status_code == 400 and message in err["message"], r.text
     if param is not None:
         assert err["param"] == param, err
+
+
+# -- fields we do not implement ----------------------------------------------------------------------
+@pytest.mark.parametrize("path,fields", [
+    (C, {"use_beam_search": True}), (C, {"logit_bias": {"1": 5}}), (C, {"best_of": 3}),
+    (C, {"prompt_logprobs": 1}), (C, {"bad_words": ["x"]}), (C, {"truncate_prompt_tokens": 4}),
+    (CHAT, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            "tool_choice": "required"}),
+], ids=lambda v: next(iter(v)) if isinstance(v, dict) else v)
+def test_unimplemented_fields_that_change_output_are_400s(http, path, fields):
+    body = {"max_tokens": 2, **({"messages": MSG} if path == CHAT else {"prompt": "hi"}), **fields}
+    r = http.post(path, json=body)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] in fields and "is not supported by this server" in err["message"], \
+        r.text
+
+
+def test_no_op_values_pass_and_unknown_fields_are_logged(server, http):
+    """logit_bias {}, use_beam_search false, tool_choice "none" change nothing: accepted. A field
+    nobody defines is ignored with vLLM's warning in the server's log, not dropped silently."""
+    for fields in ({"logit_bias": {}}, {"use_beam_search": False}, {"tool_choice": "none"}, {"best_of": 1}):
+        r = http.post(C, json={"prompt": "hi", "max_tokens": 2, **fields})
+        assert r.status_code == 200, (fields, r.text)
+    r = http.post(C, json={"prompt": "hi", "max_tokens": 2, "frobnicate_level": 3})
+    assert r.status_code == 200, r.text
+    wait = "The following fields were present in the request but ignored: {'frobnicate_level'}"
+    import time
+    deadline = time.monotonic() + 10
+    while wait not in server.log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert wait in server.log.read_text()
