@@ -41,6 +41,10 @@ class OpenAIServer:
         self.vocab_size = self.llm.loaded.config.vocab_size
         self.max_model_len = self.llm.max_model_len
         self.max_n = config.max_n or self.llm.args.max_num_seqs
+        # the longest vocabulary entry (byte-level or SentencePiece form: at least as many characters
+        # as its text): a prompt of more than max_model_len times this many characters cannot fit
+        self.max_token_chars = max((len(k) for k in self.tokenizer.get_vocab()), default=1) \
+            if self.tokenizer is not None else None
         self.metrics = ServerMetrics(config.model_name, self.llm.stats)
         self.in_flight = 0   # sequences (n counted as n) the server has queued and not finished
         self.draining = False   # shutting down: new requests get 503

@@ -21,17 +21,17 @@ class OpenAIServingCompletion(OpenAIServing):
     def sampling_params(self, body: CompletionRequest) -> SamplingParams:
         return self.sampling_params_of(body, body.max_tokens, body.logprobs)
 
-    def prompts(self, body: CompletionRequest) -> tuple[list[str | None], list[list[int]]]:
+    async def prompts(self, body: CompletionRequest) -> tuple[list[str | None], list[list[int]]]:
         """Each prompt's text (None when given as token ids) and token ids."""
         p = body.prompt
         if isinstance(p, str):
-            return [p], [self.tokenize_text(p)]
+            return [p], [await self.tokenize_off_loop(p)]
         if not p:
             raise OpenAIError("the prompt is empty", 400, "prompt")
         if isinstance(p[0], int):
             return [None], [list(p)]
         if isinstance(p[0], str):
-            return list(p), [self.tokenize_text(t) for t in p]
+            return list(p), [await self.tokenize_off_loop(t) for t in p]
         return [None] * len(p), [list(x) for x in p]
 
     async def create_completion(self, body: CompletionRequest, request: Request, arrival: float):
@@ -40,7 +40,7 @@ class OpenAIServingCompletion(OpenAIServing):
             raise OpenAIError("suffix is not supported", 400, "suffix")
         if body.echo and body.logprobs is not None:
             raise OpenAIError("echo with logprobs is not supported", 400, "echo")
-        texts, prompts = self.prompts(body)
+        texts, prompts = await self.prompts(body)
         params = self.sampling_params(body)
         for ids in prompts:
             self.check_prompt(ids, params)

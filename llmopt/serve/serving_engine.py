@@ -11,6 +11,7 @@ logprobs and stop ids, a prompt that leaves no room) and here (context length in
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -26,6 +27,7 @@ from llmopt.serve.streaming import Job
 
 log = logging.getLogger("llmopt.serve")
 
+OFF_LOOP_CHARS = 20_000   # longer texts are tokenized in a worker thread (~40 ms of tokenizer time and up)
 LOGPROB_FLOOR = -9999.0   # vLLM's stand-in for -inf (JSON has no infinities)
 
 
@@ -117,6 +119,13 @@ class OpenAIServing:
             raise OpenAIError(str(e), 400) from None
 
     def tokenize_text(self, text: str, add_special_tokens: bool = True, what: str = "prompt") -> list[int]:
+        """The token ids of a text; a text too long for the context by its length alone is a 400
+        before the tokenizer sees it (a 5 MB prompt took 11.7 s to reach its 400)."""
+        per_token = self.server.max_token_chars
+        if per_token is not None and len(text) > self.max_model_len * per_token:
+            raise OpenAIError(f"the {what} has {len(text):,} characters, more than this model's maximum context "
+                              f"length of {self.max_model_len} tokens can hold (a token here is at most {per_token} "
+                              f"characters): shorten it", 400, what)
         try:
             return self.llm.tokenize(text, add_special_tokens=add_special_tokens)
         except UserInputError as e:   # no tokenizer
@@ -124,6 +133,12 @@ class OpenAIServing:
         except (TypeError, ValueError) as e:   # e.g. a lone surrogate ("\ud800"), which UTF-8 cannot encode
             raise OpenAIError(f"the {what} cannot be tokenized ({type(e).__name__}): send valid Unicode text "
                               "(no lone surrogates)", 400, what) from None
+
+    async def tokenize_off_loop(self, text: str, add_special_tokens: bool = True, what: str = "prompt") -> list[int]:
+        """tokenize_text, in a worker thread for a long text (so open streams go on meanwhile)."""
+        if len(text) > OFF_LOOP_CHARS:
+            return await asyncio.to_thread(self.tokenize_text, text, add_special_tokens, what)
+        return self.tokenize_text(text, add_special_tokens, what)
 
     def check_prompt(self, ids: list[int], params: SamplingParams, what: str = "prompt") -> None:
         """The context length in OpenAI's wording (prompt + max_tokens), then the engine's checks."""

@@ -512,3 +512,22 @@ def test_no_op_values_pass_and_unknown_fields_are_logged(server, http):
     while wait not in server.log.read_text() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert wait in server.log.read_text()
+
+
+def test_a_prompt_too_long_by_its_characters_is_refused_before_tokenizing(http, tiny_chat_model):
+    """More characters than max_model_len tokens of the longest vocabulary entry can hold: a 400 that
+    says so (no tokenizer call). Just under that bound, the text is tokenized (in a worker thread)
+    and gets the usual context-length 400 with its real token count."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(tiny_chat_model))
+    bound = MAX_MODEL_LEN * max(len(k) for k in tok.get_vocab())
+    over = "ab " * (bound // 3 + 1)
+    r = http.post(C, json={"prompt": over, "max_tokens": 1})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "prompt", r.text
+    assert err["message"].startswith(f"the prompt has {len(over):,} characters, more than"), err
+    under = over[: bound - 2]
+    n = len(tok(under).input_ids)
+    r = http.post(C, json={"prompt": under, "max_tokens": 1})
+    assert r.status_code == 400, r.text
+    assert f"However, you requested {n + 1} tokens ({n} in the prompt" in r.json()["error"]["message"], r.text
