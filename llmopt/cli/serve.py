@@ -24,7 +24,7 @@ from llmopt.units import SIZE_HELP, parse_bytes
 # Shown under Examples in --help (app.py registers the command); one short line each.
 EXAMPLES = [
     "llmopt serve --port 8000",
-    "llmopt serve --model out/smollm2-awq --served-model-name smol --api-key KEY",
+    "llmopt serve out/smollm2-awq --served-model-name smol --api-key KEY",
     "llmopt serve --config serve.yaml --shutdown-timeout 30",
 ]
 
@@ -34,13 +34,22 @@ MAX_REQUEST_BYTES = f"{defaults.SERVE_MAX_REQUEST_BYTES >> 20}MiB"   # the defau
 @common.engine_options(before="max_num_queued_reqs")
 def serve(
     ctx: typer.Context,
+    model_tag: str = typer.Argument(None, metavar="MODEL", show_default=False,
+                                    help="The model, as `vllm serve MODEL` (or --model)."),
     model: str = common.ModelOpt,
     config: Path = typer.Option(None, "--config", help="YAML file of flags (keys: flag names); flags on the command "
                                 "line win, unknown keys are refused."),
     host: str = typer.Option(defaults.SERVE_HOST, "--host", help="Address to bind (0.0.0.0: every interface)."),
     port: int = typer.Option(defaults.SERVE_PORT, "--port", callback=in_range(1, 65535), help="TCP port, 1 to 65535."),
-    api_key: str = typer.Option(None, "--api-key", envvar="LLMOPT_API_KEY",
-                                help="Require `Authorization: Bearer KEY` on /v1/* (or LLMOPT_API_KEY)."),
+    api_key: list[str] = typer.Option(None, "--api-key", envvar="LLMOPT_API_KEY", metavar="KEY",
+                                      help="Require `Authorization: Bearer KEY` on /v1/* (or LLMOPT_API_KEY); "
+                                      "repeat it to accept any of several keys."),
+    allowed_origins: list[str] = typer.Option(["*"], "--allowed-origins", metavar="ORIGIN",
+                                              help="CORS: origins a browser may call from (repeatable; vLLM's "
+                                              "default *)."),
+    enable_request_id_headers: bool = typer.Option(False, "--enable-request-id-headers",
+                                                   help="Answer each request with an X-Request-Id header (the "
+                                                   "client's, else a new one), as vLLM."),
     served_model_name: str = typer.Option(None, "--served-model-name",
                                           help="The model name clients send (default: --model)."),
     max_num_queued_reqs: int = typer.Option(None, "--max-num-queued-reqs", callback=in_range(1),
@@ -62,14 +71,18 @@ def serve(
     **engine: Any,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (completions, chat, models, metrics)."""
-    opts = {k: v for k, v in locals().items() if k not in ("ctx", "engine")} | engine
+    if model_tag is not None and model is not None and model_tag != model:
+        raise UserInputError(f"the model is given twice ({model_tag!r} and --model {model!r}): give it once")
+    model = model_tag if model_tag is not None else model
+    opts = {k: v for k, v in locals().items() if k not in ("ctx", "engine", "model_tag")} | engine
     if config is not None:
         opts.update(config_values(ctx, config))
     run(**opts)
 
 
-def run(*, model, config, host, port, api_key, served_model_name, max_num_queued_reqs, max_request_bytes,
-        scheduling_policy, seed, shutdown_timeout, log_interval, disable_log_requests, log_level, **engine) -> None:
+def run(*, model, config, host, port, api_key, allowed_origins, enable_request_id_headers, served_model_name,
+        max_num_queued_reqs, max_request_bytes, scheduling_policy, seed, shutdown_timeout, log_interval,
+        disable_log_requests, log_level, **engine) -> None:
     engine_args = common.engine_args_from_flags(engine, model=model, seed=seed, scheduling_policy=scheduling_policy)
     body_bytes = parse_bytes(max_request_bytes, "--max-request-bytes")
     if body_bytes < 1:
@@ -97,9 +110,11 @@ def run(*, model, config, host, port, api_key, served_model_name, max_num_queued
 
     async_engine = AsyncLLMEngine.from_engine_args(args)
     name = served_model_name or model or defaults.DEFAULT_MODEL
-    app = build_app(async_engine, ServeConfig(model_name=name, api_key=api_key, max_num_queued_reqs=max_num_queued_reqs,
-                                        max_request_bytes=body_bytes, log_interval=log_interval,
-                                        log_requests=not disable_log_requests))
+    app = build_app(async_engine, ServeConfig(model_name=name, api_keys=tuple(api_key or ()),
+                                        allowed_origins=tuple(allowed_origins or ()),
+                                        request_id_headers=enable_request_id_headers,
+                                        max_num_queued_reqs=max_num_queued_reqs, max_request_bytes=body_bytes,
+                                        log_interval=log_interval, log_requests=not disable_log_requests))
     log = logging.getLogger("llmopt.serve")
     log.info("serving %s on http://%s:%d/v1", name, host, port)
     sig = run_server(app, sock, shutdown_timeout, log_level)
@@ -146,7 +161,11 @@ def config_values(ctx: typer.Context, path: Path) -> dict[str, Any]:
             continue   # null: the default; a flag given on the command line (or LLMOPT_API_KEY) wins
         if getattr(param, "is_flag", False) and not isinstance(value, bool):
             raise UserInputError(f"--config {path}: {key} must be true or false, got {value!r}")
-        if isinstance(value, (dict, list)):
+        if getattr(param, "multiple", False):   # a repeatable flag: one value or a list of them
+            value = value if isinstance(value, list) else [value]
+            if not all(isinstance(v, (str, int, float)) for v in value):
+                raise UserInputError(f"--config {path}: {key} must be a value or a list of values")
+        elif isinstance(value, (dict, list)):
             raise UserInputError(f"--config {path}: {key} must be a single value, got a {type(value).__name__}")
         try:
             out[param.name] = param.process_value(ctx, (not value) if negative else value)

@@ -25,12 +25,13 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from llmopt import __version__
 from llmopt.engine.async_engine import AsyncLLMEngine, EngineStoppedError
 from llmopt.errors import LLMOptError, UserInputError
 from llmopt.serve.metrics import CONTENT_TYPE
-from llmopt.serve.middleware import ApiKeyMiddleware, BodyLimitMiddleware, arrival_time
+from llmopt.serve.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware, arrival_time
 from llmopt.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError,
                                    TokenizeRequest, error_response)
 from llmopt.serve.server import OpenAIServer, ServeConfig
@@ -151,7 +152,12 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig) -> FastAPI:
     for exc, handler in EXCEPTION_HANDLERS:
         app.add_exception_handler(exc, handler)
     app.add_middleware(BodyLimitMiddleware, limit=config.max_request_bytes)
-    if config.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)   # outermost: no body is read without the key
+    if config.api_keys:
+        app.add_middleware(ApiKeyMiddleware, api_keys=config.api_keys)   # before the body: none read without a key
+    if config.request_id_headers:
+        app.add_middleware(RequestIdMiddleware)
+    if config.allowed_origins:   # outermost: preflights and errors carry the CORS headers too
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     app.include_router(router)
     return app

@@ -1,10 +1,11 @@
-"""The server's ASGI middlewares: the API key and the request-body limit (which also stamps each
+"""The server's ASGI middlewares: the API key, X-Request-Id and the request-body limit (which also stamps each
 request's arrival time). Plain ASGI, not BaseHTTPMiddleware, which gets in the way of streaming
 and disconnects."""
 
 from __future__ import annotations
 
 import time
+import uuid
 
 from starlette.requests import Request
 
@@ -19,18 +20,41 @@ def arrival_time(request: Request) -> float:
 
 
 class ApiKeyMiddleware:
-    """/v1/* needs `Authorization: Bearer KEY`, as vLLM's --api-key."""
+    """/v1/* needs `Authorization: Bearer KEY` for one of the keys, as vLLM's --api-key (CORS
+    preflights, which browsers send without credentials, pass)."""
 
-    def __init__(self, app, api_key: str) -> None:
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+    def __init__(self, app, api_keys: tuple[str, ...]) -> None:
+        self.app, self.expected = app, {f"Bearer {k}".encode() for k in api_keys}
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
             auth = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if auth != self.expected:
+            if auth not in self.expected:
                 await error_response(OpenAIError("Unauthorized: a valid API key is required", 401))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class RequestIdMiddleware:
+    """X-Request-Id on every response: the client's own, else a new one (vLLM's
+    --enable-request-id-headers)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope.get("headers") or []).get(b"x-request-id")
+        rid = given[:128] if given else uuid.uuid4().hex.encode()
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class BodyLimitMiddleware:

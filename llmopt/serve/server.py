@@ -22,7 +22,9 @@ log = logging.getLogger("llmopt.serve")
 @dataclass
 class ServeConfig:
     model_name: str
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()           # /v1/* needs one of these (none: open)
+    allowed_origins: tuple[str, ...] = ("*",)   # CORS (vLLM's default: any origin)
+    request_id_headers: bool = False         # X-Request-Id on every response
     max_num_queued_reqs: int | None = None   # running + waiting (n counted as n) above this: 503
     max_n: int | None = None                 # cap on n (default: the engine's max_num_seqs)
     max_request_bytes: int = defaults.SERVE_MAX_REQUEST_BYTES   # a larger body: 413

@@ -321,3 +321,30 @@ def test_priority_is_honoured(model, loaded):
             return order
 
         assert asyncio.run(main()) == ["c", "d", "b"]
+
+
+# -- keys, CORS, request ids -------------------------------------------------------------------------
+def test_several_api_keys_cors_and_request_id_headers(model, loaded):
+    """Any of several --api-key values opens /v1/*, another is a 401; a browser's CORS preflight
+    passes without a key and gets the allowed origin; with --enable-request-id-headers every response
+    (errors too) carries the client's X-Request-Id, or a new one."""
+    engine = make_engine(model, loaded)
+    config = ServeConfig(model_name="tiny", log_interval=0, api_keys=("k1", "k2"),
+                         allowed_origins=("https://app.example",), request_id_headers=True)
+    with inprocess_server(build_app(engine, config)) as url:
+        def get(key, **headers):
+            return httpx.get(url + "/v1/models", headers={"authorization": f"Bearer {key}", **headers}, timeout=30)
+        assert get("k1").status_code == 200 and get("k2").status_code == 200
+        wrong = get("k3", **{"x-request-id": "abc-123"})
+        assert wrong.status_code == 401 and wrong.headers["x-request-id"] == "abc-123"
+        fresh = {get("k1").headers["x-request-id"] for _ in range(3)}
+        assert len(fresh) == 3 and all(len(r) == 32 for r in fresh)
+        pre = httpx.options(url + "/v1/chat/completions", timeout=30, headers={
+            "origin": "https://app.example", "access-control-request-method": "POST",
+            "access-control-request-headers": "authorization,content-type"})
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "https://app.example", pre
+        other = httpx.options(url + "/v1/models", timeout=30, headers={
+            "origin": "https://evil.example", "access-control-request-method": "GET"})
+        assert "access-control-allow-origin" not in other.headers
+        ok = get("k2", origin="https://app.example")
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://app.example"

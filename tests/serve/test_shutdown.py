@@ -107,6 +107,7 @@ def run_cli(*args: str):
     ("port: 70000\n", "port: 70000 is out of range: use 1 to 65535"),
     ("enable-prefix-caching: maybe\n", "enable-prefix-caching must be true or false, got 'maybe'"),
     ("max-num-seqs: [1, 2]\n", "max-num-seqs must be a single value, got a list"),
+    ("api-key: [{a: 1}]\n", "api-key must be a value or a list of values"),
     ("max-model-len: [\n", "is not valid YAML"),
     ("- port\n", "must be a mapping of flag names to values, got a list"),
 ])
@@ -145,3 +146,23 @@ def test_config_values_reach_the_command(tmp_path, monkeypatch):
     assert seen["max_num_seqs"] == 7 and seen["port"] == 9001 and seen["prefix_caching"] is False
     assert seen["kv_cache_memory"] == "8MiB" and seen["shutdown_timeout"] == 2.5
     assert seen["scheduling_policy"] == "priority" and seen["max_model_len"] is None
+
+
+def test_positional_model_repeatable_flags_and_their_config_lists(tmp_path, monkeypatch):
+    """`llmopt serve MODEL` as `vllm serve MODEL`; the same model also given by --model is fine, a
+    different one is refused; --api-key repeats, and a config key of a repeatable flag takes one
+    value or a list."""
+    import llmopt.cli.serve as serve_cli
+    seen = {}
+    monkeypatch.setattr(serve_cli, "run", lambda **kw: seen.update(kw))
+    res = CliRunner().invoke(app, ["serve", "some/model", "--api-key", "a", "--api-key", "b"])
+    assert res.exit_code == 0, res.stderr
+    assert seen["model"] == "some/model" and list(seen["api_key"]) == ["a", "b"]
+    assert list(seen["allowed_origins"]) == ["*"]
+    code, lines = run_cli("m1", "--model", "m2")
+    assert code == 2 and lines == ["error: the model is given twice ('m1' and --model 'm2'): give it once"]
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("api-key: [k1, k2]\nallowed-origins: https://app.example\n")
+    res = CliRunner().invoke(app, ["serve", "--config", str(cfg)])
+    assert res.exit_code == 0, res.stderr
+    assert list(seen["api_key"]) == ["k1", "k2"] and list(seen["allowed_origins"]) == ["https://app.example"]
