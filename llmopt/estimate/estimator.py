@@ -172,10 +172,26 @@ def estimate(arch: ModelArch, *, device: str | None = None, dtype: str = default
         bytes_per_token=_num(sum((x.token_bytes for x in layers), Fraction(0))),
         bytes_per_token_model=_num(sum((x.token_bytes for x in layer_kv_specs(arch, kv_dtype, 1)), Fraction(0))),
         layers=summary, weights=weights, request_bytes=layout.bytes_for(max_len, max_num_batched_tokens), note=note)
+    available = _fit_memory(est, arch, dev, weights, gpu, gpu_memory_gib, gpu_memory_utilization, tp,
+                            max_num_batched_tokens, max_num_seqs, reserve_bytes, kv_cache_memory)
+    _fit_blocks(est, layout, available, max_len, max_num_batched_tokens, arch, batch_sizes, seq_lens)
+    if naive:
+        layers1 = layer_kv_specs(arch, kv_dtype, 1)
+        est.naive = naive_mod.compare(arch, kv_dtype, layers1, build_layout(layers1, block_size, hybrid), max_len, 1,
+                                      block_size, max_num_batched_tokens)
+    est.fits = None if available is None else not est.problems
+    if what_if and est.memory is not None:
+        est.what_if = what_ifs(est, lambda **kw: estimate(arch, **kw), levers)
+    return est
+
+
+def _fit_memory(est: KVEstimate, arch: ModelArch, dev: str, weights: WeightMemory, gpu, gpu_memory_gib, util, tp,
+                mnbt: int, max_num_seqs: int, reserve_bytes, kv_cache_memory: int | None) -> int | None:
+    """est.memory (when a GPU budget is given) and its problems; the KV-cache bytes to plan with
+    (None: no budget, so no fit verdict)."""
     available = kv_cache_memory
     if gpu is not None or gpu_memory_gib is not None:
-        est.memory = _budget(arch, gpu, gpu_memory_gib, gpu_memory_utilization, weights, tp,
-                             max_num_batched_tokens, max_num_seqs, reserve_bytes)
+        est.memory = _budget(arch, gpu, gpu_memory_gib, util, weights, tp, mnbt, max_num_seqs, reserve_bytes)
         if available is None:
             available = est.memory.kv_available_bytes
         elif available > est.memory.kv_available_bytes:
@@ -189,28 +205,26 @@ def estimate(arch: ModelArch, *, device: str | None = None, dtype: str = default
         problem = kv_cache_memory_problem(kv_cache_memory, "cpu")
         if problem is not None:
             est.problems.append(problem)
+    return available
+
+
+def _fit_blocks(est: KVEstimate, layout: KVLayout, available: int | None, max_len: int, mnbt: int, arch: ModelArch,
+                batch_sizes: list[int] | None, seq_lens: list[int] | None) -> None:
+    """est.paged (the blocks `available` bytes hold) and est.grid, with their problems."""
     if available is not None:
-        est.paged = _paged(layout, max(0, available), max_len, max_num_batched_tokens, arch)
+        est.paged = _paged(layout, max(0, available), max_len, mnbt, arch)
         budget_ok = est.memory is None or est.memory.kv_available_bytes > 0
         if est.paged.num_blocks < est.paged.blocks_per_request and budget_ok:
             est.problems.append(f"one request of {max_len:,} tokens needs {est.paged.blocks_per_request:,} blocks, the "
                                 f"cache holds {est.paged.num_blocks:,}: the longest context that fits is "
                                 f"{est.paged.longest_context:,} tokens")
     if batch_sizes or seq_lens:
-        est.grid = grid(layout, batch_sizes or [1], seq_lens or [max_len], max_num_batched_tokens,
+        est.grid = grid(layout, batch_sizes or [1], seq_lens or [max_len], mnbt,
                         est.paged.num_blocks if est.paged else None)
         misses = [c for c in est.grid if c.fits is False]
         if misses:
             est.problems.append(f"{len(misses)} of {len(est.grid)} grid cells do not fit (e.g. batch "
                                 f"{misses[0].batch_size} x {misses[0].seq_len:,} tokens)")
-    if naive:
-        layers1 = layer_kv_specs(arch, kv_dtype, 1)
-        est.naive = naive_mod.compare(arch, kv_dtype, layers1, build_layout(layers1, block_size, hybrid), max_len, 1,
-                                      block_size, max_num_batched_tokens)
-    est.fits = None if available is None else not est.problems
-    if what_if and est.memory is not None:
-        est.what_if = what_ifs(est, lambda **kw: estimate(arch, **kw), levers)
-    return est
 
 
 def _budget(arch, gpu, gpu_memory_gib, util, weights, tp, mnbt, max_num_seqs, reserve_bytes) -> MemoryBudget:
