@@ -32,15 +32,14 @@ MAX_TOKENS = (1 << 31) - 1     # token counts, positions and slots are int32 ind
 
 def check_engine_limits(*, block_size: int, max_num_seqs: int, max_num_batched_tokens: int | None,
                         max_model_len: int | None = None, gpu_memory_utilization: float = 1.0) -> None:
-    """The engine's sizes, each an integer in its range (max_num_batched_tokens 0 or None:
+    """The engine's sizes, each an integer in its range (None: not given; max_num_batched_tokens 0:
     unlimited); the message names the flag, what was given and what is allowed."""
-    for flag, v, lo, hi in (("--block-size", block_size, 1, MAX_BLOCK_SIZE),
-                            ("--max-num-seqs", max_num_seqs, 1, MAX_TOKENS),
-                            ("--max-num-batched-tokens", max_num_batched_tokens or 1, 1, MAX_TOKENS),
-                            ("--max-model-len", 2 if max_model_len is None else max_model_len, 2, MAX_TOKENS)):
-        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-            raise UserInputError(f"{flag} {v}: give an integer from {lo} to {hi:,}"
-                                 + (" (0 = unlimited)" if flag == "--max-num-batched-tokens" else ""))
+    for flag, v, lo, hi, note in (("--block-size", block_size, 1, MAX_BLOCK_SIZE, ""),
+                                  ("--max-num-seqs", max_num_seqs, 1, MAX_TOKENS, ""),
+                                  ("--max-num-batched-tokens", max_num_batched_tokens, 0, MAX_TOKENS, " (0 = unlimited)"),
+                                  ("--max-model-len", max_model_len, 2, MAX_TOKENS, "")):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
+            raise UserInputError(f"{flag} {v}: give an integer from {lo} to {hi:,}{note}")
     if not 0 < gpu_memory_utilization <= 1:
         raise UserInputError(f"--gpu-memory-utilization {gpu_memory_utilization}: use a share of the "
                              "GPU's memory in (0, 1], as vLLM")

@@ -165,9 +165,6 @@ def run_guarded(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
     except LLMOptError as e:
         _failed(str(e), e.exit_code, as_json, type(e).__name__)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as e:
-        message = f"{e.strerror or e}: {e.filename}" if getattr(e, "filename", None) else str(e)
-        _failed(message, 2, as_json, "UserInputError")
     except BrokenPipeError:
         _quiet_stdout()          # stdout's reader left (`| head`): stop quietly, as a killed writer would
         raise SystemExit(EXIT_BROKEN_PIPE) from None
@@ -175,14 +172,27 @@ def run_guarded(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         fail("terminated", 143, as_json=as_json, kind="Terminated")
     except KeyboardInterrupt:
         fail("interrupted", 130, as_json=as_json, kind="Interrupted")
-    except Exception as e:   # noqa: BLE001 - a bug: one line (--debug shows where), exit 1
-        if isinstance(e, OSError) and e.errno == errno.ENAMETOOLONG:   # a path the user gave: bad input
-            name = str(e.filename or "")
-            shown = name if len(name) <= 80 else f"{name[:60]}... ({len(name):,} characters)"
-            _failed(f"{e.strerror}: {shown}", 2, as_json, "UserInputError")
-            return None
-        _failed(f"unexpected {type(e).__name__}: {e} (llmopt --debug shows the traceback)", 1, as_json,
-                "InternalError")
+    except Exception as e:   # noqa: BLE001 - a bad path is bad input (exit 2); anything else a bug (exit 1)
+        if _is_bad_path(e):
+            _failed(_path_message(e), 2, as_json, "UserInputError")
+        else:
+            _failed(f"unexpected {type(e).__name__}: {e} (llmopt --debug shows the traceback)", 1, as_json,
+                    "InternalError")
+
+
+def _is_bad_path(e: BaseException) -> bool:
+    """A file the user named that is missing, of the wrong kind, not readable, or too long a name."""
+    return isinstance(e, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)) or \
+        (isinstance(e, OSError) and e.errno == errno.ENAMETOOLONG)
+
+
+def _path_message(e: OSError) -> str:
+    """`strerror: path`, a path of over 80 characters shortened to its start and its length."""
+    name = str(e.filename or "")
+    if not name:
+        return str(e)
+    shown = name if len(name) <= 80 else f"{name[:60]}... ({len(name):,} characters)"
+    return f"{e.strerror or e}: {shown}"
 
 
 EXIT_BROKEN_PIPE = 141   # 128 + SIGPIPE: what a shell reports for a writer whose reader left

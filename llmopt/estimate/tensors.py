@@ -87,9 +87,10 @@ def read_gguf(path: Path) -> tuple[dict, list[TensorInfo]]:
     (gguf.GGUFReader decodes every vocabulary string, seconds on a busy machine)."""
     import mmap
     from gguf.constants import GGMLQuantizationType
-    if Path(path).stat().st_size < 24:   # magic, version, two counts: mmap refuses an empty file
-        raise ModelLoadError(f"{path} is not a GGUF file: {Path(path).stat().st_size} bytes, shorter than a "
-                             "GGUF header (an interrupted download?)")
+    size = Path(path).stat().st_size
+    if size < 24:   # magic, version, two counts: mmap refuses an empty file
+        raise ModelLoadError(f"{path} is not a GGUF file: {size} bytes, shorter than a GGUF header "
+                             "(an interrupted download?)")
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         c = _Cursor(memoryview(mm))
         try:

@@ -21,9 +21,9 @@ from llmopt.engine.outputs import RequestOutput, TokenLogprobs
 from llmopt.engine.sampling_params import SamplingParams
 from llmopt.errors import UserInputError
 from llmopt.serve.protocol import UNSUPPORTED_FIELDS, OpenAIError
-from llmopt.structured.params import StructuredOutputsParams
 from llmopt.serve.server import OpenAIServer
 from llmopt.serve.streaming import Job
+from llmopt.structured.params import StructuredOutputsParams
 
 log = logging.getLogger("llmopt.serve")
 
@@ -52,8 +52,7 @@ def structured_outputs_of(r) -> StructuredOutputsParams | None:
         else:
             given["response_format"] = {"json": fmt.json_schema.json_schema}
     if r.structured_outputs is not None:
-        so = r.structured_outputs.model_dump(by_alias=True, exclude_none=True)
-        given["structured_outputs"] = {k: v for k, v in so.items() if v is not False or k == "json"}
+        given["structured_outputs"] = r.structured_outputs.model_dump(by_alias=True, exclude_none=True)
     for field, kind in GUIDED.items():
         if getattr(r, field) is not None:
             given[field] = {kind: getattr(r, field)}
