@@ -1,7 +1,10 @@
 """Interrupted commands leave nothing behind and lose nothing: `python -m llmopt quantize` stopped by
 SIGINT (exit 130) or SIGTERM (exit 143) while it writes its shards prints one line, removes its
 `.NAME.tmp<PID>` folder and keeps the source, the previous output and unrelated files byte-identical;
-after SIGKILL (which nothing can catch) the leftover is removed by the next run, which succeeds."""
+after SIGKILL (which nothing can catch) the leftover is removed by the next run, which succeeds.
+
+The interrupted run is the real CLI in a child process whose `save_shard` is wrapped to stop after
+two shards until a signal comes: the signal lands mid-write on any machine, fast or loaded."""
 
 from __future__ import annotations
 
@@ -28,10 +31,36 @@ def slow_model(tmp_path_factory) -> Path:
                      hidden_size=128, intermediate_size=512)
 
 
+def _args(model: Path, tmp: Path) -> list[str]:
+    return ["quantize", "--model", str(model), "--output", str(tmp / "out"), "--overwrite", "--method", "gptq",
+            "--group-size", "32", "--num-samples", "16", "--seq-len", "256", "--calib-data", str(tmp / "calib.txt"),
+            "--quiet", "--json"]
+
+
 def _command(model: Path, tmp: Path) -> list[str]:
-    return [sys.executable, "-m", "llmopt", "quantize", "--model", str(model), "--output", str(tmp / "out"),
-            "--overwrite", "--method", "gptq", "--group-size", "32", "--num-samples", "16", "--seq-len", "256",
-            "--calib-data", str(tmp / "calib.txt"), "--quiet", "--json"]
+    return [sys.executable, "-m", "llmopt", *_args(model, tmp)]
+
+
+# The child: the real `llmopt` entry point, with the pipeline's shard writer wrapped so that after two
+# finished shards it touches READY and sleeps until the test's signal (a loaded machine cannot race it).
+_PAUSING_CHILD = """
+import sys, time
+from pathlib import Path
+import llmopt.quant.pipeline as pipeline
+ready, written, save = Path(sys.argv[1]), [], pipeline.save_shard
+def pausing_save(path, tensors):
+    out = save(path, tensors)
+    written.append(path)
+    if len(written) == 2:
+        ready.touch()
+        while True:
+            time.sleep(0.05)
+    return out
+pipeline.save_shard = pausing_save
+from llmopt.cli.app import main
+sys.argv = ["llmopt", *sys.argv[2:]]
+main()
+"""
 
 
 def _env() -> dict:
@@ -42,19 +71,18 @@ def _temporaries(folder: Path) -> list[str]:
     return [p.name for p in folder.iterdir() if re.fullmatch(r"\..+\.(tmp|old)\d+", p.name)]
 
 
-def _wait_for_partial_shards(proc: subprocess.Popen, tmp_folder: Path, timeout: float = 600) -> None:
-    """Until the run's `.out.tmp<PID>` folder holds a finished shard (the run is mid-write)."""
+def _wait_until_paused(proc: subprocess.Popen, ready: Path, timeout: float = 600) -> None:
+    """Until the child has written two shards into its `.out.tmp<PID>` folder and paused there."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        if tmp_folder.is_dir() and any(p.suffix == ".safetensors" and not p.name.startswith(".")
-                                       for p in tmp_folder.iterdir()):
+        if ready.exists():
             return
         if proc.poll() is not None:
-            raise AssertionError(f"quantize ended (rc {proc.returncode}) before writing its temporary folder: "
+            raise AssertionError(f"quantize ended (rc {proc.returncode}) before writing two shards: "
                                  f"{proc.stderr.read()}")
         time.sleep(0.02)
     proc.kill()
-    raise AssertionError("quantize did not start writing shards in time")
+    raise AssertionError("quantize did not write two shards in time")
 
 
 @pytest.mark.parametrize("sig, code, word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated"),
@@ -68,10 +96,13 @@ def test_quantize_interrupted_loses_nothing_and_leaves_nothing(slow_model, tmp_p
     (previous / "model.safetensors").write_bytes(os.urandom(4096))
     fsutil.write_marker(previous, {"command": "quantize", "method": "rtn"})
     source, before = tree(slow_model), tree(tmp_path)
+    ready = tmp_path.parent / f"{tmp_path.name}.ready"       # outside tmp_path: not part of its tree
 
-    proc = subprocess.Popen(_command(slow_model, tmp_path), cwd=tmp_path, env=_env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    _wait_for_partial_shards(proc, tmp_path / f".out.tmp{proc.pid}")
+    proc = subprocess.Popen([sys.executable, "-c", _PAUSING_CHILD, str(ready), *_args(slow_model, tmp_path)],
+                            cwd=tmp_path, env=_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _wait_until_paused(proc, ready)
+    shards = sorted(p.name for p in (tmp_path / f".out.tmp{proc.pid}").iterdir() if p.suffix == ".safetensors")
+    assert shards == ["model-00001-of-00017.safetensors", "model-00002-of-00017.safetensors"]   # mid-write
     proc.send_signal(sig)
     stdout, stderr = proc.communicate(timeout=300)
 
