@@ -4,7 +4,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "LLM": "llmopt.engine.llm",
-    "SamplingParams": "llmopt.engine.sampling_params",
+    "SamplingParams": "llmopt.core.sampling_params",
     "EngineArgs": "llmopt.engine.args",
     "LLMEngine": "llmopt.engine.engine",
     "AsyncLLMEngine": "llmopt.engine.async_engine",

@@ -46,7 +46,7 @@ CPU_QUANT_KERNEL_MAX_ROWS = 32   # quantized CPU GEMMs: own kernel up to this ma
 LM_HEAD_DTYPE = "auto"           # auto: int8 head for quantized models on the CPU | float | int8
 # never compile the decode step unless --no-enforce-eager (docs/benchmarks.md: +5-8%, 27 s cold compile)
 ENFORCE_EAGER = True
-# CPU steps of up to this many tokens run one C++ call per layer (engine/cpu_decode.py)
+# CPU steps of up to this many tokens run one C++ call per layer (worker/cpu_decode.py)
 CPU_DECODE_MAX_ROWS = MAX_NUM_BATCHED_TOKENS
 # with AVX-512 VNNI, int8-activation linears of this many rows or more run as panels (cpu_idot_tiles.h)
 CPU_IDOT_PANEL_MIN_ROWS = 17

@@ -20,6 +20,8 @@ from llmopt.bench.config import BenchConfig, Hooks, RunOutput
 from llmopt.bench.datasets import SampleRequest
 from llmopt.bench.metrics import RequestRecord, ServerStats
 from llmopt.bench.schedule import Load, arrivals
+from llmopt.core.sampling_params import SamplingParams
+from llmopt.engine.engine import LLMEngine
 
 _IDLE = 0.005   # seconds to sleep while nothing runs and the next request is not due
 
@@ -39,7 +41,6 @@ def prompt_ids(engine, cfg: BenchConfig, req: SampleRequest) -> list[int]:
 
 
 def sampling_params(cfg: BenchConfig, req: SampleRequest):
-    from llmopt.engine.sampling_params import SamplingParams
     s = cfg.sampling
     return SamplingParams(max_tokens=req.expected_output_len, temperature=s.temperature,
                           top_p=1.0 if s.top_p is None else s.top_p, top_k=s.top_k or 0,
@@ -156,7 +157,6 @@ def _drain(engine, rids: list[str], hooks: Hooks) -> None:
 
 
 def build_engine(cfg: BenchConfig, progress=None):
-    from llmopt.engine.engine import LLMEngine
     return LLMEngine(cfg.engine_args, progress=progress)
 
 

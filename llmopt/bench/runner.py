@@ -47,10 +47,11 @@ def result_of(cfg: BenchConfig, run: RunOutput, load: Load, tokenizer, model_id:
 def run_benchmark(cfg: BenchConfig, hooks: Hooks | None = None, progress=None) -> BenchReport:
     """Run what `cfg` asks for. `progress` is the model loader's callback (offline)."""
     hooks = hooks or Hooks()
-    # deferred imports here: a run against a server never loads the engine (torch), an offline run never
-    # needs httpx's client, and the speculative and transformers comparisons load what only they use
+    # deferred imports here (start-up time, optional dependencies): a run against a server never loads
+    # the engine (torch), an offline run never needs httpx's client, and the speculative and
+    # transformers comparisons load what only they use
     if cfg.online:
-        from llmopt.bench.online import resolve_target, run_online
+        from llmopt.bench.online import resolve_target, run_online   # deferred: httpx, online only
         target = resolve_target(cfg)
         tokenizer, tokenizer_id = _online_tokenizer(cfg, target)
         model_id = target.model
@@ -58,7 +59,7 @@ def run_benchmark(cfg: BenchConfig, hooks: Hooks | None = None, progress=None) -
         def run(requests, load, description):
             return run_online(cfg, target, requests, load, hooks, description)
     else:
-        from llmopt.bench.offline import build_engine, run_engine
+        from llmopt.bench.offline import build_engine, run_engine   # deferred: the engine (torch), offline only
         engine = build_engine(cfg, progress)
         tokenizer = engine.tokenizer
         model_id = tokenizer_id = str(cfg.engine_args.model or engine.loaded.path)
@@ -89,13 +90,13 @@ def run_benchmark(cfg: BenchConfig, hooks: Hooks | None = None, progress=None) -
                     break
                 one(load, f"sweep {load.label} req/s")
     if cfg.spec != "none" and not cfg.online and not hooks.stop.is_set():   # the same prompts without speculation
-        from llmopt.speculative.bench import compare_plain
+        from llmopt.bench.speculative import compare_plain   # deferred: for --spec only
         res = next((r for r in results if r.strategy == "throughput"), results[-1])
         load = throughput(replace(cfg.load, strategy="single")) if cfg.sweep else cfg.load
         res.compare_spec = compare_plain(engine, cfg, requests, load, hooks, res, run_engine,
                                          lambda run: result_of(cfg, run, load, tokenizer, model_id, tokenizer_id))
     if cfg.compare_hf and not hooks.stop.is_set():
-        from llmopt.bench.offline import compare_hf
+        from llmopt.bench.offline import compare_hf   # deferred: the engine (torch), --compare-hf only
         res = next((r for r in results if r.strategy == "throughput"), results[-1])   # a sweep: its throughput run
         hf = compare_hf(engine, cfg, requests, cfg.load.max_concurrency or len(requests), hooks)
         if hf.output_throughput:

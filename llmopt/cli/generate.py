@@ -124,7 +124,7 @@ def generate(
     """Complete prompts with the paged-KV, continuous-batching engine."""
     # deferred: keep CLI start-up fast
     from llmopt.engine.llm import LLM
-    from llmopt.engine.sampling_params import SamplingParams
+    from llmopt.core.sampling_params import SamplingParams
 
     texts = read_prompts(prompts or [], file)
     engine_args = common.engine_args_from_flags(engine, seed=seed or 0)

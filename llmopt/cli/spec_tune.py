@@ -176,8 +176,8 @@ def spec_tune(
 ) -> None:
     """Train an EAGLE/EAGLE-3 head and tune speculative decoding; writes spec_config.json."""
     # deferred: keep CLI start-up fast
-    from llmopt.speculative.train import TrainSettings
-    from llmopt.speculative.tune import SpecTuneConfig
+    from llmopt.spec_tune.train import TrainSettings
+    from llmopt.spec_tune.tune import SpecTuneConfig
 
     settings = TrainSettings(method, epochs=epochs, lr=lr, batch_size=train_batch_size, ttt_steps=ttt_steps,
                              draft_vocab_size=draft_vocab_size, checkpoint_every=checkpoint_every, seed=seed,
@@ -197,7 +197,7 @@ def spec_tune(
 
 def _run(cfg, quiet: bool, json_out: bool) -> None:
     """Run spec-tune with a progress bar per phase, then print its result."""
-    from llmopt.speculative.tune import spec_tune as run   # deferred: keep CLI start-up fast
+    from llmopt.spec_tune.tune import spec_tune as run   # deferred: keep CLI start-up fast
 
     phases = _Phases(not quiet)
     try:

@@ -31,8 +31,8 @@ from llmopt.distributed import parallel
 from llmopt.distributed.plan import TPPlan, plan_for_config
 from llmopt.distributed.worker import (ERROR_KEY, JOINED_KEY, RankStats, StepMessage, check_torchrun_world, load_rank,
                                        rank_stats, run_torchrun_worker, worker_main)
-from llmopt.engine.executor import EngineDeadError
-from llmopt.engine.runner import ModelRunnerOutput
+from llmopt.worker.executor import EngineDeadError
+from llmopt.worker.runner import ModelRunnerOutput
 from llmopt.errors import LLMOptError, UserInputError
 from llmopt.models.config import ModelConfig
 from llmopt.models.loader import resolve_checkpoint, resolve_device

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from llmopt import defaults
 from llmopt.distributed.parallel import TPGroup, destroy, init_group, rank_device, torchrun_env
 from llmopt.distributed.plan import TPPlan, plan_for_config
-from llmopt.engine.runner import ModelRunner
+from llmopt.worker.runner import ModelRunner
 from llmopt.errors import UserInputError
 from llmopt.models.config import ModelConfig
 from llmopt.models.loader import load_model, resolve_checkpoint, resolve_device

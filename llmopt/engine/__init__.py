@@ -2,6 +2,6 @@
 (llmopt.cache), a model runner, a batched sampler, and the LLM / async front ends."""
 
 from llmopt.engine.args import EngineArgs
-from llmopt.engine.sampling_params import SamplingParams
+from llmopt.core.sampling_params import SamplingParams
 
 __all__ = ["EngineArgs", "SamplingParams"]

@@ -30,8 +30,8 @@ from typing import AsyncIterator
 
 from llmopt.engine.args import EngineArgs
 from llmopt.engine.engine import EngineDeadError, LLMEngine
-from llmopt.engine.outputs import RequestOutput
-from llmopt.engine.sampling_params import SamplingParams
+from llmopt.core.outputs import RequestOutput
+from llmopt.core.sampling_params import SamplingParams
 from llmopt.engine.threads import ComputeThread
 from llmopt.errors import LLMOptError, UserInputError
 

@@ -1,5 +1,5 @@
 """Incremental detokenization, per request: it only builds text (stop strings are checked by
-llmopt.engine.stop.check_stop, which searches this text).
+llmopt.core.stop.check_stop, which searches this text).
 
 Text grows by decoding a short window of recent tokens twice (with and without the newest ones)
 and keeping the difference, so each step costs a few tokens' decoding, not the whole output; an

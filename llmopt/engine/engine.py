@@ -8,7 +8,7 @@
 A prompt with n > 1 fans out into n child requests (ids `<id>#<i>`): the first computes the prompt,
 the others fork from it sharing every prompt block (copy-on-write for the partial last one), and the
 caller sees one RequestOutput with n completions. The step is: propose drafts (when a `Proposer`
-is set, engine/proposer.py), schedule, run the forward (the `Executor`, engine/executor.py), sample,
+is set, speculative/interface.py), schedule, run the forward (the `Executor`, worker/executor.py), sample,
 `Scheduler.update_from_output` (which owns everything after sampling), build outputs.
 
 A request is validated when it is added (`prepare_request`: token ids, top_k, logprobs and stop ids
@@ -29,14 +29,15 @@ from dataclasses import dataclass
 from llmopt.cache.kv_manager import KVCacheManager, cdiv
 from llmopt.engine.args import EngineArgs
 from llmopt.engine.detokenizer import IncrementalDetokenizer
-from llmopt.engine.executor import EngineDeadError, Executor, create_executor
-from llmopt.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from llmopt.engine.proposer import DraftProposal, Proposer, ProposeInput, ProposerContext, StepHiddenStates
-from llmopt.engine.request import Request
-from llmopt.engine.runner import KVCacheInfo
-from llmopt.engine.sampler import Sampler, SampledTokens, SamplingRow
-from llmopt.engine.sampling_params import SamplingParams
-from llmopt.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from llmopt.engine.executor import create_executor
+from llmopt.worker.executor import EngineDeadError, Executor
+from llmopt.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from llmopt.speculative.interface import DraftProposal, Proposer, ProposeInput, ProposerContext, StepHiddenStates
+from llmopt.core.request import Request
+from llmopt.worker.runner import KVCacheInfo
+from llmopt.core.sampler import Sampler, SampledTokens, SamplingRow
+from llmopt.core.sampling_params import SamplingParams
+from llmopt.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from llmopt.engine.spec_stats import SpecDecodingStats
 from llmopt.errors import UserInputError
 from llmopt.models.loader import LoadedModel
@@ -126,7 +127,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len,
                                    args.scheduling_policy)
         # Speculative decoding: a proposer drafts tokens that the engine verifies in the same forward
-        # (rejection sampling against the target's own distribution, engine/sampler.py)
+        # (rejection sampling against the target's own distribution, core/sampler.py)
         self.proposer: Proposer | None = None
         self.spec_stats: SpecDecodingStats | None = None
         self._draft_probs: dict = {}    # this step's drafts' distributions (proposers that sample their drafts)

@@ -1,47 +1,14 @@
-"""The executor: what runs a scheduled step's forward for the engine, as vLLM v1's `Executor`.
-
-One process: the engine's `ModelRunner` is its own executor (`runner.py`). Tensor parallelism:
-`llmopt.distributed.executor.TPExecutor` (rank 0 broadcasts each step to the other ranks). The
-engine gets one at construction (`create_executor`, the one place that chooses) and afterwards calls
-only what `Executor` names.
-
-`execute_model(scheduler_output)` returns a ModelRunnerOutput (runner.py): the logits rows the step
-asked for (`num_logits` per request, schedule order) and, when `scheduler_output.hidden_layers` is not None (a proposer that
-reads the target's features, EAGLE), the hidden states of every scheduled token.
-"""
+"""`create_executor`: the one place that chooses what runs the engine's forwards (the interface is
+`llmopt.worker.executor.Executor`): tensor-parallel ranks (llmopt.distributed) or one `ModelRunner`."""
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Callable
 
 from llmopt.engine.args import EngineArgs
-from llmopt.engine.runner import KVCacheInfo, ModelRunner, ModelRunnerOutput
-from llmopt.engine.scheduler import SchedulerOutput
-from llmopt.errors import LLMOptError
 from llmopt.models.loader import LoadedModel, load_model
-
-
-class EngineDeadError(LLMOptError):
-    """A step failed in a way no single request explains: the engine serves nothing more."""
-
-
-class Executor(Protocol):
-    """What the engine calls on whatever runs its forwards."""
-    loaded: LoadedModel       # the target as this process holds it (rank 0's shard under tensor parallelism)
-    num_blocks: int           # KV blocks per layer (a proposer's own KV mirrors the target's block table)
-    backend: str              # kernel backend, "torch" or "triton"
-
-    def kv_cache_info(self) -> KVCacheInfo: ...
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
-
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None: ...
-
-    def check_health(self) -> None:
-        """Raise EngineDeadError when no more steps can run; return quietly otherwise."""
-
-    def shutdown(self) -> None:
-        """Release what outlives the engine (worker processes, the process group)."""
+from llmopt.worker.executor import Executor
+from llmopt.worker.runner import ModelRunner
 
 
 def create_executor(args: EngineArgs, loaded: LoadedModel | None, progress=None,

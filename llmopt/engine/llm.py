@@ -8,8 +8,8 @@ from typing import Callable, Sequence
 
 from llmopt.engine.args import EngineArgs
 from llmopt.engine.engine import LLMEngine
-from llmopt.engine.outputs import RequestOutput
-from llmopt.engine.sampling_params import SamplingParams
+from llmopt.core.outputs import RequestOutput
+from llmopt.core.sampling_params import SamplingParams
 from llmopt.errors import UserInputError
 
 Prompt = "str | list[int]"

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmopt.engine.sampler import SampledTokens
-from llmopt.engine.scheduler import SchedulerOutput
+from llmopt.core.sampler import SampledTokens
+from llmopt.core.scheduler import SchedulerOutput
 
 
 @dataclass

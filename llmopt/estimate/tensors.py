@@ -12,6 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from llmopt.errors import ModelLoadError
+from llmopt.validate import safetensors_header
 
 SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                      "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
@@ -123,7 +124,6 @@ def read_gguf(path: Path) -> tuple[dict, list[TensorInfo]]:
 
 def _header(path: Path) -> dict:
     """The header, checked against the file's size as the loader checks it (llmopt.validate)."""
-    from llmopt.validate import safetensors_header
     return safetensors_header(path)
 
 

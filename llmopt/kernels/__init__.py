@@ -93,7 +93,7 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
 
 
 def _cpu_ops():
-    from llmopt.kernels import cpu_quant
+    from llmopt.kernels import cpu_quant   # deferred: start-up time (its C++ library builds on first use)
     return cpu_quant.ops()
 
 
@@ -149,7 +149,7 @@ def rotary(q, k, cos, sin, *, backend: str):
 
 def w4a16_matmul(x, qweight, scales, zeros, group_size, bits=4):
     """Group-wise W4A16/W8A16 dequantize-GEMM (Triton; layout in llmopt/kernels/w4a16.py)."""
-    from llmopt.kernels.w4a16 import w4a16_matmul as impl
+    from llmopt.kernels.w4a16 import w4a16_matmul as impl   # deferred: optional dependency (Triton)
     return impl(x, qweight, scales, zeros, group_size, bits)
 
 

@@ -3,7 +3,7 @@
 // residual, RMSNorm, gate/up, SiLU * up, down_proj and the residual, for M token rows, each at its
 // own position attending over its own context (decode, verification and prefill rows). Built with
 // cpu_quant.cpp into one library (llmopt/kernels/cpu_quant.py) and held by
-// llmopt/engine/cpu_decode.py as torch.classes.llmopt_cpu.DecodeLayer, one per layer.
+// llmopt/worker/cpu_decode.py as torch.classes.llmopt_cpu.DecodeLayer, one per layer.
 //
 // Why: at batch 1 the Python layer costs ~100 small ops (~13 ms of a 23 ms int8 step on this CPU);
 // here the layer is one call, its linears are the tiles and panels of cpu_quant_tiles.h and

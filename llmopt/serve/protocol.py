@@ -15,7 +15,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from starlette.responses import JSONResponse
 
-from llmopt.engine.outputs import RequestOutput
+from llmopt.core.outputs import RequestOutput
 
 
 class OpenAIError(Exception):

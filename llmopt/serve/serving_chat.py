@@ -10,8 +10,8 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response
 
-from llmopt.engine.outputs import CompletionOutput
-from llmopt.engine.sampling_params import SamplingParams
+from llmopt.core.outputs import CompletionOutput
+from llmopt.core.sampling_params import SamplingParams
 from llmopt.serve.protocol import ChatCompletionRequest, ChatMessage, OpenAIError, message_text, usage
 from llmopt.serve.serving_engine import OpenAIServing
 from llmopt.serve.streaming import ChoiceState, EventStream, Job, collect, stream_events

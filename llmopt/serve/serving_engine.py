@@ -17,8 +17,8 @@ import time
 from typing import Any
 
 from llmopt.engine.async_engine import RequestStream
-from llmopt.engine.outputs import RequestOutput, TokenLogprobs
-from llmopt.engine.sampling_params import SamplingParams
+from llmopt.core.outputs import RequestOutput, TokenLogprobs
+from llmopt.core.sampling_params import SamplingParams
 from llmopt.errors import UserInputError
 from llmopt.serve.protocol import UNSUPPORTED_FIELDS, OpenAIError
 from llmopt.serve.server import OpenAIServer

@@ -21,8 +21,8 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from llmopt.engine.async_engine import EngineStoppedError, RequestStream
-from llmopt.engine.outputs import CompletionOutput, RequestOutput
-from llmopt.engine.sampling_params import SamplingParams
+from llmopt.core.outputs import CompletionOutput, RequestOutput
+from llmopt.core.sampling_params import SamplingParams
 from llmopt.errors import LLMOptError
 from llmopt.serve.protocol import OpenAIError, error_body, usage
 

@@ -1,6 +1,6 @@
 """Speculative decoding: drafters (n-gram prompt lookup, a draft model, EAGLE and EAGLE-3 heads) that
 propose tokens the engine verifies in one target forward, with exact rejection sampling
-(engine/sampler.py), and `llmopt spec-tune` (train.py) that trains heads and tunes K per batch size.
+(core/sampler.py). `llmopt spec-tune`, which trains heads and tunes K per batch size, is llmopt.spec_tune.
 
     from llmopt.engine.llm import LLM
     llm = LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": 4})

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from llmopt.engine.proposer import DraftConfig, DraftProposal, ProposeInput, Proposer, ProposerContext
+from llmopt.speculative.interface import DraftConfig, DraftProposal, ProposeInput, Proposer, ProposerContext
 from llmopt.errors import UserInputError
-from llmopt.models.loader import LoadedModel
+from llmopt.models.loader import LoadedModel, resolve_checkpoint, safetensors_files
 from llmopt.speculative.paged import DraftKVCache, prepare
 
 
@@ -94,7 +94,6 @@ def write_self_draft(target: str | Path, num_layers: int, output: Path) -> Path:
     """A LayerSkip-style self-draft: the target's embedding, first `num_layers` layers, final norm
     and head, saved as an ordinary checkpoint folder (safetensors, config, tokenizer files)."""
     from safetensors.torch import load_file, save_file
-    from llmopt.models.loader import resolve_checkpoint, safetensors_files
     src = resolve_checkpoint(str(target))
     cfg = json.loads((src / "config.json").read_text())
     total = cfg.get("num_hidden_layers")

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from llmopt import defaults
-from llmopt.engine.proposer import DraftProposal, ProposeInput, Proposer, ProposerContext, StepHiddenStates
+from llmopt.speculative.interface import DraftProposal, ProposeInput, Proposer, ProposerContext, StepHiddenStates
 from llmopt.errors import ModelLoadError, UserInputError
 from llmopt.kernels import cpu_quant
 from llmopt.models.config import parse_hf_config

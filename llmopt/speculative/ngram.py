@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmopt.engine.proposer import DraftConfig, DraftProposal, ProposeInput, Proposer
+from llmopt.speculative.interface import DraftConfig, DraftProposal, ProposeInput, Proposer
 
 
 def ngram_propose(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:

@@ -1,10 +1,10 @@
 """The proposer for a SpeculativeConfig: n-gram prompt lookup (ngram.py), a draft model
-(draft_model.py) or an EAGLE / EAGLE-3 head (eagle.py), each a `llmopt.engine.proposer.Proposer`.
+(draft_model.py) or an EAGLE / EAGLE-3 head (eagle.py), each a `llmopt.speculative.interface.Proposer`.
 The engine calls `build_proposer` once, at construction, when its args carry a speculative config."""
 
 from __future__ import annotations
 
-from llmopt.engine.proposer import Proposer, ProposerContext
+from llmopt.speculative.interface import Proposer, ProposerContext
 from llmopt.models.loader import load_model
 from llmopt.speculative.config import SpeculativeConfig
 from llmopt.speculative.draft_model import DraftModelProposer

@@ -6,8 +6,8 @@ import pytest
 
 from llmopt.cache.block_pool import BlockPool, hash_block_tokens, hash_request_blocks
 from llmopt.cache.kv_manager import KVCacheManager
-from llmopt.engine.request import Request
-from llmopt.engine.sampling_params import SamplingParams
+from llmopt.core.request import Request
+from llmopt.core.sampling_params import SamplingParams
 from llmopt.errors import LLMOptError
 
 

@@ -15,7 +15,7 @@ import pytest
 from llmopt import defaults
 from llmopt.engine.engine import EngineDeadError
 from llmopt.estimate import estimate, resolve_model_arch
-from llmopt.engine.runner import ModelRunner
+from llmopt.worker.runner import ModelRunner
 from llmopt.models.loader import load_model
 from tp_util import greedy, rel_err, step_logits, tp_engine
 

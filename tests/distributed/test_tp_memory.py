@@ -7,7 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from llmopt.engine.scheduler import ScheduledRequest, SchedulerOutput
+from llmopt.core.scheduler import ScheduledRequest, SchedulerOutput
 from tp_util import tp_engine
 
 BIG = dict(tokenizer=True, hidden_size=512, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=4,
@@ -17,8 +17,8 @@ TP1 = """
 import sys, torch
 torch.set_num_threads(1)
 from llmopt.distributed.worker import _rss_now, _status_bytes, warm_up_meta
-from llmopt.engine.runner import ModelRunner
-from llmopt.engine.scheduler import ScheduledRequest, SchedulerOutput
+from llmopt.worker.runner import ModelRunner
+from llmopt.core.scheduler import ScheduledRequest, SchedulerOutput
 from llmopt.models.loader import load_model
 from llmopt.layers import runtime
 warm_up_meta()

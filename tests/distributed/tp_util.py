@@ -10,7 +10,7 @@ import torch
 
 from llmopt.engine.args import EngineArgs
 from llmopt.engine.engine import LLMEngine
-from llmopt.engine.scheduler import ScheduledRequest, SchedulerOutput
+from llmopt.core.scheduler import ScheduledRequest, SchedulerOutput
 
 PROMPTS = ([3, 17, 5, 90, 44, 2, 8, 61, 12], [7, 1, 33, 4, 20])
 
@@ -41,7 +41,7 @@ def rel_err(ref: torch.Tensor, got: torch.Tensor) -> float:
 
 
 def greedy(engine, prompts, max_tokens: int = 8) -> list[list[int]]:
-    from llmopt.engine.sampling_params import SamplingParams
+    from llmopt.core.sampling_params import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"g{i}", list(p), params)

@@ -1,4 +1,4 @@
-"""The compiled decode step (llmopt/engine/compiled.py) on a tiny model: the same greedy tokens and
+"""The compiled decode step (llmopt/worker/compiled.py) on a tiny model: the same greedy tokens and
 logits as the eager step, no recompile once a bucket has compiled, and a second process that reuses
 inductor's cache."""
 
@@ -46,8 +46,8 @@ def _stats() -> dict:
 
 
 def test_compiled_matches_eager_and_never_recompiles_inside_buckets(tiny_llama, inductor_dir):
-    from llmopt.engine.sampling_params import SamplingParams
-    from llmopt.engine.scheduler import ScheduledRequest, SchedulerOutput
+    from llmopt.core.sampling_params import SamplingParams
+    from llmopt.core.scheduler import ScheduledRequest, SchedulerOutput
     eager = _engine(tiny_llama, True, max_num_seqs=6)
     comp = _engine(tiny_llama, False, max_num_seqs=6)
     assert eager.runner.compiled is None and comp.runner.compiled is not None
@@ -96,7 +96,7 @@ def test_compiled_matches_eager_and_never_recompiles_inside_buckets(tiny_llama, 
 
 def test_compiled_matches_eager_with_int8_weights(tiny_llama, inductor_dir):
     """--quantization int8: the graph calls the llmopt_cpu kernels (and the int8 head) as eager does."""
-    from llmopt.engine.sampling_params import SamplingParams
+    from llmopt.core.sampling_params import SamplingParams
     prompts = mixed_prompts(3, 96, lo=3, hi=12, seed=2)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     eager = _engine(tiny_llama, True, quantization="int8", lm_head_dtype="int8")
@@ -111,7 +111,7 @@ import json, sys
 from torch._dynamo.utils import counters
 from llmopt.engine.args import EngineArgs
 from llmopt.engine.engine import LLMEngine
-from llmopt.engine.sampling_params import SamplingParams
+from llmopt.core.sampling_params import SamplingParams
 from llmopt.models.loader import load_model
 args = EngineArgs(model=sys.argv[1], dtype="float32", device="cpu", detokenize=False, enforce_eager=False,
                   kv_cache_memory=1 << 22)
@@ -127,7 +127,7 @@ print(json.dumps({"tokens": tokens, "hit": counters["inductor"]["fxgraph_cache_h
 
 
 def test_second_process_reuses_the_inductor_cache(tiny_llama, inductor_dir):
-    from llmopt.engine.sampling_params import SamplingParams
+    from llmopt.core.sampling_params import SamplingParams
     # this process compiles bucket 1 into inductor_dir (a no-op if the test above already did)
     comp = _engine(tiny_llama, False)
     want = run_engine(comp, [[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
@@ -146,7 +146,7 @@ def test_inductor_cache_goes_to_llmopt_cache_unless_the_user_sets_one(monkeypatc
     """Importing inductor writes its /tmp default into the environment; that is not a user's choice."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
     from llmopt import defaults
-    from llmopt.engine.compiled import use_cache_dir
+    from llmopt.worker.compiled import use_cache_dir
     monkeypatch.setattr(defaults, "CACHE_DIR", tmp_path)
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     cache_dir()                                   # inductor's own lookup: sets its default

@@ -1,4 +1,4 @@
-"""The C++ decode step (llmopt/engine/cpu_decode.py over kernels/cpu_decode.cpp) against the Python
+"""The C++ decode step (llmopt/worker/cpu_decode.py over kernels/cpu_decode.cpp) against the Python
 layers it replaces: the same logits within float32 rounding for every architecture and weight
 format it takes (float activations), the integer tiles (int8 activations) equal to a float64 dot
 product of the quantized activations with the dequantized weight, the attention op against the
@@ -55,7 +55,7 @@ def _engine(path, quantization=None, lm_head_dtype="auto", **kw):
 def _decode_logits(runner, int8_act: bool):
     """Logits of two decode steps of 3 sequences through the C++ layers and through the Python
     layers (each writes the same K/V into the same slots), the prompts prefilled by the Python path."""
-    from llmopt.engine.scheduler import ScheduledRequest, SchedulerOutput
+    from llmopt.core.scheduler import ScheduledRequest, SchedulerOutput
     f = runner.cpu_decode
     assert f is not None
     f.set_int8_activations(int8_act)
@@ -80,7 +80,7 @@ def _decode_logits(runner, int8_act: bool):
 def test_verification_rows_equal_the_python_layers(tiny_factory):
     """A speculative verification step (3 scored tokens of one sequence beside a decode row): each
     draft row attends over its own prefix, as the Python layers' causal attention does."""
-    from llmopt.engine.scheduler import ScheduledRequest, SchedulerOutput
+    from llmopt.core.scheduler import ScheduledRequest, SchedulerOutput
     runner = _engine(tiny_factory(weight_std=0.2, model_type="qwen3")).runner
     f = runner.cpu_decode
     runner.cpu_decode = None
@@ -111,7 +111,7 @@ def test_prefill_rows_equal_the_python_layers(tiny_factory, tmp_path, case, idot
     the last row of each prompt scored: float activations through the float panels (>=
     CPU_F32_PANEL_MIN_ROWS rows; quantized weights decoded a panel at a time) give the Python layers'
     logits; with int8 activations the layers take the integer panels (VNNI) or the float panels (AVX2)."""
-    from llmopt.engine.scheduler import ScheduledRequest, SchedulerOutput
+    from llmopt.core.scheduler import ScheduledRequest, SchedulerOutput
     name, quantization = PREFILL_CASES[case]
     path = tiny_factory(weight_std=0.2)
     if name is not None:
@@ -270,7 +270,7 @@ def test_decode_attention_op_equals_the_reference(window, d):
 def test_engine_greedy_matches_transformers_through_the_cpp_step(tiny_factory):
     """Greedy decoding of 12 tokens for 4 prompts at once (decode steps of 4 rows in C++)."""
     from engine_helpers import hf_greedy, hf_model, mixed_prompts, run_engine
-    from llmopt.engine.sampling_params import SamplingParams
+    from llmopt.core.sampling_params import SamplingParams
     path = tiny_factory(weight_std=0.2, model_type="qwen2")
     engine = _engine(path)
     assert engine.runner.cpu_decode is not None

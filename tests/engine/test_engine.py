@@ -14,8 +14,8 @@ from llmopt.engine.args import EngineArgs
 from llmopt.engine.async_engine import AsyncLLMEngine
 from llmopt.engine.engine import LLMEngine
 from llmopt.engine.llm import LLM
-from llmopt.engine.proposer import DraftProposal, ProposeInput, Proposer
-from llmopt.engine.sampling_params import SamplingParams
+from llmopt.speculative.interface import DraftProposal, ProposeInput, Proposer
+from llmopt.core.sampling_params import SamplingParams
 from llmopt.errors import UserInputError
 from llmopt.speculative.config import SpeculativeConfig
 from llmopt.models.loader import load_model

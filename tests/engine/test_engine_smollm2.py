@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from engine_helpers import hf_greedy
 from llmopt.cli.app import app
 from llmopt.engine.llm import LLM
-from llmopt.engine.sampling_params import SamplingParams
+from llmopt.core.sampling_params import SamplingParams
 from llmopt.models.loader import load_model
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):",
@@ -105,7 +105,7 @@ def test_generate_speed_line_arithmetic():
     request's first over the time since the earliest first token."""
     from types import SimpleNamespace as NS
     from llmopt.cli.generate import speed_line
-    from llmopt.engine.outputs import RequestMetrics
+    from llmopt.core.outputs import RequestMetrics
     a = RequestMetrics(arrival_time=10.0, first_token_time=11.0, finished_time=13.0, token_times=[11.0, 12.0, 13.0])
     b = RequestMetrics(arrival_time=10.0, first_token_time=11.5, finished_time=12.5, token_times=[11.5, 12.5])
     res = [NS(metrics=a, outputs=[NS(token_ids=[1, 2, 3])]), NS(metrics=b, outputs=[NS(token_ids=[4, 5])])]

@@ -1,7 +1,7 @@
 """The engine's plug-in contracts: any Proposer drafts through the engine without touching blocks
 (the scheduler allocates its lookahead slots and rewinds rejected drafts), the runner returns the
-hidden states a proposer asks for, and the engine imports neither llmopt.speculative nor
-llmopt.distributed until a config asks for them."""
+hidden states a proposer asks for, and the engine imports no implementation of its plug-ins (the
+drafters of llmopt.speculative, llmopt.distributed) until a config asks for them."""
 
 import subprocess
 import sys
@@ -12,8 +12,8 @@ import pytest
 from engine_helpers import check_no_leak, mixed_prompts, run_engine
 from llmopt.engine.args import EngineArgs
 from llmopt.engine.engine import LLMEngine
-from llmopt.engine.proposer import DraftProposal, ProposeInput, Proposer, StepHiddenStates
-from llmopt.engine.sampling_params import SamplingParams
+from llmopt.speculative.interface import DraftProposal, ProposeInput, Proposer, StepHiddenStates
+from llmopt.core.sampling_params import SamplingParams
 from llmopt.models.loader import load_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -126,4 +126,5 @@ def test_the_engine_imports_no_plug_in_until_asked():
     code = ("import sys, llmopt.engine.engine, llmopt.engine.llm, llmopt.engine.async_engine; "
             "print(sorted(m for m in sys.modules if m.startswith(('llmopt.speculative', 'llmopt.distributed'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
+    # the interface and the config parser, no drafter and nothing of tensor parallelism
+    assert out.strip() == str(["llmopt.speculative", "llmopt.speculative.config", "llmopt.speculative.interface"])

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from llmopt.engine.sampler import Sampler, SamplingRow, apply_penalties
-from llmopt.engine.sampling_params import SamplingParams
+from llmopt.core.sampler import Sampler, SamplingRow, apply_penalties
+from llmopt.core.sampling_params import SamplingParams
 from llmopt.errors import UserInputError
 
 LOGITS = torch.tensor([2.0, 1.5, 1.2, 0.9, 0.3, -0.2, -1.0, -2.5])
@@ -136,7 +136,7 @@ def test_one_seed_range_and_the_seeds_of_n_samples():
     """A seed is a torch.long (vLLM's range) everywhere; sample i of n gets seed + i, wrapped into it."""
     import pytest
 
-    from llmopt.engine.sampling_params import SamplingParams
+    from llmopt.core.sampling_params import SamplingParams
     from llmopt.errors import UserInputError
     from llmopt.validate import SEED_MAX, SEED_MIN, sample_seed
     assert (SEED_MIN, SEED_MAX) == (-(2 ** 63), 2 ** 63 - 1)

@@ -9,10 +9,10 @@ import pytest
 
 from llmopt.cache.kv_manager import KVCacheManager
 from llmopt.engine.detokenizer import IncrementalDetokenizer
-from llmopt.engine.request import Request, RequestStatus
-from llmopt.engine.sampler import SampledTokens
-from llmopt.engine.sampling_params import SamplingParams
-from llmopt.engine.scheduler import Scheduler
+from llmopt.core.request import Request, RequestStatus
+from llmopt.core.sampler import SampledTokens
+from llmopt.core.sampling_params import SamplingParams
+from llmopt.core.scheduler import Scheduler
 
 EOS = 0
 

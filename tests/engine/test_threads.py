@@ -14,7 +14,7 @@ import torch
 from engine_helpers import mixed_prompts, run_outputs
 from llmopt.engine.args import EngineArgs
 from llmopt.engine.engine import LLMEngine
-from llmopt.engine.sampling_params import SamplingParams
+from llmopt.core.sampling_params import SamplingParams
 from llmopt.engine.threads import ComputeThread, openmp_runtime, release_openmp_pool
 from llmopt.models.loader import load_model
 

@@ -142,7 +142,7 @@ def test_engine_greedy_tokens_unchanged_by_fusion(tiny_llama, tmp_path):
     from engine_helpers import mixed_prompts, run_engine
     from llmopt.engine.args import EngineArgs
     from llmopt.engine.engine import LLMEngine
-    from llmopt.engine.sampling_params import SamplingParams
+    from llmopt.core.sampling_params import SamplingParams
     from llmopt.models.loader import load_model
     from llmopt.quant.formats import quantization_config
     from tests.quant_util import rtn, write_quantized

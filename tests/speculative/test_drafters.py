@@ -10,7 +10,7 @@ import pytest
 from engine_helpers import check_no_leak, run_engine
 from llmopt.engine.args import EngineArgs
 from llmopt.engine.engine import LLMEngine
-from llmopt.engine.sampling_params import SamplingParams
+from llmopt.core.sampling_params import SamplingParams
 from llmopt.errors import UserInputError
 from llmopt.models.loader import load_model
 from llmopt.speculative.config import SpeculativeConfig, parse_speculative_config

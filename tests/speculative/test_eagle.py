@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from engine_helpers import check_no_leak, run_engine
 from llmopt.engine.args import EngineArgs
 from llmopt.engine.engine import LLMEngine
-from llmopt.engine.sampling_params import SamplingParams
+from llmopt.core.sampling_params import SamplingParams
 from llmopt.errors import UserInputError
 from llmopt.models.attention import DenseCausalAttention
 from llmopt.models.loader import load_model
@@ -104,7 +104,7 @@ def test_cpu_kernel_linears_match_the_heads_torch_linears(setup, method, int8_gr
     tiles and the panels), bias included (EAGLE-1's fc)."""
     from llmopt.kernels import cpu_quant
     from llmopt.speculative.eagle import CpuLinear, use_cpu_kernels
-    from llmopt.speculative.train_loss import TTTAttention
+    from llmopt.spec_tune.train_loss import TTTAttention
     _, loaded, heads = setup
     assert cpu_quant.ops() is not None, "the C++ kernels did not build"
     ref = load_eagle_head(heads[method], method, loaded.config, torch.float32, "cpu")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from llmopt.engine.sampler import rejection_sample
+from llmopt.core.sampler import rejection_sample
 
 N = 200_000
 V = 12

@@ -7,7 +7,7 @@ import pytest
 
 from llmopt.engine.args import EngineArgs
 from llmopt.engine.engine import LLMEngine
-from llmopt.engine.sampling_params import SamplingParams
+from llmopt.core.sampling_params import SamplingParams
 from llmopt.models.loader import load_model, resolve_checkpoint
 from llmopt.speculative.draft_model import write_self_draft
 from llmopt.speculative.eagle import new_head, save_head

@@ -14,11 +14,11 @@ from typer.testing import CliRunner
 from llmopt.cli.app import app
 from llmopt.engine.args import EngineArgs
 from llmopt.engine.engine import LLMEngine
-from llmopt.engine.sampling_params import SamplingParams
+from llmopt.core.sampling_params import SamplingParams
 from llmopt.models.loader import load_model
 from llmopt.speculative.config import SpeculativeConfig, parse_speculative_config
-from llmopt.speculative.train import TrainSettings, train_head
-from llmopt.speculative.train_data import capture, make_prompts, passages
+from llmopt.spec_tune.train import TrainSettings, train_head
+from llmopt.spec_tune.train_data import capture, make_prompts, passages
 
 ARGS = ["--method", "eagle", "--num-prompts", "8", "--eval-prompts", "2", "--prompt-tokens", "16",
         "--max-new-tokens", "12", "--text-sequences", "3", "--epochs", "2", "--train-batch-size", "2", "--checkpoint-every", "2",
@@ -105,7 +105,7 @@ def test_loss_falls_on_the_targets_own_features(tiny_factory, tmp_path, method, 
     outs = LLM(loaded=loaded, model=str(path), detokenize=False, kv_cache_memory=1 << 22).generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
-    from llmopt.speculative.train_data import feature_layers
+    from llmopt.spec_tune.train_data import feature_layers
     rows = capture(loaded, seqs, feature_layers(method, layers), keep_final=soft)
     for r, p in zip(rows, prompts):
         r["prompt_len"] = len(p)
@@ -125,9 +125,9 @@ def test_soft_labels_are_the_targets_distribution_and_sharpen_to_hard_labels(tin
     distribution on the draft vocabulary (a float64 computation from transformers' logits), and with
     that distribution sharpened to one-hot it equals the hard-label loss."""
     from transformers import AutoModelForCausalLM
-    from llmopt.speculative.train import init_head
-    from llmopt.speculative.train_data import feature_layers
-    from llmopt.speculative.train_loss import collate, eagle3_loss
+    from llmopt.spec_tune.train import init_head
+    from llmopt.spec_tune.train_data import feature_layers
+    from llmopt.spec_tune.train_loss import collate, eagle3_loss
     path = tiny_factory(tokenizer=True, num_hidden_layers=4)
     loaded = load_model(str(path), "float32", "cpu")
     g = torch.Generator().manual_seed(0)
@@ -149,7 +149,7 @@ def test_soft_labels_are_the_targets_distribution_and_sharpen_to_hard_labels(tin
         hard, _, n_hard = eagle3_loss(head, loaded.model, batch, 1, 0.8, prompts=True)
     # the reference: transformers' logits at the labelled positions (p = i + 1), restricted to the
     # draft vocabulary, against the head's log-probabilities there
-    from llmopt.speculative.train_loss import TTTAttention
+    from llmopt.spec_tune.train_loss import TTTAttention
     n = batch["feats"].shape[1] - 1
     with torch.no_grad():
         out = head(loaded.model.embed(batch["tokens"][:, 1:1 + n]), batch["feats"][:, :n],
@@ -174,7 +174,7 @@ def test_text_sequences_leave_out_the_held_out_prompts_paragraphs(tiny):
     held-out prompts were made from (their passages do not occur in them)."""
     from transformers import AutoTokenizer
     from llmopt.data import read_dataset
-    from llmopt.speculative.train_data import paragraphs, pick_passages, text_sequences
+    from llmopt.spec_tune.train_data import paragraphs, pick_passages, text_sequences
     tok = AutoTokenizer.from_pretrained(str(tiny))
     text = read_dataset("../shared/data/wikitext-2/wiki.valid.tokens", "text", "train").text
     picked = pick_passages(text, tok, 40, 24, 0)
@@ -190,7 +190,7 @@ def test_text_sequences_leave_out_the_held_out_prompts_paragraphs(tiny):
 
 
 def test_prompt_loss_counts_every_position_with_a_next_token():
-    from llmopt.speculative.train_loss import _valid
+    from llmopt.spec_tune.train_loss import _valid
     batch = {"lens": torch.tensor([6, 4]), "plens": torch.tensor([3, 0])}
     # query i at step j labels position p = i + 1 + j: answers from prompt_len - 1, all with prompts,
     # and never the last position (it has no next token)
@@ -223,7 +223,7 @@ def test_self_prompts_keep_finished_unique_requests_in_the_chat_template(tiny):
     rendering); a model that writes too few is an error, not a short list."""
     from transformers import AutoTokenizer
     from llmopt.errors import DataError
-    from llmopt.speculative.self_instruct import self_prompts, user_turn_prefix
+    from llmopt.spec_tune.self_instruct import self_prompts, user_turn_prefix
     tok = AutoTokenizer.from_pretrained(str(tiny))
     prefix = user_turn_prefix(tok)
     full = tok.apply_chat_template([{"role": "user", "content": "Write a haiku."}], tokenize=False,
@@ -253,7 +253,7 @@ def test_prompt_source_self_saves_its_prompts_and_init_head_starts_from_a_head(t
     """--prompt-source self: the requests are written once to data/self_prompts.json, and --resume
     reads them instead of sampling again; --init-head: training starts from that head's weights
     (its first loss is the trained head's level, far below a fresh head's)."""
-    import llmopt.speculative.self_instruct as si
+    import llmopt.spec_tune.self_instruct as si
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(tiny))
     asks = ["Name three rivers in Europe.", "How do I boil an egg?", "Write a short poem about rain.",

@@ -9,8 +9,8 @@ import pytest
 from engine_helpers import check_no_leak
 from llmopt.engine.args import EngineArgs
 from llmopt.engine.engine import LLMEngine
-from llmopt.engine.proposer import DraftProposal, ProposeInput, Proposer
-from llmopt.engine.sampling_params import SamplingParams
+from llmopt.speculative.interface import DraftProposal, ProposeInput, Proposer
+from llmopt.core.sampling_params import SamplingParams
 from llmopt.models.loader import load_model
 from llmopt.speculative.config import SpeculativeConfig
 

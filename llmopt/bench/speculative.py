@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from llmopt.engine.engine import LLMEngine
+
 
 @dataclass
 class SpecComparison:
@@ -23,7 +25,6 @@ class SpecComparison:
 
 def compare_plain(engine, cfg, requests, load, hooks, spec_result, run_engine, result_of) -> SpecComparison:
     """Run `requests` on a plain twin of `engine` and compare with `spec_result` (a BenchResult)."""
-    from llmopt.engine.engine import LLMEngine   # deferred: start-up time (torch), for the plain comparison only
     plain = LLMEngine(dataclasses.replace(engine.args, speculative_config=None), loaded=engine.loaded)
     run = run_engine(plain, cfg, requests, load, hooks, "bench plain (no speculation)")
     base = result_of(run)

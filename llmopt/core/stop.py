@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from llmopt.engine.request import RequestStatus
+from llmopt.core.request import RequestStatus
 
 if TYPE_CHECKING:
-    from llmopt.engine.request import Request
+    from llmopt.core.request import Request
 
 
 def find_stop_string(text: str, new_chars: int, stops: list[str]) -> tuple[str, int] | None:

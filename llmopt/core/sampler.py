@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmopt.engine.sampling_params import SamplingParams
+from llmopt.core.sampling_params import SamplingParams
 from llmopt.structured.backend import allocate_bitmask, apply_bitmask
 
 

@@ -26,7 +26,7 @@ import torch
 
 from llmopt import defaults, fsutil
 from llmopt.engine.llm import LLM
-from llmopt.engine.sampling_params import SamplingParams
+from llmopt.core.sampling_params import SamplingParams
 from llmopt.errors import DataError, UserInputError
 from llmopt.models.attention import DenseCausalAttention
 from llmopt.speculative.eagle import eagle3_layers

@@ -19,8 +19,8 @@ import torch
 from llmopt import defaults
 from llmopt.errors import UserInputError
 from llmopt.speculative.eagle import load_eagle_head, new_head
-from llmopt.speculative.train_data import Progress, _noop, _save_torch, draft_vocab
-from llmopt.speculative.train_loss import collate, eagle1_loss, eagle3_loss
+from llmopt.spec_tune.train_data import Progress, _noop, _save_torch, draft_vocab
+from llmopt.spec_tune.train_loss import collate, eagle1_loss, eagle3_loss
 
 CHECKPOINT = "checkpoint.pt"
 

@@ -37,15 +37,15 @@ from llmopt.data import read_dataset, resolve_data_path
 from llmopt.engine.args import EngineArgs
 from llmopt.engine.engine import LLMEngine
 from llmopt.engine.llm import LLM
-from llmopt.engine.sampling_params import SamplingParams
+from llmopt.core.sampling_params import SamplingParams
 from llmopt.errors import UserInputError
 from llmopt.models.loader import load_model
 from llmopt.speculative.config import METHODS, SpeculativeConfig
 from llmopt.speculative.draft_model import write_self_draft
 from llmopt.speculative.eagle import save_head
-from llmopt.speculative import self_instruct
-from llmopt.speculative.train import TrainSettings, TrainSummary, train_head
-from llmopt.speculative.train_data import (DATA_DIR, DataSummary, Progress, _noop, build_data, kv_bytes, make_prompts,
+from llmopt.spec_tune import self_instruct
+from llmopt.spec_tune.train import TrainSettings, TrainSummary, train_head
+from llmopt.spec_tune.train_data import (DATA_DIR, DataSummary, Progress, _noop, build_data, kv_bytes, make_prompts,
                                            pick_passages, text_sequences)
 
 HEAD_DIR = "head"
@@ -70,7 +70,7 @@ class SpecTuneConfig:
     gen_batch: int = defaults.SPEC_TUNE_GEN_BATCH
     text_sequences: int = defaults.SPEC_TUNE_TEXT_SEQUENCES   # EAGLE: sequences of the text itself read for features
     chat: bool | None = None                 # None: chat prompts when the tokenizer has a chat template
-    prompt_source: str = defaults.SPEC_TUNE_PROMPT_SOURCE   # text | self (llmopt/speculative/self_instruct.py)
+    prompt_source: str = defaults.SPEC_TUNE_PROMPT_SOURCE   # text | self (llmopt/spec_tune/self_instruct.py)
     train: TrainSettings | None = None       # None: defaults for `method`
     batch_sizes: tuple[int, ...] = defaults.SPEC_TUNE_BATCH_SIZES
     max_k: int = defaults.SPEC_TUNE_MAX_K

@@ -23,8 +23,8 @@ from typing import Protocol
 
 import torch
 
-from llmopt.engine.request import Request
-from llmopt.engine.runner import HiddenStates
+from llmopt.core.request import Request
+from llmopt.worker.runner import HiddenStates
 from llmopt.models.loader import LoadedModel
 
 

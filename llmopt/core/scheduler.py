@@ -28,10 +28,10 @@ import time
 from dataclasses import dataclass, field
 
 from llmopt.cache.kv_manager import KVCacheManager
-from llmopt.engine.request import Request, RequestStatus
-from llmopt.engine.sampler import SampledTokens
-from llmopt.engine.stop import check_stop
-from llmopt.engine.waiting_queue import POLICIES, WaitingQueue  # noqa: F401  (POLICIES re-exported)
+from llmopt.core.request import Request, RequestStatus
+from llmopt.core.sampler import SampledTokens
+from llmopt.core.stop import check_stop
+from llmopt.core.waiting_queue import POLICIES, WaitingQueue  # noqa: F401  (POLICIES re-exported)
 from llmopt.errors import UserInputError
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 
-from llmopt.engine.request import Request
+from llmopt.core.request import Request
 from llmopt.errors import UserInputError
 
 POLICIES = ("fcfs", "priority")

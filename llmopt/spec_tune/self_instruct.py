@@ -35,8 +35,8 @@ def self_prompts(llm, tokenizer, n: int, seed: int, batch: int,
                  kept: Callable[[int], None] = lambda k: None) -> list[list[int]]:
     """`n` chat prompts (token ids, generation prompt included) around requests the model behind
     `llm` (an llmopt LLM) writes itself, in the order of their seeds; `kept(k)` after each batch."""
-    from llmopt.engine.sampling_params import SamplingParams   # deferred: start-up time (torch)
-    from llmopt.speculative.train_data import chat_prompt   # deferred: start-up time (imports torch)
+    from llmopt.core.sampling_params import SamplingParams   # deferred: start-up time (torch)
+    from llmopt.spec_tune.train_data import chat_prompt   # deferred: start-up time (imports torch)
     prefix = user_turn_prefix(tokenizer)
     seen: set[str] = set()
     out: list[list[int]] = []

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from llmopt import defaults, kernels
-from llmopt.engine.scheduler import SchedulerOutput
+from llmopt.core.scheduler import SchedulerOutput
 from llmopt.errors import LLMOptError, UserInputError
 from llmopt.models.attention import DenseCausalAttention
 from llmopt.models.loader import LoadedModel
@@ -102,17 +102,17 @@ class ModelRunner:
                                  f"bytes (all layers): raise --kv-cache-memory or lower --block-size")
         self._allocate()
         self.attn = PagedAttention(self)
-        # llmopt.engine.compiled.CompiledDecode: decode-only steps of small batches that ask for no hidden states
+        # llmopt.worker.compiled.CompiledDecode: decode-only steps of small batches that ask for no hidden states
         self.compiled = None
         if not enforce_eager and self.tp is not None:
             log.info("tensor parallel: the compiled decode step is off (eager steps)")
         elif not enforce_eager and self.device.type == "cpu":
-            from llmopt.engine.compiled import CompiledDecode   # deferred: start-up time (torch.compile), --no-enforce-eager only
+            from llmopt.worker.compiled import CompiledDecode   # deferred: start-up time (torch.compile), --no-enforce-eager only
             if CompiledDecode.supports(self.model):
                 self.compiled = CompiledDecode(self.model, self.backend, self.device)
-        self.cpu_decode = None   # llmopt.engine.cpu_decode.CpuDecode: eager decode steps, one C++ call a layer
+        self.cpu_decode = None   # llmopt.worker.cpu_decode.CpuDecode: eager decode steps, one C++ call a layer
         if self.compiled is None and self.device.type == "cpu":
-            from llmopt.engine.cpu_decode import CpuDecode   # deferred: start-up time (C++ kernels), CPU only
+            from llmopt.worker.cpu_decode import CpuDecode   # deferred: start-up time (C++ kernels), CPU only
             self.cpu_decode = CpuDecode.build(self)
 
     # -- KV memory -------------------------------------------------------------------------------

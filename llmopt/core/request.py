@@ -7,8 +7,8 @@ import time
 
 import torch
 
-from llmopt.engine.outputs import RequestMetrics, TokenLogprobs
-from llmopt.engine.sampling_params import SamplingParams
+from llmopt.core.outputs import RequestMetrics, TokenLogprobs
+from llmopt.core.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
