@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 
 @dataclass
 class TokenLogprobs:
-    """Logprob of the chosen token and the top alternatives at one output position."""
+    """Logprob of the chosen token and the top alternatives at one output (or prompt) position."""
     token_id: int
     logprob: float
     top: dict[int, float] = field(default_factory=dict)
+    rank: int | None = None        # of the token among the vocabulary (1 = the most likely); prompt tokens
 
 
 @dataclass
@@ -77,3 +78,5 @@ class RequestOutput:
     num_cached_tokens: int = 0             # prompt tokens served by the prefix cache
     metrics: RequestMetrics | None = None
     error: str | None = None               # why the engine failed this prompt (finish_reason "error")
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing predicts it)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -53,6 +53,8 @@ class Request:
             limit = min(limit, max_model_len - len(prompt_token_ids))
         self.max_tokens = max(limit, 0)
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        # one entry per prompt token scored so far (the first has none): filled chunk by chunk, once
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = [None] if params.prompt_logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.stop_reason: int | str | None = None
         self.error: str | None = None            # why it finished with FINISHED_ERROR

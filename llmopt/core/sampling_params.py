@@ -28,6 +28,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None           # number of top logprobs per output token (0 = sampled only)
+    prompt_logprobs: int | None = None    # the same per prompt token (vLLM's; the first token has none)
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | dict | None = None  # vLLM's: json, regex, choice, grammar, ...
 
@@ -54,6 +55,8 @@ class SamplingParams:
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens must be <= max_tokens"),
             (self.logprobs is None or 0 <= self.logprobs <= defaults.MAX_LOGPROBS,
              f"logprobs must be in [0, {defaults.MAX_LOGPROBS}] (vLLM's max_logprobs), got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= defaults.MAX_LOGPROBS,
+             f"prompt_logprobs must be in [0, {defaults.MAX_LOGPROBS}] (vLLM's max_logprobs), got {self.prompt_logprobs}"),
             (self.seed is None or SEED_MIN <= self.seed <= SEED_MAX, f"seed must fit in 64 bits "
              f"([{SEED_MIN}, {SEED_MAX}]), got {self.seed}"),
             (all(s for s in self.stop), "stop strings must not be empty"),

@@ -20,6 +20,11 @@ rewinds rejected drafts, runs `check_stop` after every token and finishes reques
 The n samples of one prompt: only the first is queued; its siblings wait until the prompt is
 computed, then fork from it (sharing every prompt block, copy-on-write for the partial last one)
 and take their first token from the same logits row.
+
+Prompt logprobs (`SamplingParams.prompt_logprobs`): such a request reads nothing from the prefix
+cache (the positions must be computed to be scored), and each chunk asks the runner to score the
+prompt positions it computes that are not scored yet (`prompt_targets`, so a recompute after a
+preemption scores nothing twice); `update_from_output` appends what the runner returns.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import time
 from dataclasses import dataclass, field
 
 from llmopt.cache.kv_manager import KVCacheManager
+from llmopt.core.outputs import TokenLogprobs
+from llmopt.models.logprobs import ScoredTokens
 from llmopt.core.request import Request, RequestStatus
 from llmopt.core.sampler import SampledTokens
 from llmopt.core.stop import check_stop
@@ -46,6 +53,10 @@ class ScheduledRequest:
     num_logits: int          # trailing positions whose logits are wanted (0: a prompt chunk)
     spec_token_ids: list[int] = field(default_factory=list)  # the drafts at the end of token_ids
     fork_ids: list[str] = field(default_factory=list)        # siblings sampled from this prompt's last row
+    # prompt logprobs: row token_ids[prompt_offset + j] is scored on prompt_targets[j] (with the top k)
+    prompt_targets: list[int] = field(default_factory=list)
+    prompt_offset: int = 0
+    prompt_top_k: int = 0
 
 
 @dataclass
@@ -199,7 +210,8 @@ class Scheduler:
             group = 1 + len(self.forks.get(req.request_id, ()))
             if self.running and len(self.running) + group > self.max_num_seqs:
                 break
-            hits, n_hit = self.kv.get_computed_blocks(req)
+            unscored = req.prompt_logprobs is not None and len(req.prompt_logprobs) < req.num_prompt_tokens
+            hits, n_hit = ([], 0) if unscored else self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - n_hit, budget)
             if not self.kv.allocate_slots(req, n, hits):
                 break
@@ -222,16 +234,30 @@ class Scheduler:
                 (req.all_token_ids + req.spec_token_ids)[start:start + n]
             num_logits = max(0, start + n - req.num_tokens + 1)
             forks = self.forks.get(req.request_id, []) if num_logits else []
-            out.scheduled.append(ScheduledRequest(req.request_id, tokens, start, self.kv.get_block_ids(req.request_id),
-                                                  num_logits, tokens[len(tokens) - num_logits + 1:],
-                                                  [r.request_id for r in forks]))
+            s = ScheduledRequest(req.request_id, tokens, start, self.kv.get_block_ids(req.request_id), num_logits,
+                                 tokens[len(tokens) - num_logits + 1:], [r.request_id for r in forks])
+            if req.prompt_logprobs is not None:
+                self._ask_prompt_logprobs(req, s)
+            out.scheduled.append(s)
             out.num_batched_tokens += n
         return out
 
+    @staticmethod
+    def _ask_prompt_logprobs(req: Request, s: ScheduledRequest) -> None:
+        """Score the chunk's positions p whose next token p + 1 is a prompt token not scored yet."""
+        first = max(s.start_pos, len(req.prompt_logprobs) - 1)
+        end = min(s.start_pos + len(s.token_ids), req.num_prompt_tokens - 1)
+        if end > first:
+            s.prompt_targets = req.prompt_token_ids[first + 1:end + 1]
+            s.prompt_offset = first - s.start_pos
+            s.prompt_top_k = req.params.prompt_logprobs
+
     # -- after the forward ---------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, SampledTokens]) -> list[Request]:
-        """Apply one step's results: computed-token counts, forks, accepted tokens, rewinds of
-        rejected drafts, stop checks. Returns the requests that received tokens (finished ones included)."""
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, SampledTokens],
+                           prompt_logprobs: dict[str, ScoredTokens] | None = None) -> list[Request]:
+        """Apply one step's results: computed-token counts, prompt logprobs, forks, accepted tokens,
+        rewinds of rejected drafts, stop checks. Returns the requests that received tokens (finished
+        ones included)."""
         now = time.monotonic()
         progressed: list[Request] = []
         for s in out.scheduled:
@@ -239,6 +265,8 @@ class Scheduler:
             if req is None:
                 continue
             req.num_computed_tokens = s.start_pos + len(s.token_ids)
+            if prompt_logprobs and s.request_id in prompt_logprobs and req.prompt_logprobs is not None:
+                req.prompt_logprobs.extend(_token_logprobs(s.prompt_targets, prompt_logprobs[s.request_id]))
             if s.request_id not in sampled:  # a prompt chunk: nothing to sample yet
                 continue
             siblings = [r for r in self.forks.pop(req.request_id, []) if r.request_id in sampled]
@@ -262,6 +290,8 @@ class Scheduler:
         self.kv.fork(leader, sib, num_tokens)
         sib.num_computed_tokens = num_tokens
         sib.num_cached_tokens = leader.num_cached_tokens
+        if sib.prompt_logprobs is not None:
+            sib.prompt_logprobs = list(leader.prompt_logprobs or [None])
         sib.metrics.first_scheduled_time = leader.metrics.first_scheduled_time
         sib.status = RequestStatus.RUNNING
         self.running.append(sib)
@@ -284,3 +314,9 @@ class Scheduler:
             accepted += 1
         req.num_computed_tokens -= len(drafts) - accepted  # the rejected drafts' K/V are stale
         req.spec_token_ids = []
+
+
+def _token_logprobs(targets: list[int], scored: ScoredTokens) -> list[TokenLogprobs]:
+    lp, ranks, ids, top = (scored.logprobs.tolist(), scored.ranks.tolist(), scored.top_ids.tolist(),
+                           scored.top_logprobs.tolist())
+    return [TokenLogprobs(t, lp[j], dict(zip(ids[j], top[j])), ranks[j]) for j, t in enumerate(targets)]

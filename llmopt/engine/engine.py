@@ -192,8 +192,9 @@ class LLMEngine:
                                  f"no room to generate")
         if params.top_k > vocab:
             raise UserInputError(f"top_k {params.top_k} is larger than the vocabulary: use at most {vocab}")
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise UserInputError(f"logprobs {params.logprobs} is larger than the vocabulary: use at most {vocab}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (k := getattr(params, name)) is not None and k > vocab:
+                raise UserInputError(f"{name} {k} is larger than the vocabulary: use at most {vocab}")
         bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise UserInputError(f"stop token id {bad} is outside the vocabulary: use ids in [0, {vocab})")
@@ -337,16 +338,16 @@ class LLMEngine:
         hidden = None
         try:
             out = self.executor.execute_model(sched)
-            hidden = out.hidden_states
+            hidden, scored = out.hidden_states, out.prompt_logprobs
             sampled = self._sample(out.logits, sched.scheduled)
         except EngineDeadError:    # no request's fault (a tensor-parallel worker exited)
             raise
         except Exception as e:  # noqa: BLE001 - find whose failure it is
             hidden = None
-            sampled, failed = self._isolate(sched, e)
+            sampled, scored, failed = self._isolate(sched, e)
         if self.proposer is not None:
             self._after_drafts(sched, sampled, hidden)
-        progressed = self.scheduler.update_from_output(sched, sampled)
+        progressed = self.scheduler.update_from_output(sched, sampled, scored)
         for req in progressed:   # a sample that failed after sampling fails its whole prompt
             if req.error is not None and (p := self.fail_request(req.parent_id, req.error)) is not None:
                 failed.append(p)
@@ -360,7 +361,8 @@ class LLMEngine:
         extra = (self._draft_probs,) if self._draft_probs else ()
         return self.sampler.sample_scheduled(logits, scheduled, self.scheduler.requests, *extra)
 
-    def _isolate(self, sched: SchedulerOutput, error: Exception) -> tuple[dict[str, SampledTokens], list[_Parent]]:
+    def _isolate(self, sched: SchedulerOutput, error: Exception) -> tuple[dict[str, SampledTokens], dict,
+                                                                          list[_Parent]]:
         """The batched forward or sampling raised: run each scheduled request alone. A request
         that fails alone is finished with an error (its blocks freed) when the others run, or a
         one-token probe does; when nothing runs, the engine is broken: EngineDeadError."""
@@ -371,11 +373,13 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001
             raise EngineDeadError(f"the engine failed: {type(e).__name__}: {e}") from e
         sampled: dict[str, SampledTokens] = {}
+        scored: dict = {}
         bad: dict[str, Exception] = {}
         for s in sched.scheduled:
             try:
-                logits = self.executor.execute_model(SchedulerOutput([s])).logits
-                sampled.update(self._sample(logits, [s]))
+                out = self.executor.execute_model(SchedulerOutput([s]))
+                sampled.update(self._sample(out.logits, [s]))
+                scored.update(out.prompt_logprobs)
             except Exception as e:  # noqa: BLE001
                 bad[s.request_id] = e
         parents = []
@@ -385,7 +389,7 @@ class LLMEngine:
                 parents.append(p)
         if len(bad) == len(sched.scheduled) and not self._probe():
             raise EngineDeadError(f"the engine failed: {type(error).__name__}: {error}") from error
-        return sampled, parents
+        return sampled, scored, parents
 
     def _probe(self) -> bool:
         """Whether a forward and a draw still work: one token alone in a free block."""
@@ -414,4 +418,10 @@ class LLMEngine:
         cached = max(parent.children[0].num_cached_tokens, 0)
         metrics = RequestMetrics.merge([r.metrics for r in parent.children])
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs, finished, cached,
-                             metrics, parent.error)
+                             metrics, parent.error, _prompt_logprobs(parent.children[0]))
+
+
+def _prompt_logprobs(req) -> list | None:
+    """The prompt's logprobs once every position is scored (None while a chunk is still to come)."""
+    got = req.prompt_logprobs
+    return list(got) if got is not None and len(got) == req.num_prompt_tokens else None

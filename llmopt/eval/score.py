@@ -13,6 +13,7 @@ import torch
 
 from llmopt import defaults
 from llmopt.eval.windows import Window
+from llmopt.models.logprobs import score_tokens
 from llmopt.models.attention import DenseCausalAttention
 
 
@@ -64,9 +65,7 @@ def score_windows(model, windows: Sequence[Window], batch_size: int, device: tor
             for a in range(0, len(tgt), chunk):
                 t = tgt[a:a + chunk, None]
                 if hb is None:
-                    logits = model.compute_logits(h[a:a + chunk]).float()
-                    nll[a:a + chunk] = (torch.logsumexp(logits, -1) - logits.gather(-1, t)[:, 0])
-                    del logits
+                    nll[a:a + chunk] = -score_tokens(model, h[a:a + chunk], t[:, 0], chunk=chunk).logprobs
                     continue
                 lp, lq = _log_probs(model, h[a:a + chunk]), _log_probs(base, hb[a:a + chunk])
                 nll[a:a + chunk] = -lp.gather(-1, t)[:, 0]

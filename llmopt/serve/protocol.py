@@ -41,10 +41,11 @@ def error_response(e: OpenAIError) -> JSONResponse:
     return JSONResponse(error_body(e.message, e.status, e.type, e.param), status_code=e.status)
 
 
-def usage(finals: list[RequestOutput | None]) -> dict:
-    """The `usage` object of a response over the final output of each prompt."""
+def usage(finals: list[RequestOutput | None], generated: bool = True) -> dict:
+    """The `usage` object of a response over the final output of each prompt (`generated` False:
+    echo with max_tokens 0, whose one engine token is not part of the answer)."""
     prompt = sum(len(o.prompt_token_ids) for o in finals if o is not None)
-    completion = sum(len(c.token_ids) for o in finals if o is not None for c in o.outputs)
+    completion = sum(len(c.token_ids) for o in finals if o is not None for c in o.outputs) if generated else 0
     cached = sum(o.num_cached_tokens for o in finals if o is not None)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
@@ -87,7 +88,7 @@ class StructuredOutputs(BaseModel):
 # implement: a value other than these no-ops is a 400 naming the field, never dropped.
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "logit_bias": (None, {}), "use_beam_search": (None, False), "length_penalty": (None, 1.0, 1),
-    "prompt_logprobs": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "allowed_token_ids": (None,), "bad_words": (None, []),
     "truncate_prompt_tokens": (None,), "logits_processors": (None, []), "guided_whitespace_pattern": (None,),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "spaces_between_special_tokens": (None, True), "best_of": (None, 1),
@@ -126,6 +127,7 @@ class _Sampling(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    prompt_logprobs: StrictInt | None = None    # vLLM's: logprobs of each prompt token, the top k with them
 
 
 # a prompt: text, token ids, several texts, or several token-id lists

@@ -87,4 +87,7 @@ class OpenAIServingChat(OpenAIServing):
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "logprobs": self.logprobs_chat(c.logprobs or []) if job.params.logprobs is not None else None,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in final.outputs]
-        return {**base, "object": "chat.completion", "choices": choices, "usage": usage([final])}
+        response = {**base, "object": "chat.completion", "choices": choices, "usage": usage([final])}
+        if body.prompt_logprobs is not None:
+            response["prompt_logprobs"] = self.prompt_logprobs_vllm(final.prompt_logprobs)
+        return response

@@ -10,7 +10,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response
 
-from llmopt.core.outputs import CompletionOutput
+from llmopt.core.outputs import CompletionOutput, RequestOutput
 from llmopt.core.sampling_params import SamplingParams
 from llmopt.serve.protocol import CompletionRequest, OpenAIError, usage
 from llmopt.serve.serving_engine import OpenAIServing
@@ -19,7 +19,13 @@ from llmopt.serve.streaming import ChoiceState, EventStream, Job, collect, strea
 
 class OpenAIServingCompletion(OpenAIServing):
     def sampling_params(self, body: CompletionRequest) -> SamplingParams:
-        return self.sampling_params_of(body, body.max_tokens, body.logprobs)
+        """echo with logprobs scores the prompt too (its logprobs come first); echo with max_tokens 0
+        is the prompt alone (vLLM's): the engine computes one token, which the answer leaves out."""
+        scored = body.logprobs if body.echo and body.logprobs is not None else None
+        if body.prompt_logprobs is not None:
+            scored = max(scored or 0, body.prompt_logprobs)
+        max_tokens = 1 if body.echo and body.max_tokens == 0 else body.max_tokens
+        return self.sampling_params_of(body, max_tokens, body.logprobs, scored)
 
     async def prompts(self, body: CompletionRequest) -> tuple[list[str | None], list[list[int]]]:
         """Each prompt's text (None when given as token ids) and token ids."""
@@ -38,8 +44,9 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_model(body.model)
         if body.suffix:
             raise OpenAIError("suffix is not supported", 400, "suffix")
-        if body.echo and body.logprobs is not None:
-            raise OpenAIError("echo with logprobs is not supported", 400, "echo")
+        if body.echo and body.stream and (body.logprobs is not None or body.max_tokens == 0):
+            raise OpenAIError("echo with logprobs or max_tokens 0 is not supported when streaming: send stream: "
+                              "false", 400, "echo")
         texts, prompts = await self.prompts(body)
         params = self.sampling_params(body)
         for ids in prompts:
@@ -79,14 +86,19 @@ class OpenAIServingCompletion(OpenAIServing):
         finals = await collect(request, job, len(echo))
         if finals is None:
             return Response(status_code=499)
-        choices = [self.choice(body, i * job.params.n + c.index, echo[i], c)
+        choices = [self.choice(body, i * job.params.n + c.index, echo[i], out, c)
                    for i, out in enumerate(finals) for c in out.outputs]
-        return {**base, "choices": choices, "usage": usage(finals)}
+        return {**base, "choices": choices, "usage": usage(finals, generated=not (body.echo and body.max_tokens == 0))}
 
-    def choice(self, body: CompletionRequest, index: int, echo: str, c: CompletionOutput) -> dict:
-        choice = {"index": index, "text": echo + c.text, "logprobs": None,
-                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+    def choice(self, body: CompletionRequest, index: int, echo: str, out: RequestOutput, c: CompletionOutput) -> dict:
+        generated = not (body.echo and body.max_tokens == 0)
+        choice = {"index": index, "text": echo + (c.text if generated else ""), "logprobs": None,
+                  "finish_reason": c.finish_reason if generated else "length",
+                  "stop_reason": c.stop_reason if generated else None}
         if body.logprobs is not None:
-            choice["logprobs"] = self.logprobs_completion(c.logprobs or [], 0)
+            prompt = (out.prompt_token_ids, out.prompt_logprobs) if body.echo else None
+            choice["logprobs"] = self.logprobs_completion((c.logprobs or []) if generated else [], 0, prompt)
+        if body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.prompt_logprobs_vllm(out.prompt_logprobs)
         return choice
 

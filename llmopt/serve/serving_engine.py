@@ -90,10 +90,15 @@ class OpenAIServing:
         if unknown:
             log.warning("The following fields were present in the request but ignored: %s", set(unknown))
 
-    def sampling_params_of(self, r, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params_of(self, r, max_tokens: int | None, logprobs: int | None,
+                           prompt_logprobs: int | None = None) -> SamplingParams:
         """The SamplingParams of the fields completions and chat share (`r`), with their own
-        max_tokens and logprobs; SamplingParams checks the ranges."""
+        max_tokens, logprobs and prompt logprobs (default: vLLM's `prompt_logprobs` field);
+        SamplingParams checks the ranges."""
         self.check_fields(r)
+        if r.stream and r.prompt_logprobs is not None:
+            raise OpenAIError("prompt_logprobs is not supported when streaming: send stream: false", 400,
+                              "prompt_logprobs")
         max_n = self.server.max_n
         if r.n > max_n:
             raise OpenAIError(f"n must be at most {max_n}, got {r.n}", 400, "n")
@@ -111,6 +116,7 @@ class OpenAIServing:
             stop=[r.stop] if isinstance(r.stop, str) else list(r.stop or []),
             stop_token_ids=list(r.stop_token_ids or []), include_stop_str_in_output=r.include_stop_str_in_output,
             max_tokens=max_tokens, min_tokens=r.min_tokens, ignore_eos=r.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=r.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             skip_special_tokens=r.skip_special_tokens, structured_outputs=structured)
         try:
             return SamplingParams(**kw)
@@ -209,17 +215,44 @@ class OpenAIServing:
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
 
-    def logprobs_completion(self, lps: list[TokenLogprobs], offset: int) -> dict:
-        """Completions' logprobs: tokens, token_logprobs, top_logprobs, text_offset (from `offset`)."""
+    def logprobs_completion(self, lps: list[TokenLogprobs], offset: int,
+                            prompt: tuple[list[int], list[TokenLogprobs | None]] | None = None) -> dict:
+        """Completions' logprobs: tokens, token_logprobs, top_logprobs, text_offset (from `offset`).
+        With `prompt` (echo: its ids and prompt logprobs) the prompt's tokens come first, as vLLM
+        gives them: the first with no logprob, each with the top k and itself in top_logprobs."""
         tokens, token_lps, tops, offsets = [], [], [], []
-        for t in lps:
-            s = self._decode_one(t.token_id)
+
+        def add(token_id: int, logprob: float | None, top: dict | None) -> None:
+            nonlocal offset
+            s = self._decode_one(token_id)
             tokens.append(s)
-            token_lps.append(_lp(t.logprob))
-            tops.append({self._decode_one(k): _lp(v) for k, v in t.top.items()} or None)
+            token_lps.append(None if logprob is None else _lp(logprob))
+            tops.append({self._decode_one(k): _lp(v) for k, v in top.items()} if top else None)
             offsets.append(offset)
             offset += len(s)
+
+        for tid, t in zip(*prompt) if prompt is not None else ():
+            add(tid, None, None) if t is None else add(tid, t.logprob, {**t.top, t.token_id: t.logprob})
+        for t in lps:
+            add(t.token_id, t.logprob, t.top)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def prompt_logprobs_vllm(self, lps: list[TokenLogprobs | None] | None) -> list | None:
+        """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank,
+        decoded_token}} over the token itself and the top k (their ranks 1..k)."""
+        if lps is None:
+            return None
+        out: list = []
+        for t in lps:
+            if t is None:
+                out.append(None)
+                continue
+            entry = {str(k): {"logprob": _lp(v), "rank": r, "decoded_token": self._decode_one(k)}
+                     for r, (k, v) in enumerate(t.top.items(), start=1)}
+            entry[str(t.token_id)] = {"logprob": _lp(t.logprob), "rank": t.rank,
+                                      "decoded_token": self._decode_one(t.token_id)}
+            out.append(entry)
+        return out
 
     def logprobs_chat(self, lps: list[TokenLogprobs]) -> dict:
         """Chat's logprobs: per token its text, logprob, UTF-8 bytes and top alternatives."""

@@ -10,7 +10,7 @@ position of each request that samples, or its last k + 1 positions when k draft 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,6 +19,7 @@ from llmopt.core.scheduler import SchedulerOutput
 from llmopt.errors import LLMOptError, UserInputError
 from llmopt.models.attention import DenseCausalAttention
 from llmopt.models.loader import LoadedModel
+from llmopt.models.logprobs import ScoredTokens, score_tokens
 
 log = logging.getLogger("llmopt.engine")
 
@@ -34,6 +35,8 @@ class HiddenStates:
 class ModelRunnerOutput:
     logits: torch.Tensor                       # float32 [sum of num_logits, vocab], schedule order
     hidden_states: HiddenStates | None = None  # when the step asked for them (SchedulerOutput.hidden_layers)
+    # request id -> its scored prompt positions (ScheduledRequest.prompt_targets), when any were asked
+    prompt_logprobs: dict[str, ScoredTokens] = field(default_factory=dict)
 
 
 @dataclass
@@ -190,20 +193,25 @@ class ModelRunner:
         m = self.model
         m.capture_hidden, m.captured = out.hidden_layers, None
         try:
-            logits = self.execute(out)
+            logits, scored = self._run(out)
             got = m.captured
         finally:
             m.capture_hidden, m.captured = None, None
-        return ModelRunnerOutput(logits, None if got is None else HiddenStates(got[0], list(got[1])))
+        return ModelRunnerOutput(logits, None if got is None else HiddenStates(got[0], list(got[1])), scored)
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Copy the blocks the scheduler asked for (copy-on-write), run the scheduled tokens; return
         float32 logits [sum of num_logits, vocab] in schedule order."""
+        return self._run(out)[0]
+
+    @torch.inference_mode()
+    def _run(self, out: SchedulerOutput) -> tuple[torch.Tensor, dict[str, ScoredTokens]]:
+        """`execute`, and the prompt positions scored where the step asks (`prompt_targets`): those
+        steps take the model's own forward (the fast paths return logits rows, not hidden states)."""
         self.copy_blocks(out.blocks_to_copy)
         sched = out.scheduled
         if not sched:
-            return torch.empty(0, self.cfg.vocab_size)
+            return torch.empty(0, self.cfg.vocab_size), {}
         dev, bs = self.device, self.block_size
         tokens: list[int] = []
         for s in sched:
@@ -226,13 +234,16 @@ class ModelRunner:
         ids = torch.tensor(tokens, dtype=torch.long).to(dev, non_blocking=True)
         decode = len(tokens) == len(sched) and all(s.num_logits == 1 for s in sched)
         c, f = self.compiled, self.cpu_decode
-        if c is not None and decode and len(sched) <= c.max_batch and out.hidden_layers is None:
-            return c.run(ids, positions.to(dev, non_blocking=True), a)   # decode only: the compiled step
-        if f is not None and len(tokens) <= f.max_rows:
+        scoring = [(int(qsl[i]) + s.prompt_offset, s) for i, s in enumerate(sched) if s.prompt_targets]
+        if c is not None and decode and len(sched) <= c.max_batch and out.hidden_layers is None and not scoring:
+            return c.run(ids, positions.to(dev, non_blocking=True), a), {}   # decode only: the compiled step
+        if f is not None and len(tokens) <= f.max_rows and not scoring:
             # one row per token (decode, speculative verification and prefill chunks), each with
             # its sequence's block table and its own context length (the step's K/V all written first)
             every = all(s.num_logits == len(s.token_ids) for s in sched)
             return f.run(ids, positions, a if decode else f.rows_context(a, seq_idx, positions),
-                         self.key_caches, self.value_caches, None if every else logit_rows)
+                         self.key_caches, self.value_caches, None if every else logit_rows), {}
         hidden = self.model(ids, positions.to(dev, non_blocking=True), a)
-        return self.model.compute_logits(hidden[logit_rows.to(dev)]).float()
+        scored = {s.request_id: score_tokens(self.model, hidden[row:row + len(s.prompt_targets)],
+                                             torch.tensor(s.prompt_targets), s.prompt_top_k) for row, s in scoring}
+        return self.model.compute_logits(hidden[logit_rows.to(dev)]).float(), scored

@@ -150,6 +150,74 @@ def test_logprobs(client):
     assert len(content) == 3 and all(len(t.top_logprobs) == 3 for t in content)
 
 
+@pytest.fixture(scope="module")
+def hf_logprobs(tiny_chat_model):
+    """transformers' float32 log-softmax over each position of a token-id prompt."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32).eval()
+
+    def run(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1)
+    return run
+
+
+def test_echo_logprobs_as_lm_eval_scores_them(http, hf_logprobs):
+    """lm-evaluation-harness's local-completions loglikelihood request (token-id prompts in a batch,
+    echo, logprobs 1, max_tokens 1, temperature 0): the prompt's logprobs first (the first token has
+    none), each position's top_logprobs holding the top token and the prompt's own, then the one
+    generated token. With max_tokens 0, the prompt alone and no completion tokens."""
+    prompts = [[5, 17, 42, 99, 3, 250, 7], [11, 12, 13, 14, 15]]
+    body = {"model": MODEL_NAME, "prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    for ids, choice in zip(prompts, sorted(r.json()["choices"], key=lambda c: c["index"])):
+        lp, ref = choice["logprobs"], hf_logprobs(ids)
+        assert len(lp["token_logprobs"]) == len(ids) + 1 and lp["token_logprobs"][0] is None
+        assert lp["top_logprobs"][0] is None
+        want = [float(ref[i - 1, t]) for i, t in enumerate(ids) if i]
+        assert lp["token_logprobs"][1:len(ids)] == pytest.approx(want, abs=2e-4)
+        for i, top in enumerate(lp["top_logprobs"][1:len(ids)], start=1):
+            assert max(top.values()) == pytest.approx(float(ref[i - 1].max()), abs=2e-4)
+            assert lp["token_logprobs"][i] in top.values()                     # the prompt's own token
+        assert lp["token_logprobs"][-1] == pytest.approx(float(ref[-1].max()), abs=2e-4)   # greedy: the top
+        assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    only = http.post("/v1/completions", json={**body, "max_tokens": 0}).json()
+    for ids, choice in zip(prompts, sorted(only["choices"], key=lambda c: c["index"])):
+        assert len(choice["logprobs"]["token_logprobs"]) == len(ids) and choice["finish_reason"] == "length"
+        assert choice["text"] == "".join(choice["logprobs"]["tokens"])
+    assert only["usage"]["completion_tokens"] == 0 and only["usage"]["prompt_tokens"] == 12
+
+
+def test_vllm_prompt_logprobs_on_completions_and_chat(http, hf_logprobs):
+    ids = [5, 17, 42, 99, 3]
+    r = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": ids, "max_tokens": 2, "temperature": 0,
+                                           "prompt_logprobs": 2}).json()
+    got, ref = r["choices"][0]["prompt_logprobs"], hf_logprobs(ids)
+    assert len(got) == len(ids) and got[0] is None
+    for i, entry in enumerate(got[1:], start=1):
+        row, t = ref[i - 1], ids[i]
+        assert entry[str(t)]["logprob"] == pytest.approx(float(row[t]), abs=2e-4)
+        assert entry[str(t)]["rank"] == int((row > row[t]).sum()) + 1
+        top = torch_topk(row, 2)
+        assert all(entry[str(k)]["rank"] == rank for rank, k in enumerate(top, start=1))
+    assert r["choices"][0]["logprobs"] is None                   # no echo: the completion as before
+    c = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": MSG, "max_tokens": 2,
+                                                "prompt_logprobs": 0}).json()
+    assert c["prompt_logprobs"][0] is None and len(c["prompt_logprobs"]) == c["usage"]["prompt_tokens"]
+    assert all(len(e) == 1 for e in c["prompt_logprobs"][1:])   # k = 0: the prompt's own token alone
+    for body in ({"prompt": ids, "echo": True, "logprobs": 1, "stream": True},
+                 {"prompt": ids, "prompt_logprobs": 1, "stream": True}, {"prompt": ids, "max_tokens": 0}):
+        r = http.post("/v1/completions", json={"model": MODEL_NAME, "max_tokens": 1, **body})
+        assert r.status_code == 400, r.text
+
+
+def torch_topk(row, k: int) -> list[int]:
+    import torch
+    return torch.topk(row, k).indices.tolist()
+
+
 def test_tokenize_detokenize(http, offline):
     r = http.post("/tokenize", json={"model": MODEL_NAME, "prompt": "Hello world"}).json()
     assert r["tokens"] == offline.tokenizer("Hello world").input_ids and r["count"] == len(r["tokens"])
@@ -486,7 +554,7 @@ def test_bad_output_constraints_are_openai_400s(http, fields, param, message):
 # -- fields we do not implement ----------------------------------------------------------------------
 @pytest.mark.parametrize("path,fields", [
     (C, {"use_beam_search": True}), (C, {"logit_bias": {"1": 5}}), (C, {"best_of": 3}),
-    (C, {"prompt_logprobs": 1}), (C, {"bad_words": ["x"]}), (C, {"truncate_prompt_tokens": 4}),
+    (C, {"bad_words": ["x"]}), (C, {"truncate_prompt_tokens": 4}),
     (CHAT, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
             "tool_choice": "required"}),
 ], ids=lambda v: next(iter(v)) if isinstance(v, dict) else v)
