@@ -30,7 +30,8 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: frozenset[int] = frozenset(), max_model_len: int | None = None,
                  prompt: str | None = None, priority: int = 0, arrival_time: float | None = None,
-                 parent_id: str | None = None, index: int = 0, detokenizer=None, grammar=None) -> None:
+                 parent_id: str | None = None, index: int = 0, detokenizer=None, grammar=None,
+                 bad_words: list[list[int]] | None = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -60,6 +61,7 @@ class Request:
         self.error: str | None = None            # why it finished with FINISHED_ERROR
         self.detokenizer = detokenizer           # an IncrementalDetokenizer, or None (token ids only)
         self.grammar = grammar                   # a structured.backend.RequestGrammar (structured outputs)
+        self.bad_words = bad_words or []         # params.bad_words as token-id sequences
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator()

@@ -17,10 +17,11 @@ after k accepted drafts a bonus token is drawn from p_k. A drafter that drafts g
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from llmopt.core.logits_processors import apply_logits_processors
 from llmopt.core.sampling_params import SamplingParams
 from llmopt.structured.backend import allocate_bitmask, apply_bitmask
 
@@ -33,6 +34,7 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None = None
     blocked_token_ids: frozenset[int] = frozenset()  # EOS/stop ids while min_tokens is not reached
+    bad_words: list[list[int]] = field(default_factory=list)  # SamplingParams.bad_words as token ids
 
 
 @dataclass
@@ -152,14 +154,15 @@ class Sampler:
 
     @staticmethod
     def _penalized(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """float32 logits with min_tokens' blocked ids at -inf and the penalties applied."""
+        """float32 logits with min_tokens' blocked ids at -inf, the logits processors (allowed ids,
+        bad words, logit bias) and the penalties applied."""
         logits = logits.float()
         blocked = [(i, sorted(r.blocked_token_ids)) for i, r in enumerate(rows) if r.blocked_token_ids]
         if blocked:
             logits = logits.clone()
             for i, ids in blocked:
                 logits[i, [t for t in ids if t < logits.shape[-1]]] = float("-inf")
-        return apply_penalties(logits, rows)
+        return apply_penalties(apply_logits_processors(logits, rows), rows)
 
     def sample_scheduled(self, logits: torch.Tensor, scheduled, requests,
                          draft_probs: dict[str, torch.Tensor] | None = None) -> dict[str, SampledTokens]:
@@ -285,13 +288,13 @@ def _rows_with_drafts(req, drafts: list[int], m: int) -> list[SamplingRow]:
     and stop ids while those outputs are fewer than min_tokens."""
     if not drafts:
         return [SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, req.generator,
-                            req.blocked_token_ids)] * m
+                            req.blocked_token_ids, req.bad_words)] * m
     out = []
     n = len(req.output_token_ids)
     for j in range(m):
         blocked = req.eos_token_ids | req.stop_token_ids if n + j < req.params.min_tokens else frozenset()
         out.append(SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids + drafts[:j], req.generator,
-                               blocked))
+                               blocked, req.bad_words))
     return out
 
 

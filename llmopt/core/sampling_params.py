@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from llmopt import defaults
@@ -31,6 +32,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None    # the same per prompt token (vLLM's; the first token has none)
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | dict | None = None  # vLLM's: json, regex, choice, grammar, ...
+    logit_bias: dict[int, float] | None = None      # token id -> added to its logit, clamped to [-100, 100]
+    allowed_token_ids: list[int] | None = None      # only these may be sampled
+    bad_words: list[str] = field(default_factory=list)  # words that may not be generated (vLLM's)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -41,6 +45,14 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.top_k == -1:
             self.top_k = 0
+        self.bad_words = list(self.bad_words or [])
+        if self.logit_bias is not None:
+            bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            if not all(math.isfinite(v) for v in bias.values()):
+                raise UserInputError("logit_bias values must be finite numbers")
+            self.logit_bias = {k: min(max(v, -100.0), 100.0) for k, v in bias.items()} or None
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         checks = [
             (self.n >= 1, "n must be at least 1"),
             (self.temperature >= 0, "temperature must be >= 0"),
@@ -60,6 +72,8 @@ class SamplingParams:
             (self.seed is None or SEED_MIN <= self.seed <= SEED_MAX, f"seed must fit in 64 bits "
              f"([{SEED_MIN}, {SEED_MAX}]), got {self.seed}"),
             (all(s for s in self.stop), "stop strings must not be empty"),
+            (all(w.strip() for w in self.bad_words), "bad_words must not be empty or blank"),
+            (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0, "allowed_token_ids must not be empty"),
         ]
         for ok, message in checks:
             if not ok:

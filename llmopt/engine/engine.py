@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from llmopt.cache.kv_manager import KVCacheManager, cdiv
 from llmopt.engine.args import EngineArgs
+from llmopt.core.logits_processors import bad_words_token_ids
 from llmopt.engine.detokenizer import IncrementalDetokenizer
 from llmopt.engine.executor import create_executor
 from llmopt.worker.executor import EngineDeadError, Executor
@@ -195,9 +196,11 @@ class LLMEngine:
         for name in ("logprobs", "prompt_logprobs"):
             if (k := getattr(params, name)) is not None and k > vocab:
                 raise UserInputError(f"{name} {k} is larger than the vocabulary: use at most {vocab}")
-        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise UserInputError(f"stop token id {bad} is outside the vocabulary: use ids in [0, {vocab})")
+        for what, ids in (("stop token id", params.stop_token_ids), ("logit_bias token id", params.logit_bias or ()),
+                          ("allowed_token_ids id", params.allowed_token_ids or ())):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise UserInputError(f"{what} {bad} is outside the vocabulary: use ids in [0, {vocab})")
 
     def prepare_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
                         priority: int = 0, arrival_time: float | None = None,
@@ -217,6 +220,11 @@ class LLMEngine:
         self.validate(ids, params)
         text = prompt if isinstance(prompt, str) else None
         grammar = self._grammar(params)
+        bad_words = None
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise UserInputError("bad_words need the model's tokenizer")
+            bad_words = bad_words_token_ids(self.tokenizer, params.bad_words)
         children = []
         for i in range(params.n):
             p = params if params.n == 1 else dataclasses.replace(
@@ -226,7 +234,8 @@ class LLMEngine:
                 if self.args.detokenize and self.tokenizer is not None else None
             children.append(Request(rid, ids, p, self.eos_token_ids, self.max_model_len, text, priority,
                                     arrival_time, parent_id=request_id, index=i, detokenizer=detok,
-                                    grammar=None if grammar is None else grammar.fork() if i else grammar))
+                                    grammar=None if grammar is None else grammar.fork() if i else grammar,
+                                    bad_words=bad_words))
         return _Parent(request_id, text, ids, children)
 
     def _grammar(self, params: SamplingParams):

@@ -87,9 +87,8 @@ class StructuredOutputs(BaseModel):
 # Fields of OpenAI's or vLLM's API that change what is generated and that this server does not
 # implement: a value other than these no-ops is a 400 naming the field, never dropped.
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
-    "logit_bias": (None, {}), "use_beam_search": (None, False), "length_penalty": (None, 1.0, 1),
-    "allowed_token_ids": (None,), "bad_words": (None, []),
-    "truncate_prompt_tokens": (None,), "logits_processors": (None, []), "guided_whitespace_pattern": (None,),
+    "use_beam_search": (None, False), "length_penalty": (None, 1.0, 1),
+    "logits_processors": (None, []), "guided_whitespace_pattern": (None,),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "spaces_between_special_tokens": (None, True), "best_of": (None, 1),
 }
@@ -128,6 +127,10 @@ class _Sampling(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     prompt_logprobs: StrictInt | None = None    # vLLM's: logprobs of each prompt token, the top k with them
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias in [-100, 100]
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: StrictInt | None = None   # vLLM's: keep the prompt's last k tokens (-1: the context)
 
 
 # a prompt: text, token ids, several texts, or several token-id lists

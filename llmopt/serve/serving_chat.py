@@ -45,7 +45,8 @@ class OpenAIServingChat(OpenAIServing):
         if body.top_logprobs is not None and not body.logprobs:
             raise OpenAIError("top_logprobs needs logprobs: true", 400, "top_logprobs")
         text = render_chat(self.tokenizer, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
-        ids = await self.tokenize_off_loop(text, add_special_tokens=False, what="messages")
+        ids = self.truncate(body, await self.tokenize_off_loop(text, add_special_tokens=False, what="messages",
+                                                               bounded=body.truncate_prompt_tokens is None))
         params = self.sampling_params(body)
         self.check_prompt(ids, params, "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"

@@ -29,15 +29,15 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def prompts(self, body: CompletionRequest) -> tuple[list[str | None], list[list[int]]]:
         """Each prompt's text (None when given as token ids) and token ids."""
-        p = body.prompt
+        p, bounded = body.prompt, body.truncate_prompt_tokens is None
         if isinstance(p, str):
-            return [p], [await self.tokenize_off_loop(p)]
+            return [p], [await self.tokenize_off_loop(p, bounded=bounded)]
         if not p:
             raise OpenAIError("the prompt is empty", 400, "prompt")
         if isinstance(p[0], int):
             return [None], [list(p)]
         if isinstance(p[0], str):
-            return list(p), [await self.tokenize_off_loop(t) for t in p]
+            return list(p), [await self.tokenize_off_loop(t, bounded=bounded) for t in p]
         return [None] * len(p), [list(x) for x in p]
 
     async def create_completion(self, body: CompletionRequest, request: Request, arrival: float):
@@ -48,6 +48,8 @@ class OpenAIServingCompletion(OpenAIServing):
             raise OpenAIError("echo with logprobs or max_tokens 0 is not supported when streaming: send stream: "
                               "false", 400, "echo")
         texts, prompts = await self.prompts(body)
+        if body.truncate_prompt_tokens is not None:   # echo gives back the prompt as the model saw it
+            texts, prompts = [None] * len(prompts), [self.truncate(body, ids) for ids in prompts]
         params = self.sampling_params(body)
         for ids in prompts:
             self.check_prompt(ids, params)

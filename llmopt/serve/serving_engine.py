@@ -31,6 +31,16 @@ OFF_LOOP_CHARS = 20_000   # longer texts are tokenized in a worker thread (~40 m
 LOGPROB_FLOOR = -9999.0   # vLLM's stand-in for -inf (JSON has no infinities)
 
 
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias keys are token ids written as strings."""
+    if not bias:
+        return None
+    try:
+        return {int(k): v for k, v in bias.items()}
+    except ValueError:
+        raise OpenAIError("logit_bias keys must be token ids (integers as strings)", 400, "logit_bias") from None
+
+
 def _lp(x: float) -> float:
     return x if x == x and x > LOGPROB_FLOOR else LOGPROB_FLOOR
 
@@ -117,17 +127,20 @@ class OpenAIServing:
             stop_token_ids=list(r.stop_token_ids or []), include_stop_str_in_output=r.include_stop_str_in_output,
             max_tokens=max_tokens, min_tokens=r.min_tokens, ignore_eos=r.ignore_eos, logprobs=logprobs,
             prompt_logprobs=r.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
-            skip_special_tokens=r.skip_special_tokens, structured_outputs=structured)
+            skip_special_tokens=r.skip_special_tokens, structured_outputs=structured, logit_bias=_logit_bias(r.logit_bias),
+            allowed_token_ids=r.allowed_token_ids, bad_words=list(r.bad_words or []))
         try:
             return SamplingParams(**kw)
         except (UserInputError, ValueError, TypeError) as e:
             raise OpenAIError(str(e), 400) from None
 
-    def tokenize_text(self, text: str, add_special_tokens: bool = True, what: str = "prompt") -> list[int]:
+    def tokenize_text(self, text: str, add_special_tokens: bool = True, what: str = "prompt",
+                      bounded: bool = True) -> list[int]:
         """The token ids of a text; a text too long for the context by its length alone is a 400
-        before the tokenizer sees it (a 5 MB prompt took 11.7 s to reach its 400)."""
+        before the tokenizer sees it (a 5 MB prompt took 11.7 s to reach its 400), unless it is to be
+        truncated (`bounded` False)."""
         per_token = self.server.max_token_chars
-        if per_token is not None and len(text) > self.max_model_len * per_token:
+        if bounded and per_token is not None and len(text) > self.max_model_len * per_token:
             raise OpenAIError(f"the {what} has {len(text):,} characters, more than this model's maximum context "
                               f"length of {self.max_model_len} tokens can hold (a token here is at most {per_token} "
                               f"characters): shorten it", 400, what)
@@ -139,11 +152,24 @@ class OpenAIServing:
             raise OpenAIError(f"the {what} cannot be tokenized ({type(e).__name__}): send valid Unicode text "
                               "(no lone surrogates)", 400, what) from None
 
-    async def tokenize_off_loop(self, text: str, add_special_tokens: bool = True, what: str = "prompt") -> list[int]:
+    async def tokenize_off_loop(self, text: str, add_special_tokens: bool = True, what: str = "prompt",
+                                bounded: bool = True) -> list[int]:
         """tokenize_text, in a worker thread for a long text (so open streams go on meanwhile)."""
         if len(text) > OFF_LOOP_CHARS:
-            return await asyncio.to_thread(self.tokenize_text, text, add_special_tokens, what)
-        return self.tokenize_text(text, add_special_tokens, what)
+            return await asyncio.to_thread(self.tokenize_text, text, add_special_tokens, what, bounded)
+        return self.tokenize_text(text, add_special_tokens, what, bounded)
+
+    def truncate(self, r, ids: list[int]) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: as many as the context holds)."""
+        k = r.truncate_prompt_tokens
+        if k is None:
+            return ids
+        if k == -1:
+            k = self.max_model_len
+        if not 1 <= k <= self.max_model_len:
+            raise OpenAIError(f"truncate_prompt_tokens must be -1 or in [1, {self.max_model_len}] (the maximum "
+                              f"context length), got {r.truncate_prompt_tokens}", 400, "truncate_prompt_tokens")
+        return ids[-k:]
 
     def check_prompt(self, ids: list[int], params: SamplingParams, what: str = "prompt") -> None:
         """The context length in OpenAI's wording (prompt + max_tokens), then the engine's checks."""

@@ -127,14 +127,14 @@ def test_arrival_time_is_when_the_request_is_added(model, loaded, monkeypatch):
     engine = make_engine(model, loaded)
     runner = engine.engine.runner
     slow = threading.Event()
-    execute = runner.execute
+    execute = runner.execute_model
 
     def slow_execute(out):
         if slow.is_set():
             time.sleep(0.3)
         return execute(out)
 
-    monkeypatch.setattr(runner, "execute", slow_execute)
+    monkeypatch.setattr(runner, "execute_model", slow_execute)
 
     async def main():
         first = engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
@@ -174,13 +174,13 @@ def test_a_step_failure_of_one_request_fails_it_alone(model, loaded, monkeypatch
                 return sample(logits, scheduled, requests)
             monkeypatch.setattr(llm.sampler, "sample_scheduled", failing_sample)
         else:
-            execute = llm.runner.execute
+            execute = llm.runner.execute_model
 
             def failing_execute(out):
                 if poisoned(llm, out.scheduled, min_output=3):
                     raise RuntimeError("injected forward failure")
                 return execute(out)
-            monkeypatch.setattr(llm.runner, "execute", failing_execute)
+            monkeypatch.setattr(llm.runner, "execute_model", failing_execute)
         stream = where != "sampler"
         bad = {"prompt": "poison", "max_tokens": 40, "seed": POISON, "ignore_eos": True, "stream": stream}
         errors_before = success(url, "error")
@@ -215,7 +215,7 @@ def test_a_step_failure_of_one_request_fails_it_alone(model, loaded, monkeypatch
 def test_a_failure_no_request_explains_kills_the_engine(model, loaded, monkeypatch):
     engine = make_engine(model, loaded)
     llm = engine.engine
-    execute = llm.runner.execute
+    execute = llm.runner.execute_model
     broken = threading.Event()
 
     def failing_execute(out):
@@ -223,7 +223,7 @@ def test_a_failure_no_request_explains_kills_the_engine(model, loaded, monkeypat
             raise RuntimeError("device lost")
         return execute(out)
 
-    monkeypatch.setattr(llm.runner, "execute", failing_execute)
+    monkeypatch.setattr(llm.runner, "execute_model", failing_execute)
     with serve(engine) as url:
         long = {"max_tokens": 200, "ignore_eos": True}
 
@@ -261,13 +261,13 @@ def test_admission_counts_n_after_validation_and_frees_on_abort(model, loaded, m
     request is still a 400 in the engine's words (it is validated before admission); a request whose
     client leaves gives its place back."""
     engine = make_engine(model, loaded)
-    execute = engine.engine.runner.execute
+    execute = engine.engine.runner.execute_model
 
     def slow_execute(out):
         time.sleep(0.02)
         return execute(out)
 
-    monkeypatch.setattr(engine.engine.runner, "execute", slow_execute)
+    monkeypatch.setattr(engine.engine.runner, "execute_model", slow_execute)
     app = build_app(engine, ServeConfig(model_name="tiny", log_interval=0, max_num_queued_reqs=2))
     server = app.state.server
     with inprocess_server(app) as url:

@@ -553,8 +553,7 @@ def test_bad_output_constraints_are_openai_400s(http, fields, param, message):
 
 # -- fields we do not implement ----------------------------------------------------------------------
 @pytest.mark.parametrize("path,fields", [
-    (C, {"use_beam_search": True}), (C, {"logit_bias": {"1": 5}}), (C, {"best_of": 3}),
-    (C, {"bad_words": ["x"]}), (C, {"truncate_prompt_tokens": 4}),
+    (C, {"use_beam_search": True}), (C, {"best_of": 3}), (C, {"logits_processors": ["x"]}),
     (CHAT, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
             "tool_choice": "required"}),
 ], ids=lambda v: next(iter(v)) if isinstance(v, dict) else v)
@@ -564,6 +563,43 @@ def test_unimplemented_fields_that_change_output_are_400s(http, path, fields):
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] in fields and "is not supported by this server" in err["message"], \
         r.text
+
+
+def test_logit_bias_allowed_token_ids_and_bad_words_over_http(http, offline):
+    """OpenAI's logit_bias (string keys) and vLLM's allowed_token_ids and bad_words give what the
+    offline engine gives with the same SamplingParams; a key that is no token id is a 400."""
+    from llmopt import SamplingParams
+    fields = [{"logit_bias": {"17": 100}}, {"allowed_token_ids": [17, 300, 301]}, {"bad_words": ["the", "of"]}]
+    for extra in fields:
+        r = http.post(C, json={"model": MODEL_NAME, "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0,
+                               "ignore_eos": True, **extra})
+        assert r.status_code == 200, r.text
+        kw = {k: ({int(t): b for t, b in v.items()} if k == "logit_bias" else v) for k, v in extra.items()}
+        want = offline.generate([PROMPTS[1]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, **kw))
+        assert r.json()["choices"][0]["text"] == want[0].outputs[0].text, extra
+    r = http.post(C, json={"model": MODEL_NAME, "prompt": "hi", "logit_bias": {"x": 1}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+    r = http.post(C, json={"model": MODEL_NAME, "prompt": "hi", "logit_bias": {"999999": 1}})
+    assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"], r.text
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(http, offline):
+    from llmopt import SamplingParams
+    ids = list(range(300, 400))
+    r = http.post(C, json={"model": MODEL_NAME, "prompt": ids, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                           "truncate_prompt_tokens": 10, "echo": True}).json()
+    want = offline.generate([ids[-10:]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+    assert r["usage"]["prompt_tokens"] == 10
+    assert r["choices"][0]["text"] == offline.tokenizer.decode(ids[-10:]) + want.outputs[0].text
+    long_text = "word " * (MAX_MODEL_LEN * 40)       # beyond the character bound: tokenized, then truncated
+    r = http.post(CHAT, json={"model": MODEL_NAME, "messages": [{"role": "user", "content": long_text}],
+                              "max_tokens": 2, "truncate_prompt_tokens": -1})
+    assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"], r.text  # no room left
+    r = http.post(CHAT, json={"model": MODEL_NAME, "messages": [{"role": "user", "content": long_text}],
+                              "max_tokens": 2, "truncate_prompt_tokens": 50})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 50, r.text
+    r = http.post(C, json={"model": MODEL_NAME, "prompt": "hi", "truncate_prompt_tokens": MAX_MODEL_LEN + 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
 
 
 def test_no_op_values_pass_and_unknown_fields_are_logged(server, http):
