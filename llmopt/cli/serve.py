@@ -50,6 +50,9 @@ def serve(
     enable_request_id_headers: bool = typer.Option(False, "--enable-request-id-headers",
                                                    help="Answer each request with an X-Request-Id header (the "
                                                    "client's, else a new one), as vLLM."),
+    generation_config: str = typer.Option("auto", "--generation-config",
+                                          help="Sampling defaults for fields a request leaves out: auto (the model's "
+                                          "generation_config.json), vllm (none) or a folder holding one."),
     served_model_name: str = typer.Option(None, "--served-model-name",
                                           help="The model name clients send (default: --model)."),
     max_num_queued_reqs: int = typer.Option(None, "--max-num-queued-reqs", callback=in_range(1),
@@ -80,7 +83,8 @@ def serve(
     run(**opts)
 
 
-def run(*, model, config, host, port, api_key, allowed_origins, enable_request_id_headers, served_model_name,
+def run(*, model, config, host, port, api_key, allowed_origins, enable_request_id_headers, generation_config,
+        served_model_name,
         max_num_queued_reqs, max_request_bytes, scheduling_policy, seed, shutdown_timeout, log_interval,
         disable_log_requests, log_level, **engine) -> None:
     engine_args = common.engine_args_from_flags(engine, model=model, seed=seed, scheduling_policy=scheduling_policy)
@@ -108,14 +112,19 @@ def run(*, model, config, host, port, api_key, allowed_origins, enable_request_i
     from llmopt.serve.api_server import build_app
     from llmopt.serve.server import ServeConfig
 
+    from llmopt.models.generation_config import resolve_generation_defaults
     async_engine = AsyncLLMEngine.from_engine_args(args)
+    gen = resolve_generation_defaults(generation_config, async_engine.engine.loaded.path)
+    log = logging.getLogger("llmopt.serve")
+    if gen:
+        log.info("Default sampling parameters have been overridden by the model's generation config: %s", gen)
     name = served_model_name or model or defaults.DEFAULT_MODEL
     app = build_app(async_engine, ServeConfig(model_name=name, api_keys=tuple(api_key or ()),
                                         allowed_origins=tuple(allowed_origins or ()),
                                         request_id_headers=enable_request_id_headers,
                                         max_num_queued_reqs=max_num_queued_reqs, max_request_bytes=body_bytes,
-                                        log_interval=log_interval, log_requests=not disable_log_requests))
-    log = logging.getLogger("llmopt.serve")
+                                        log_interval=log_interval, log_requests=not disable_log_requests,
+                                        generation_defaults=gen))
     log.info("serving %s on http://%s:%d/v1", name, host, port)
     sig = run_server(app, sock, shutdown_timeout, log_level)
     log.info("shut down")

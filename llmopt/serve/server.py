@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from llmopt import defaults
 from llmopt.engine.async_engine import AsyncLLMEngine, EngineStoppedError
@@ -30,6 +30,9 @@ class ServeConfig:
     max_request_bytes: int = defaults.SERVE_MAX_REQUEST_BYTES   # a larger body: 413
     log_interval: float = defaults.SERVE_LOG_INTERVAL       # periodic stats line every this many seconds (0: never)
     log_requests: bool = True                # one line per finished request
+    # sampling defaults for fields a request leaves out (models/generation_config.py; vLLM's
+    # --generation-config): temperature, top_p, top_k, min_p, repetition_penalty
+    generation_defaults: dict = field(default_factory=dict)
 
 
 class OpenAIServer:

@@ -117,12 +117,15 @@ class OpenAIServing:
             raise OpenAIError(f"priority {r.priority} is only allowed with --scheduling-policy priority (this "
                               f"server runs {policy}): send 0 or omit it", 400, "priority")
         structured = structured_outputs_of(r)
+        gen = self.config.generation_defaults
+
+        def given(name: str, default):
+            value = getattr(r, name)
+            return value if value is not None else gen.get(name, default)
         kw: dict[str, Any] = dict(
-            n=r.n, temperature=1.0 if r.temperature is None else r.temperature,
-            top_p=1.0 if r.top_p is None else r.top_p, top_k=r.top_k or 0,
-            min_p=r.min_p or 0.0, seed=r.seed, presence_penalty=r.presence_penalty or 0.0,
-            frequency_penalty=r.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if r.repetition_penalty is None else r.repetition_penalty,
+            n=r.n, temperature=given("temperature", 1.0), top_p=given("top_p", 1.0), top_k=given("top_k", 0),
+            min_p=given("min_p", 0.0), seed=r.seed, presence_penalty=r.presence_penalty or 0.0,
+            frequency_penalty=r.frequency_penalty or 0.0, repetition_penalty=given("repetition_penalty", 1.0),
             stop=[r.stop] if isinstance(r.stop, str) else list(r.stop or []),
             stop_token_ids=list(r.stop_token_ids or []), include_stop_str_in_output=r.include_stop_str_in_output,
             max_tokens=max_tokens, min_tokens=r.min_tokens, ignore_eos=r.ignore_eos, logprobs=logprobs,

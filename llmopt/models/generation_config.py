@@ -1,0 +1,51 @@
+"""The sampling defaults of a checkpoint's `generation_config.json`, as vLLM's `--generation-config
+auto` reads them: temperature, top_p, top_k, min_p and repetition_penalty, for the fields a request
+leaves out (its max_new_tokens is not read: a request's length stays its own max_tokens). A folder
+without the file has none; a field of the wrong type is one line naming the field and the file."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from llmopt.errors import ModelLoadError, UserInputError
+
+FILE = "generation_config.json"
+FIELDS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float}
+
+
+def generation_defaults(folder: Path) -> dict[str, float | int]:
+    """The sampling fields of `folder/generation_config.json` ({} without the file)."""
+    path = Path(folder) / FILE
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path}: not a JSON file ({e})") from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{path}: not a JSON object")
+    out: dict[str, float | int] = {}
+    for name, kind in FIELDS.items():
+        value = raw.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+            raise ModelLoadError(f"{path}: {name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+        if not math.isfinite(value):
+            raise ModelLoadError(f"{path}: {name} must be a finite number, got {value!r}")
+        out[name] = kind(value)
+    return out
+
+
+def resolve_generation_defaults(choice: str, model_folder: Path) -> dict[str, float | int]:
+    """vLLM's --generation-config: `auto` reads the model's folder, `vllm` none, a folder its file."""
+    if choice == "vllm":
+        return {}
+    if choice == "auto":
+        return generation_defaults(model_folder)
+    folder = Path(choice)
+    if not (folder / FILE).is_file():
+        raise UserInputError(f"--generation-config {choice}: no {FILE} there (give auto, vllm or a folder holding one)")
+    return generation_defaults(folder)
