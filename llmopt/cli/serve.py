@@ -50,6 +50,13 @@ def serve(
     enable_request_id_headers: bool = typer.Option(False, "--enable-request-id-headers",
                                                    help="Answer each request with an X-Request-Id header (the "
                                                    "client's, else a new one), as vLLM."),
+    chat_template: Path = typer.Option(None, "--chat-template", help="A Jinja chat template file used instead of "
+                                       "the tokenizer's (e.g. one that renders tools)."),
+    enable_auto_tool_choice: bool = typer.Option(False, "--enable-auto-tool-choice",
+                                                 help="Allow tool_choice auto: --tool-call-parser reads the calls "
+                                                 "from the model's text."),
+    tool_call_parser: str = typer.Option(None, "--tool-call-parser", help="How tool calls are written in the "
+                                         "model's output, for tool_choice auto: hermes."),
     generation_config: str = typer.Option("auto", "--generation-config",
                                           help="Sampling defaults for fields a request leaves out: auto (the model's "
                                           "generation_config.json), vllm (none) or a folder holding one."),
@@ -84,13 +91,15 @@ def serve(
 
 
 def run(*, model, config, host, port, api_key, allowed_origins, enable_request_id_headers, generation_config,
-        served_model_name,
+        chat_template, enable_auto_tool_choice, tool_call_parser, served_model_name,
         max_num_queued_reqs, max_request_bytes, scheduling_policy, seed, shutdown_timeout, log_interval,
         disable_log_requests, log_level, **engine) -> None:
     engine_args = common.engine_args_from_flags(engine, model=model, seed=seed, scheduling_policy=scheduling_policy)
     body_bytes = parse_bytes(max_request_bytes, "--max-request-bytes")
     if body_bytes < 1:
         raise UserInputError(f"--max-request-bytes {max_request_bytes}: give at least 1 byte")
+    template = _chat_template(chat_template)
+    tool_call_parser = _tool_call_parser(enable_auto_tool_choice, tool_call_parser)
     levels = ("critical", "error", "warning", "info", "debug", "trace")
     if log_level not in levels:
         raise UserInputError(f"--uvicorn-log-level {log_level!r}: use one of {'|'.join(levels)}")
@@ -124,12 +133,33 @@ def run(*, model, config, host, port, api_key, allowed_origins, enable_request_i
                                         request_id_headers=enable_request_id_headers,
                                         max_num_queued_reqs=max_num_queued_reqs, max_request_bytes=body_bytes,
                                         log_interval=log_interval, log_requests=not disable_log_requests,
-                                        generation_defaults=gen))
+                                        generation_defaults=gen, chat_template=template,
+                                        enable_auto_tool_choice=enable_auto_tool_choice,
+                                        tool_call_parser=tool_call_parser))
     log.info("serving %s on http://%s:%d/v1", name, host, port)
     sig = run_server(app, sock, shutdown_timeout, log_level)
     log.info("shut down")
     if sig == signal.SIGINT:
         raise KeyboardInterrupt   # Ctrl-C: 130, as every command
+
+
+def _chat_template(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserInputError(f"--chat-template {path}: cannot read it ({e.__class__.__name__})") from None
+
+
+def _tool_call_parser(auto: bool, parser: str | None) -> str | None:
+    """vLLM's rule: --enable-auto-tool-choice needs --tool-call-parser, one this server knows."""
+    from llmopt.serve.tool_calls import PARSERS   # deferred: start-up time (the server's modules)
+    if parser is not None and parser not in PARSERS:
+        raise UserInputError(f"--tool-call-parser {parser!r}: use one of {', '.join(PARSERS)}")
+    if auto and parser is None:
+        raise UserInputError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
+    return parser
 
 
 def config_values(ctx: typer.Context, path: Path) -> dict[str, Any]:

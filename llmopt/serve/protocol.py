@@ -89,7 +89,7 @@ class StructuredOutputs(BaseModel):
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "use_beam_search": (None, False), "length_penalty": (None, 1.0, 1),
     "logits_processors": (None, []), "guided_whitespace_pattern": (None,),
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"),   # OpenAI's deprecated forms of tools
     "spaces_between_special_tokens": (None, True), "best_of": (None, 1),
 }
 
@@ -151,15 +151,58 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str                       # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, list[ContentPart], None] = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None     # an assistant turn that called tools
+    tool_call_id: str | None = None              # a tool's result: the call it answers
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None     # a JSON schema of the arguments
+    strict: StrictBool | None = None
+
+
+class ChatTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ChatTool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: StrictBool | None = True
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = False

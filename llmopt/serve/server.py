@@ -33,6 +33,9 @@ class ServeConfig:
     # sampling defaults for fields a request leaves out (models/generation_config.py; vLLM's
     # --generation-config): temperature, top_p, top_k, min_p, repetition_penalty
     generation_defaults: dict = field(default_factory=dict)
+    chat_template: str | None = None         # --chat-template: used instead of the tokenizer's
+    enable_auto_tool_choice: bool = False    # tool_choice auto, with tool_call_parser reading the output
+    tool_call_parser: str | None = None      # serve/tool_calls.py: PARSERS
 
 
 class OpenAIServer:

@@ -101,10 +101,11 @@ class OpenAIServing:
             log.warning("The following fields were present in the request but ignored: %s", set(unknown))
 
     def sampling_params_of(self, r, max_tokens: int | None, logprobs: int | None,
-                           prompt_logprobs: int | None = None) -> SamplingParams:
+                           prompt_logprobs: int | None = None, tool_schema: dict | None = None) -> SamplingParams:
         """The SamplingParams of the fields completions and chat share (`r`), with their own
         max_tokens, logprobs and prompt logprobs (default: vLLM's `prompt_logprobs` field);
-        SamplingParams checks the ranges."""
+        SamplingParams checks the ranges. `tool_schema`: the JSON schema tool_choice required or a
+        named function constrains the output to (with another output constraint: a 400)."""
         self.check_fields(r)
         if r.stream and r.prompt_logprobs is not None:
             raise OpenAIError("prompt_logprobs is not supported when streaming: send stream: false", 400,
@@ -117,6 +118,13 @@ class OpenAIServing:
             raise OpenAIError(f"priority {r.priority} is only allowed with --scheduling-policy priority (this "
                               f"server runs {policy}): send 0 or omit it", 400, "priority")
         structured = structured_outputs_of(r)
+        if tool_schema is not None:
+            if structured is not None:
+                raise OpenAIError("tool_choice required or a named function constrains the output already: drop "
+                                  "the other output constraint", 400, "tool_choice")
+            # the JSON's own separators, no free whitespace: a model cannot spend max_tokens on blanks
+            # before the call closes, and the arguments are serialized again anyway
+            structured = StructuredOutputsParams(json=tool_schema, disable_any_whitespace=True)
         gen = self.config.generation_defaults
 
         def given(name: str, default):

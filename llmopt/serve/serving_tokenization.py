@@ -14,7 +14,8 @@ class OpenAIServingTokenization(OpenAIServing):
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError("give exactly one of prompt and messages", 400, "prompt")
         if body.messages is not None:
-            text = render_chat(self.tokenizer, body.messages, body.add_generation_prompt)
+            text = render_chat(self.tokenizer, body.messages, body.add_generation_prompt,
+                               chat_template=self.config.chat_template)
             ids = self.tokenize_text(text, add_special_tokens=False, what="messages")
         else:
             ids = self.tokenize_text(body.prompt, body.add_special_tokens)

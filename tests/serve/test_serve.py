@@ -554,8 +554,7 @@ def test_bad_output_constraints_are_openai_400s(http, fields, param, message):
 # -- fields we do not implement ----------------------------------------------------------------------
 @pytest.mark.parametrize("path,fields", [
     (C, {"use_beam_search": True}), (C, {"best_of": 3}), (C, {"logits_processors": ["x"]}),
-    (CHAT, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-            "tool_choice": "required"}),
+    (CHAT, {"functions": [{"name": "f", "parameters": {}}]}), (CHAT, {"function_call": "auto"}),
 ], ids=lambda v: next(iter(v)) if isinstance(v, dict) else v)
 def test_unimplemented_fields_that_change_output_are_400s(http, path, fields):
     body = {"max_tokens": 2, **({"messages": MSG} if path == CHAT else {"prompt": "hi"}), **fields}
@@ -600,6 +599,15 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(http, offline):
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 50, r.text
     r = http.post(C, json={"model": MODEL_NAME, "prompt": "hi", "truncate_prompt_tokens": MAX_MODEL_LEN + 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+
+
+def test_auto_tool_choice_needs_the_servers_flags(http):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for choice in (None, "auto"):
+        body = {"model": MODEL_NAME, "messages": MSG, "tools": tools, **({"tool_choice": choice} if choice else {})}
+        r = http.post(CHAT, json=body)
+        assert r.status_code == 400 and "requires --enable-auto-tool-choice and --tool-call-parser" in \
+            r.json()["error"]["message"], r.text
 
 
 def test_no_op_values_pass_and_unknown_fields_are_logged(server, http):
