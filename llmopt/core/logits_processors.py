@@ -1,8 +1,8 @@
-"""The per-request logits processors of vLLM's SamplingParams, applied by the sampler after
-min_tokens' blocking and before the penalties (vLLM v1's order): `allowed_token_ids` (every other
-token at -inf), `bad_words` (a word's last token at -inf when the output ends with the rest of it;
-a one-token word always) and `logit_bias` (added to the logits, OpenAI's [-100, 100]). Logprobs
-stay those of the model's raw distribution, as vLLM's."""
+"""The per-request logits processors of vLLM's SamplingParams, applied by the sampler before the
+penalties (vLLM v1's order): min_tokens (EOS and stop ids at -inf until enough tokens are out),
+`allowed_token_ids` (every other token at -inf), `bad_words` (a word's last token at -inf when the
+output ends with the rest of it; a one-token word always) and `logit_bias` (added to the logits,
+OpenAI's [-100, 100]). Logprobs stay those of the model's raw distribution, as vLLM's."""
 
 from __future__ import annotations
 
@@ -28,11 +28,12 @@ def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
 
 def needs_processing(row: "SamplingRow") -> bool:
     p = row.params
-    return bool(p.logit_bias) or p.allowed_token_ids is not None or bool(row.bad_words)
+    return bool(row.blocked_token_ids) or bool(p.logit_bias) or p.allowed_token_ids is not None or bool(row.bad_words)
 
 
 def apply_logits_processors(logits: torch.Tensor, rows: list["SamplingRow"]) -> torch.Tensor:
-    """float32 logits [len(rows), vocab] with each row's allowed ids, bad words and bias applied."""
+    """float32 logits [len(rows), vocab] with each row's blocked ids, allowed ids, bad words and bias
+    applied."""
     todo = [i for i, r in enumerate(rows) if needs_processing(r)]
     if not todo:
         return logits
@@ -40,6 +41,8 @@ def apply_logits_processors(logits: torch.Tensor, rows: list["SamplingRow"]) -> 
     dev, vocab = logits.device, logits.shape[-1]
     for i in todo:
         p, row = rows[i].params, logits[i]
+        if rows[i].blocked_token_ids:
+            row[[t for t in sorted(rows[i].blocked_token_ids) if t < vocab]] = float("-inf")
         if p.allowed_token_ids is not None:
             keep = torch.zeros(vocab, dtype=torch.bool, device=dev)
             keep[torch.tensor(p.allowed_token_ids, device=dev)] = True

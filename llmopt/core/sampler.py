@@ -1,6 +1,7 @@
 """Batched sampling: one call per step for every row that samples, whatever each row asks for.
 
-Order, as in vLLM: min_tokens masking, penalties (repetition on prompt + output, presence and
+Order, as in vLLM: the logits processors (min_tokens masking, allowed_token_ids, bad_words,
+logit_bias: logits_processors.py), penalties (repetition on prompt + output, presence and
 frequency on the output), then greedy argmax or temperature -> top-k -> top-p -> min-p -> a draw.
 Draws use the exponential race (argmax of p / E with E ~ Exp(1)), which samples exactly from p and
 lets each seeded row take its noise from its own torch.Generator, so a seeded request gets the same
@@ -154,15 +155,9 @@ class Sampler:
 
     @staticmethod
     def _penalized(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """float32 logits with min_tokens' blocked ids at -inf, the logits processors (allowed ids,
-        bad words, logit bias) and the penalties applied."""
-        logits = logits.float()
-        blocked = [(i, sorted(r.blocked_token_ids)) for i, r in enumerate(rows) if r.blocked_token_ids]
-        if blocked:
-            logits = logits.clone()
-            for i, ids in blocked:
-                logits[i, [t for t in ids if t < logits.shape[-1]]] = float("-inf")
-        return apply_penalties(apply_logits_processors(logits, rows), rows)
+        """float32 logits with the logits processors (min_tokens' blocked ids, allowed ids, bad
+        words, logit bias) and the penalties applied."""
+        return apply_penalties(apply_logits_processors(logits.float(), rows), rows)
 
     def sample_scheduled(self, logits: torch.Tensor, scheduled, requests,
                          draft_probs: dict[str, torch.Tensor] | None = None) -> dict[str, SampledTokens]:

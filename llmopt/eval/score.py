@@ -65,7 +65,7 @@ def score_windows(model, windows: Sequence[Window], batch_size: int, device: tor
             for a in range(0, len(tgt), chunk):
                 t = tgt[a:a + chunk, None]
                 if hb is None:
-                    nll[a:a + chunk] = -score_tokens(model, h[a:a + chunk], t[:, 0], chunk=chunk).logprobs
+                    nll[a:a + chunk] = -score_tokens(model, h[a:a + chunk], t[:, 0], ranks=False, chunk=chunk).logprobs
                     continue
                 lp, lq = _log_probs(model, h[a:a + chunk]), _log_probs(base, hb[a:a + chunk])
                 nll[a:a + chunk] = -lp.gather(-1, t)[:, 0]

@@ -15,19 +15,20 @@ from llmopt import defaults
 class ScoredTokens:
     """Per row: log p(target), the target's rank (1 = the most likely token) and the top-k."""
     logprobs: torch.Tensor       # float32 [m]
-    ranks: torch.Tensor          # int64 [m]
+    ranks: torch.Tensor | None   # int64 [m] (None: not asked)
     top_ids: torch.Tensor        # int64 [m, k]
     top_logprobs: torch.Tensor   # float32 [m, k]
 
 
-def score_tokens(model, hidden: torch.Tensor, targets: torch.Tensor, k: int = 0,
+def score_tokens(model, hidden: torch.Tensor, targets: torch.Tensor, k: int = 0, ranks: bool = True,
                  chunk: int = defaults.LOSS_CHUNK_TOKENS) -> ScoredTokens:
     """Score `targets[i]` under the model's logits at `hidden[i]` (`model.compute_logits`, float32,
-    log-softmax over the whole vocabulary), with the `k` most likely tokens of each row."""
+    log-softmax over the whole vocabulary), with the `k` most likely tokens of each row and, with
+    `ranks`, the target's rank (one more pass over the logits)."""
     m = hidden.shape[0]
     targets = targets.to(hidden.device).long()
     lp = torch.empty(m, dtype=torch.float32, device=hidden.device)
-    ranks = torch.empty(m, dtype=torch.long, device=hidden.device)
+    rank = torch.empty(m, dtype=torch.long, device=hidden.device) if ranks else None
     top_ids = torch.empty(m, k, dtype=torch.long, device=hidden.device)
     top_lp = torch.empty(m, k, dtype=torch.float32, device=hidden.device)
     for a in range(0, m, chunk):
@@ -35,9 +36,10 @@ def score_tokens(model, hidden: torch.Tensor, targets: torch.Tensor, k: int = 0,
         norm = torch.logsumexp(logits, dim=-1, keepdim=True)
         target_logit = logits.gather(-1, targets[a:a + chunk, None])
         lp[a:a + chunk] = (target_logit - norm)[:, 0]
-        ranks[a:a + chunk] = (logits > target_logit).sum(-1) + 1
+        if rank is not None:
+            rank[a:a + chunk] = (logits > target_logit).sum(-1) + 1
         if k:
             v, i = logits.topk(k, dim=-1)
             top_ids[a:a + chunk], top_lp[a:a + chunk] = i, v - norm
         del logits
-    return ScoredTokens(lp, ranks, top_ids, top_lp)
+    return ScoredTokens(lp, rank, top_ids, top_lp)

@@ -144,6 +144,11 @@ class CompletionRequest(_Sampling):
     echo: StrictBool = False
     suffix: str | None = None
 
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0 (vLLM's): the prompt alone; the engine's one token is left out."""
+        return self.echo and self.max_tokens == 0
+
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")

@@ -52,7 +52,8 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise OpenAIError("top_logprobs needs logprobs: true", 400, "top_logprobs")
-        tools = tool_calls.plan(body, self.config.enable_auto_tool_choice)
+        cfg = self.config
+        tools = tool_calls.plan(body, cfg.tool_call_parser if cfg.enable_auto_tool_choice else None)
         if body.stream and tools.mode != "none":
             raise OpenAIError("streaming tool calls is not supported yet: send stream: false", 400, "stream")
         text = render_chat(self.tokenizer, body.messages, body.add_generation_prompt, body.chat_template_kwargs,

@@ -24,7 +24,7 @@ class OpenAIServingCompletion(OpenAIServing):
         scored = body.logprobs if body.echo and body.logprobs is not None else None
         if body.prompt_logprobs is not None:
             scored = max(scored or 0, body.prompt_logprobs)
-        max_tokens = 1 if body.echo and body.max_tokens == 0 else body.max_tokens
+        max_tokens = 1 if body.echo_only else body.max_tokens
         return self.sampling_params_of(body, max_tokens, body.logprobs, scored)
 
     async def prompts(self, body: CompletionRequest) -> tuple[list[str | None], list[list[int]]]:
@@ -44,7 +44,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_model(body.model)
         if body.suffix:
             raise OpenAIError("suffix is not supported", 400, "suffix")
-        if body.echo and body.stream and (body.logprobs is not None or body.max_tokens == 0):
+        if body.echo and body.stream and (body.logprobs is not None or body.echo_only):
             raise OpenAIError("echo with logprobs or max_tokens 0 is not supported when streaming: send stream: "
                               "false", 400, "echo")
         texts, prompts = await self.prompts(body)
@@ -90,10 +90,10 @@ class OpenAIServingCompletion(OpenAIServing):
             return Response(status_code=499)
         choices = [self.choice(body, i * job.params.n + c.index, echo[i], out, c)
                    for i, out in enumerate(finals) for c in out.outputs]
-        return {**base, "choices": choices, "usage": usage(finals, generated=not (body.echo and body.max_tokens == 0))}
+        return {**base, "choices": choices, "usage": usage(finals, generated=not body.echo_only)}
 
     def choice(self, body: CompletionRequest, index: int, echo: str, out: RequestOutput, c: CompletionOutput) -> dict:
-        generated = not (body.echo and body.max_tokens == 0)
+        generated = not body.echo_only
         choice = {"index": index, "text": echo + (c.text if generated else ""), "logprobs": None,
                   "finish_reason": c.finish_reason if generated else "length",
                   "stop_reason": c.stop_reason if generated else None}

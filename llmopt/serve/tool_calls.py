@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 from llmopt.serve.protocol import ChatCompletionRequest, ChatMessage, OpenAIError
 
-PARSERS = ("hermes",)
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 _ANY_OBJECT = {"type": "object"}
 
@@ -25,11 +24,13 @@ class ToolPlan:
     """What a request asks of its tools: `mode` none | auto | required | named."""
     mode: str
     name: str | None = None           # the named function
+    parser: str | None = None         # auto: the --tool-call-parser that reads the calls (PARSERS)
     schema: dict | None = None        # the output's JSON schema (required, named)
 
 
-def plan(body: ChatCompletionRequest, auto_enabled: bool) -> ToolPlan:
-    """The request's tool mode, checked against its tools and the server's flags (400s)."""
+def plan(body: ChatCompletionRequest, parser: str | None) -> ToolPlan:
+    """The request's tool mode, checked against its tools and the server's flags (400s). `parser`:
+    the server's --tool-call-parser when --enable-auto-tool-choice is on, else None (no auto)."""
     tools, choice = body.tools or [], body.tool_choice
     if not tools:
         if choice not in (None, "none"):
@@ -39,10 +40,10 @@ def plan(body: ChatCompletionRequest, auto_enabled: bool) -> ToolPlan:
     if choice == "none":
         return ToolPlan("none")
     if choice == "auto":
-        if not auto_enabled:
+        if parser is None:
             raise OpenAIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
                               'set', 400, "tool_choice")
-        return ToolPlan("auto")
+        return ToolPlan("auto", parser=parser)
     if choice == "required":
         items = [{"properties": {"name": {"type": "string", "enum": [t.function.name]},
                                  "parameters": t.function.parameters or _ANY_OBJECT},
@@ -55,7 +56,7 @@ def plan(body: ChatCompletionRequest, auto_enabled: bool) -> ToolPlan:
     if named is None:
         raise OpenAIError(f"tool_choice names the function {choice.function.name!r}, which is not in tools", 400,
                           "tool_choice")
-    return ToolPlan("named", named.function.name, named.function.parameters or _ANY_OBJECT)
+    return ToolPlan("named", named.function.name, schema=named.function.parameters or _ANY_OBJECT)
 
 
 def call(name: str, arguments) -> dict:
@@ -81,10 +82,14 @@ def parse_hermes(text: str) -> tuple[str | None, list[dict]]:
     return (content if content.strip() else None), calls
 
 
+# --tool-call-parser NAME -> the function that finds the calls in a model's text
+PARSERS = {"hermes": parse_hermes}
+
+
 def parse(p: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
     """(content, tool calls) of a finished output under the request's plan."""
     if p.mode == "auto":
-        return parse_hermes(text)
+        return PARSERS[p.parser](text)
     try:
         obj = json.loads(text)
     except json.JSONDecodeError:      # cut short by max_tokens: the text as it is

@@ -90,7 +90,7 @@ def test_constrained_tool_calls_parse_and_match_the_schemas(http, model, choice)
     llm = LLM(str(model), max_model_len=512, kv_cache_memory=1 << 22)
     from llmopt.structured.params import StructuredOutputsParams
     out = llm.generate([_render(model, ASK, TOOLS)], SamplingParams(
-        max_tokens=48, temperature=0, structured_outputs=StructuredOutputsParams(json=plan(body, True).schema,
+        max_tokens=48, temperature=0, structured_outputs=StructuredOutputsParams(json=plan(body, "hermes").schema,
                                                                    disable_any_whitespace=True)))[0]
     text = out.outputs[0].text
     args = json.loads(text)
