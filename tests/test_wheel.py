@@ -1,6 +1,6 @@
 """The wheel users `pip install`: built from this checkout, it holds every C++ source and header that
-kernels/cpu_quant.py compiles at run time, and, unpacked ahead of the editable install, it runs
-`llmopt generate` on the default model with the C++ decode step, from its own files."""
+kernels/cpu_quant.py compiles at run time, and, pip-installed into a fresh venv, its `llmopt` command
+runs `generate` on the default model with the C++ decode step, from its own files."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -49,16 +50,41 @@ def test_the_wheel_ships_every_source_the_kernels_compile(wheel):
     assert requires == ["Requires-Dist: torch>=2.13"], requires   # a range: installing never downgrades torch
 
 
-def test_the_installed_wheel_generates_with_the_cpp_decode_step(wheel, tmp_path):
-    site = tmp_path / "site"
-    zipfile.ZipFile(wheel).extractall(site)
-    code = ("import llmopt, llmopt.kernels.cpu_quant as q, sys; "
-            "assert llmopt.__file__.startswith(sys.argv[1]), llmopt.__file__; "
-            "assert q.ops() is not None, 'no C++ kernels'; "
-            "from llmopt.cli.app import main; sys.argv = ['llmopt', 'generate', 'Hi', '--max-tokens', '6', "
-            "'--temperature', '0', '--ignore-eos', '--json', '--max-model-len', '256']; main()")
-    env = {**os.environ, "PYTHONPATH": str(site), "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-c", code, str(site)], capture_output=True, text=True, cwd=tmp_path,
+def _fresh_venv(wheel: Path, root: Path) -> Path:
+    """A new venv with the wheel pip-installed in it, as a user gets it. Its dependencies come from this
+    interpreter's site-packages through a .pth line (installing torch and transformers again would take
+    minutes and the network): a path added by a .pth file has its own .pth files left unprocessed, so
+    this checkout's editable install (a .pth finder) stays out and `llmopt` can only be the wheel's."""
+    venv = root / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    r = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "--no-index",
+                        "-q", str(wheel)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    (site / "_llmopt_test_deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    return venv
+
+
+def test_the_wheel_installed_in_a_fresh_venv_generates_with_the_cpp_decode_step(wheel, tmp_path):
+    venv = _fresh_venv(wheel, tmp_path)
+    py, cli = venv / "bin" / "python", venv / "bin" / "llmopt"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["OMP_NUM_THREADS"] = "1"
+    # every declared dependency resolves in it, and llmopt is the wheel's files with its C++ kernels
+    code = ("import importlib.metadata as md, sys, llmopt, llmopt.kernels.cpu_quant as q; "
+            "from packaging.requirements import Requirement; "
+            "missing = [r for r in md.requires('llmopt') if 'extra ==' not in r "
+            "           and md.version(Requirement(r).name) not in Requirement(r).specifier]; "
+            "assert not missing, missing; "
+            "assert llmopt.__file__.startswith(sys.prefix), llmopt.__file__; "
+            "assert q.ops() is not None, 'no C++ kernels'")
+    r = subprocess.run([str(py), "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    # the console script pip wrote, as a user types it
+    r = subprocess.run([str(cli), "generate", "Hi", "--max-tokens", "6", "--temperature", "0", "--ignore-eos",
+                        "--json", "--max-model-len", "256"], capture_output=True, text=True, cwd=tmp_path,
                        env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.splitlines()[0])
