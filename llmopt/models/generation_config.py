@@ -1,7 +1,7 @@
 """The sampling defaults of a checkpoint's `generation_config.json`, as vLLM's `--generation-config
-auto` reads them: temperature, top_p, top_k, min_p and repetition_penalty, for the fields a request
-leaves out (its max_new_tokens is not read: a request's length stays its own max_tokens). A folder
-without the file has none; a field of the wrong type is one line naming the field and the file."""
+auto` reads them: temperature, top_p, top_k, min_p, repetition_penalty, and max_new_tokens (as
+`max_tokens`, vLLM's name), for the fields a request leaves out. A folder without the file has none; a
+field of the wrong type or out of range is one line naming the field and the file."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from pathlib import Path
 from llmopt.errors import ModelLoadError, UserInputError
 
 FILE = "generation_config.json"
-FIELDS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float}
+FIELDS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float,
+          "max_new_tokens": int}
+RENAMED = {"max_new_tokens": "max_tokens"}   # the file's name -> SamplingParams' (vLLM's get_diff_sampling_param)
 
 
 def generation_defaults(folder: Path) -> dict[str, float | int]:
@@ -35,7 +37,9 @@ def generation_defaults(folder: Path) -> dict[str, float | int]:
             raise ModelLoadError(f"{path}: {name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
         if not math.isfinite(value):
             raise ModelLoadError(f"{path}: {name} must be a finite number, got {value!r}")
-        out[name] = kind(value)
+        if name == "max_new_tokens" and value < 1:
+            raise ModelLoadError(f"{path}: max_new_tokens must be at least 1, got {value!r}")
+        out[RENAMED.get(name, name)] = kind(value)
     return out
 
 

@@ -31,7 +31,7 @@ class ServeConfig:
     log_interval: float = defaults.SERVE_LOG_INTERVAL       # periodic stats line every this many seconds (0: never)
     log_requests: bool = True                # one line per finished request
     # sampling defaults for fields a request leaves out (models/generation_config.py; vLLM's
-    # --generation-config): temperature, top_p, top_k, min_p, repetition_penalty
+    # --generation-config): temperature, top_p, top_k, min_p, repetition_penalty, max_tokens
     generation_defaults: dict = field(default_factory=dict)
     chat_template: str | None = None         # --chat-template: used instead of the tokenizer's
     enable_auto_tool_choice: bool = False    # tool_choice auto, with tool_call_parser reading the output

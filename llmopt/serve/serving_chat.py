@@ -43,10 +43,12 @@ def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: b
 
 
 class OpenAIServingChat(OpenAIServing):
-    def sampling_params(self, body: ChatCompletionRequest, tools: tool_calls.ToolPlan | None = None) -> SamplingParams:
+    def sampling_params(self, body: ChatCompletionRequest, tools: tool_calls.ToolPlan | None = None,
+                        prompt_len: int = 0) -> SamplingParams:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        return self.sampling_params_of(body, max_tokens, logprobs, tool_schema=tools.schema if tools else None)
+        return self.sampling_params_of(body, max_tokens, logprobs, tool_schema=tools.schema if tools else None,
+                                       prompt_len=prompt_len)
 
     async def create_chat_completion(self, body: ChatCompletionRequest, request: Request, arrival: float):
         self.check_model(body.model)
@@ -61,7 +63,7 @@ class OpenAIServingChat(OpenAIServing):
                            self.config.chat_template)
         ids = self.truncate(body, await self.tokenize_off_loop(text, add_special_tokens=False, what="messages",
                                                                bounded=body.truncate_prompt_tokens is None))
-        params = self.sampling_params(body, tools)
+        params = self.sampling_params(body, tools, len(ids))
         self.check_prompt(ids, params, "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),

@@ -18,14 +18,14 @@ from llmopt.serve.streaming import ChoiceState, EventStream, Job, collect, strea
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    def sampling_params(self, body: CompletionRequest) -> SamplingParams:
+    def sampling_params(self, body: CompletionRequest, prompt_len: int = 0) -> SamplingParams:
         """echo with logprobs scores the prompt too (its logprobs come first); echo with max_tokens 0
         is the prompt alone (vLLM's): the engine computes one token, which the answer leaves out."""
         scored = body.logprobs if body.echo and body.logprobs is not None else None
         if body.prompt_logprobs is not None:
             scored = max(scored or 0, body.prompt_logprobs)
         max_tokens = 1 if body.echo_only else body.max_tokens
-        return self.sampling_params_of(body, max_tokens, body.logprobs, scored)
+        return self.sampling_params_of(body, max_tokens, body.logprobs, scored, prompt_len=prompt_len)
 
     async def prompts(self, body: CompletionRequest) -> tuple[list[str | None], list[list[int]]]:
         """Each prompt's text (None when given as token ids) and token ids."""
@@ -50,7 +50,7 @@ class OpenAIServingCompletion(OpenAIServing):
         texts, prompts = await self.prompts(body)
         if body.truncate_prompt_tokens is not None:   # echo gives back the prompt as the model saw it
             texts, prompts = [None] * len(prompts), [self.truncate(body, ids) for ids in prompts]
-        params = self.sampling_params(body)
+        params = self.sampling_params(body, max(map(len, prompts)))
         for ids in prompts:
             self.check_prompt(ids, params)
         echo = [(t if t is not None else self.tokenizer.decode(ids)) if body.echo else ""

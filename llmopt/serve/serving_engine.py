@@ -101,7 +101,8 @@ class OpenAIServing:
             log.warning("The following fields were present in the request but ignored: %s", set(unknown))
 
     def sampling_params_of(self, r, max_tokens: int | None, logprobs: int | None,
-                           prompt_logprobs: int | None = None, tool_schema: dict | None = None) -> SamplingParams:
+                           prompt_logprobs: int | None = None, tool_schema: dict | None = None,
+                           prompt_len: int = 0) -> SamplingParams:
         """The SamplingParams of the fields completions and chat share (`r`), with their own
         max_tokens, logprobs and prompt logprobs (default: vLLM's `prompt_logprobs` field);
         SamplingParams checks the ranges. `tool_schema`: the JSON schema tool_choice required or a
@@ -126,6 +127,8 @@ class OpenAIServing:
             # before the call closes, and the arguments are serialized again anyway
             structured = StructuredOutputsParams(json=tool_schema, disable_any_whitespace=True)
         gen = self.config.generation_defaults
+        if max_tokens is None and "max_tokens" in gen:   # vLLM's get_max_tokens: the file's, within the context
+            max_tokens = min(gen["max_tokens"], max(self.max_model_len - prompt_len, 1))
 
         def given(name: str, default):
             value = getattr(r, name)
