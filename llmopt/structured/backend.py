@@ -134,18 +134,26 @@ def closed_schema(schema: Any) -> Any:
     return out
 
 
+# byte -> its 8 bits, lowest first: a little-endian int32 bitmask viewed as bytes unpacks in token order
+_BITS_OF_BYTE = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()
+
+
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
     """Set to -inf, in place, the logits of rows `rows` that their bitmask rows (same order) forbid;
     columns past the bitmask's vocabulary (padding of the logits) are forbidden too."""
     if not rows:
         return
     vocab = logits.shape[-1]
-    bits = torch.arange(32, dtype=torch.int32)
-    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab]
+    allowed = _BITS_OF_BYTE[bitmask.contiguous().view(torch.uint8).int()].flatten(1)[:, :vocab]
     if allowed.shape[1] < vocab:
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
-    idx = torch.tensor(list(rows), device=logits.device)
-    logits[idx] = logits[idx].masked_fill(~allowed.to(logits.device), float("-inf"))
+    forbidden = ~allowed.to(logits.device)
+    rows = list(rows)
+    if rows == list(range(rows[0], rows[0] + len(rows))):   # a run of rows (the usual case): in place
+        logits[rows[0]:rows[0] + len(rows)].masked_fill_(forbidden, float("-inf"))
+    else:
+        idx = torch.tensor(rows, device=logits.device)
+        logits[idx] = logits[idx].masked_fill(forbidden, float("-inf"))
 
 
 def _one_line(text: str) -> str:
