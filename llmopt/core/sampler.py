@@ -123,6 +123,23 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch
     return logits
 
 
+def _grammar_first(raw: torch.Tensor, logits: torch.Tensor, rows: list[SamplingRow], bitmask: torch.Tensor,
+                   grammar_rows: list[int]) -> None:
+    """In place: a grammar row that the logits processors left with no allowed token (min_tokens
+    blocking the EOS a complete grammar needs, allowed_token_ids or bad_words outside it) gets the
+    grammar's mask alone, then the penalties: an output that keeps the grammar wins over them."""
+    if not grammar_rows:
+        return
+    empty = ~torch.isfinite(logits[torch.tensor(grammar_rows, device=logits.device)]).any(-1)
+    if not bool(empty.any()):
+        return
+    js = empty.nonzero().flatten().tolist()
+    idx = torch.tensor([grammar_rows[j] for j in js], device=logits.device)
+    sub = raw[idx].float().clone()
+    apply_bitmask(sub, bitmask[js], range(len(js)))
+    logits[idx] = apply_penalties(sub, [rows[grammar_rows[j]] for j in js])
+
+
 class Sampler:
     def __init__(self, seed: int | None = None) -> None:
         self.generator = torch.Generator()
@@ -140,6 +157,8 @@ class Sampler:
             logits = logits.float().clone()
             apply_bitmask(logits, *grammar_mask)
         logits = self._penalized(logits, rows)
+        if grammar_mask is not None:
+            _grammar_first(raw, logits, rows, *grammar_mask)
         greedy = [r.params.greedy for r in rows]
         probs = None
         if all(greedy):

@@ -31,9 +31,13 @@ from llmopt import __version__
 from llmopt.engine.async_engine import AsyncLLMEngine, EngineStoppedError
 from llmopt.errors import LLMOptError, UserInputError
 from llmopt.serve.metrics import CONTENT_TYPE
+from llmopt.serve import openapi
 from llmopt.serve.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware, arrival_time
-from llmopt.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError,
-                                   TokenizeRequest, error_response)
+from llmopt.serve.openapi import BODY_ERRORS, ENGINE_ERRORS, errors, ok
+from llmopt.serve.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                   CompletionResponse, DetokenizeRequest, DetokenizeResponse, ModelList,
+                                   OpenAIError, TokenizeRequest, TokenizeResponse, VersionResponse,
+                                   error_response)
 from llmopt.serve.server import OpenAIServer, ServeConfig
 from llmopt.serve.serving_chat import OpenAIServingChat
 from llmopt.serve.serving_completion import OpenAIServingCompletion
@@ -74,8 +78,10 @@ async def _validation_error(request: Request, e: RequestValidationError):
 
 
 async def _http_error(request: Request, e: StarletteHTTPException):
-    return error_response(OpenAIError(str(e.detail), e.status_code,
-                                      type="NotFoundError" if e.status_code == 404 else None))
+    response = error_response(OpenAIError(str(e.detail), e.status_code,
+                                          type="NotFoundError" if e.status_code == 404 else None))
+    response.headers.update(e.headers or {})   # a 405's Allow (RFC 9110)
+    return response
 
 
 async def _user_error(request: Request, e: UserInputError):
@@ -96,7 +102,9 @@ EXCEPTION_HANDLERS = [(OpenAIError, _openai_error), (RequestValidationError, _va
 
 
 # -- routes ----------------------------------------------------------------------------------------
-@router.get("/health")
+@router.get("/health", response_class=Response, responses={
+    **ok(description="The engine is alive (an empty body)."),
+    **errors(503, s503="The engine is dead, or the server is shutting down.")})
 async def health(request: Request):
     server: OpenAIServer = request.app.state.server
     if server.engine.dead is not None:
@@ -106,37 +114,40 @@ async def health(request: Request):
     return Response(status_code=200)
 
 
-@router.get("/version")
+@router.get("/version", responses=ok(VersionResponse))
 async def version():
     return {"version": __version__}
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=Response, responses=ok(
+    description="Prometheus' text format.", content={CONTENT_TYPE: {"schema": {"type": "string"}}}))
 async def metrics(request: Request):
     return Response(request.app.state.server.metrics.render(), media_type=CONTENT_TYPE)
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=ok(ModelList))
 async def models(request: Request):
     return request.app.state.server.models()
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", responses={**ok(TokenizeResponse), **errors(*BODY_ERRORS)})
 async def tokenize(body: TokenizeRequest, request: Request):
     return request.app.state.serving_tokenization.tokenize(body)
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", responses={**ok(DetokenizeResponse), **errors(*BODY_ERRORS)})
 async def detokenize(body: DetokenizeRequest, request: Request):
     return request.app.state.serving_tokenization.detokenize(body)
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses={
+    **ok(CompletionResponse, stream=True), **errors(*BODY_ERRORS, *ENGINE_ERRORS)})
 async def create_completion(body: CompletionRequest, request: Request):
     return await request.app.state.serving_completion.create_completion(body, request, arrival_time(request))
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", responses={
+    **ok(ChatCompletionResponse, stream=True), **errors(*BODY_ERRORS, *ENGINE_ERRORS)})
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     return await request.app.state.serving_chat.create_chat_completion(body, request, arrival_time(request))
 
@@ -160,4 +171,5 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
     app.include_router(router)
+    openapi.install(app, api_keys=bool(config.api_keys))
     return app

@@ -1,5 +1,6 @@
-"""The OpenAI-compatible wire format: request bodies (pydantic), the error body and response, and
-the usage object of a response.
+"""The OpenAI-compatible wire format: request bodies (pydantic), the error body and response, the
+usage object of a response, and the response bodies as /openapi.json documents them (the serving
+classes build those as dicts; tests/serve/test_openapi.py checks them against these types).
 
 Field names follow OpenAI's API and vLLM's extensions (top_k, min_p, repetition_penalty,
 ignore_eos, min_tokens, stop_token_ids). Unknown fields are logged and ignored, as vLLM does; fields
@@ -32,9 +33,21 @@ _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundErro
           422: "BadRequestError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body (vLLM's ErrorResponse): every 4xx and 5xx the server answers."""
+    error: ErrorInfo
+
+
 def error_body(message: str, status: int, type: str | None = None, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type or _TYPES.get(status, "BadRequestError"),
-                      "param": param, "code": status}}
+    info = ErrorInfo(message=message, type=type or _TYPES.get(status, "BadRequestError"), param=param, code=status)
+    return ErrorResponse(error=info).model_dump()
 
 
 def error_response(e: OpenAIError) -> JSONResponse:
@@ -217,7 +230,11 @@ class ChatCompletionRequest(_Sampling):
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """vLLM's /tokenize body: exactly one of `prompt` and `messages` (the schema's oneOf says so;
+    OpenAIServingTokenization refuses both or neither)."""
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -244,3 +261,126 @@ def message_text(m: ChatMessage) -> str:
                               "messages")
         texts.append(part.text)
     return "".join(texts)
+
+
+# -- response bodies (documentation of what the serving classes build; no field beyond these) ----
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PromptTokensDetails(_Out):
+    cached_tokens: int
+
+
+class UsageInfo(_Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class PromptLogprob(_Out):
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token None (the first) or {token id: its logprob, rank, text}
+PromptLogprobs = Union[list[Union[dict[str, PromptLogprob], None]], None]
+
+
+class CompletionLogprobs(_Out):
+    tokens: list[str]
+    token_logprobs: list[Union[float, None]]
+    top_logprobs: list[Union[dict[str, float], None]]
+    text_offset: list[int]
+
+
+class CompletionResponseChoice(_Out):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length"] | None
+    stop_reason: Union[int, str, None]
+    prompt_logprobs: PromptLogprobs = None    # with the request's prompt_logprobs
+
+
+class CompletionResponse(_Out):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class ChatLogprob(_Out):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprobs(ChatLogprob):
+    top_logprobs: list[ChatLogprob]
+
+
+class ChatLogprobs(_Out):
+    content: list[ChatTokenLogprobs]
+
+
+class ToolCallOut(_Out):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class ChatResponseMessage(_Out):
+    role: Literal["assistant"]
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None   # with tools (an empty list: none called)
+
+
+class ChatCompletionResponseChoice(_Out):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
+    stop_reason: Union[int, str, None]
+
+
+class ChatCompletionResponse(_Out):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+    prompt_logprobs: PromptLogprobs = None    # with the request's prompt_logprobs
+
+
+class TokenizeResponse(_Out):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Out):
+    prompt: str
+
+
+class ModelCard(_Out):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int
+
+
+class ModelList(_Out):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class VersionResponse(_Out):
+    version: str
