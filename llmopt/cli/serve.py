@@ -154,7 +154,7 @@ def _chat_template(path: Path | None) -> str | None:
 
 def _tool_call_parser(auto: bool, parser: str | None) -> str | None:
     """vLLM's rule: --enable-auto-tool-choice needs --tool-call-parser, one this server knows."""
-    from llmopt.serve.tool_calls import PARSERS   # deferred: start-up time (the server's modules)
+    from llmopt.serve.tool_parsers import PARSERS   # deferred: start-up time (the server's modules)
     if parser is not None and parser not in PARSERS:
         raise UserInputError(f"--tool-call-parser {parser!r}: use one of {', '.join(PARSERS)}")
     if auto and parser is None:

@@ -35,7 +35,7 @@ class ServeConfig:
     generation_defaults: dict = field(default_factory=dict)
     chat_template: str | None = None         # --chat-template: used instead of the tokenizer's
     enable_auto_tool_choice: bool = False    # tool_choice auto, with tool_call_parser reading the output
-    tool_call_parser: str | None = None      # serve/tool_calls.py: PARSERS
+    tool_call_parser: str | None = None      # serve/tool_parsers.py: PARSERS
 
 
 class OpenAIServer:

@@ -56,8 +56,6 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError("top_logprobs needs logprobs: true", 400, "top_logprobs")
         cfg = self.config
         tools = tool_calls.plan(body, cfg.tool_call_parser if cfg.enable_auto_tool_choice else None)
-        if body.stream and tools.mode != "none":
-            raise OpenAIError("streaming tool calls is not supported yet: send stream: false", 400, "stream")
         text = render_chat(self.tokenizer, body.messages, body.add_generation_prompt, body.chat_template_kwargs,
                            [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
                            self.config.chat_template)
@@ -70,13 +68,15 @@ class OpenAIServingChat(OpenAIServing):
                 "model": self.config.model_name}
         job = self.start([ids], params, rid, arrival, body.priority, "messages")
         if body.stream:
-            return self.stream(body, job, params, base)
+            return self.stream(body, job, params, base, tools)
         return await self.full(body, request, job, base, tools)
 
-    def stream(self, body: ChatCompletionRequest, job: Job, params: SamplingParams, base: dict) -> EventStream:
+    def stream(self, body: ChatCompletionRequest, job: Job, params: SamplingParams, base: dict,
+               tools: tool_calls.ToolPlan) -> EventStream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         hold = max((len(s) for s in params.stop), default=1) - 1
         state = {(0, j): ChoiceState(j) for j in range(params.n)}
+        calls = {j: tool_calls.ToolCallStream(tools) for j in range(params.n)} if tools.mode != "none" else None
 
         def chunk(choices: list[dict]) -> dict:
             return {**base, "choices": choices}
@@ -85,9 +85,16 @@ class OpenAIServingChat(OpenAIServing):
                               "finish_reason": None}]) for j in range(params.n))
 
         def make_choice(st: ChoiceState, c: CompletionOutput, delta: str, new_lps: list, done: bool) -> dict:
-            choice = {"index": c.index, "delta": {"content": delta} if delta else {},
+            finish = c.finish_reason if done else None
+            if calls is None:
+                fields = {"content": delta} if delta else {}
+            else:   # the text so far, as the whole response would read it
+                fields = calls[c.index].update(c.text[:st.sent + len(delta)], done)
+                if done and finish == "stop" and calls[c.index].called:
+                    finish = "tool_calls"
+            choice = {"index": c.index, "delta": fields,
                       "logprobs": self.logprobs_chat(new_lps) if params.logprobs is not None else None,
-                      "finish_reason": c.finish_reason if done else None}
+                      "finish_reason": finish}
             if done:
                 choice["stop_reason"] = c.stop_reason
             return choice

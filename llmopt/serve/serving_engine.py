@@ -124,7 +124,7 @@ class OpenAIServing:
                 raise OpenAIError("tool_choice required or a named function constrains the output already: drop "
                                   "the other output constraint", 400, "tool_choice")
             # the JSON's own separators, no free whitespace: a model cannot spend max_tokens on blanks
-            # before the call closes, and the arguments are serialized again anyway
+            # before the call closes (the arguments are the model's text: tool_parsers.py)
             structured = StructuredOutputsParams(json=tool_schema, disable_any_whitespace=True)
         gen = self.config.generation_defaults
         if max_tokens is None and "max_tokens" in gen:   # vLLM's get_max_tokens: the file's, within the context

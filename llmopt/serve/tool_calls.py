@@ -2,20 +2,19 @@
 function are constrained by structured outputs (a JSON array of {name, parameters} over the
 tools' schemas; the named tool's own schema; the JSON's own separators, no free whitespace), so
 their calls always parse; `auto` lets the model
-write and a tool-call parser (`--tool-call-parser`, with `--enable-auto-tool-choice`) finds the
-calls in its text: `hermes`, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Hermes,
-Qwen). Calls come back in OpenAI's shape, `function.arguments` as JSON text."""
+write and a tool-call parser (`--tool-call-parser`, with `--enable-auto-tool-choice`; the formats
+are in tool_parsers.py) finds the calls in its text. Calls come back in OpenAI's shape,
+`function.arguments` as JSON text, whole or streamed as deltas (`ToolCallStream`)."""
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
 
 from llmopt.serve.protocol import ChatCompletionRequest, ChatMessage, OpenAIError
+from llmopt.serve.tool_parsers import PARSERS, Scan, scan_named, scan_required
 
-_HERMES = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 _ANY_OBJECT = {"type": "object"}
 
 
@@ -66,39 +65,54 @@ def call(name: str, arguments) -> dict:
             "function": {"name": name, "arguments": text}}
 
 
-def parse_hermes(text: str) -> tuple[str | None, list[dict]]:
-    """(content before the first call, the calls) of a Hermes-format output; text whose calls do
-    not parse is content alone, as vLLM's parser gives it."""
-    if "<tool_call>" not in text:
-        return text, []
-    calls = []
-    try:
-        for closed, open_end in _HERMES.findall(text):
-            obj = json.loads(closed or open_end)
-            calls.append(call(obj["name"], obj.get("arguments", {})))
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return text, []
-    content = text[:text.find("<tool_call>")]
-    return (content if content.strip() else None), calls
-
-
-# --tool-call-parser NAME -> the function that finds the calls in a model's text
-PARSERS = {"hermes": parse_hermes}
+def scan(p: ToolPlan, text: str, final: bool) -> Scan:
+    """The content and calls of `text` (growing while not `final`) under the request's plan."""
+    if p.mode == "auto":
+        return PARSERS[p.parser](text, final)
+    if p.mode == "named":
+        return scan_named(p.name, text, final)
+    return scan_required(text, final)
 
 
 def parse(p: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
-    """(content, tool calls) of a finished output under the request's plan."""
-    if p.mode == "auto":
-        return PARSERS[p.parser](text)
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError:      # cut short by max_tokens: the text as it is
-        return text, []
-    if p.mode == "named":
-        return None, [call(p.name, obj)]
-    if p.mode == "required" and isinstance(obj, list):
-        return None, [call(c["name"], c["parameters"]) for c in obj]
-    return text, []
+    """(content, tool calls in OpenAI's shape) of a finished output under the request's plan."""
+    found = scan(p, text, final=True)
+    return found.content, [call(c.name, c.arguments) for c in found.calls]
+
+
+class ToolCallStream:
+    """One streamed choice under a tool plan: each update scans the text so far and gives the
+    delta's new content and tool-call pieces (a call's first piece: its index, id, type and name;
+    then pieces of its arguments), so the deltas add up to `parse` of the final text."""
+
+    def __init__(self, p: ToolPlan) -> None:
+        self.plan, self.content_sent, self.args_sent = p, 0, []
+
+    def update(self, text: str, final: bool) -> dict:
+        found = scan(self.plan, text, final)
+        delta: dict = {}
+        content = found.content or ""
+        if not final and not content.strip():
+            content = ""   # blank content before a call is None in the whole response: hold it
+        if len(content) > self.content_sent:
+            delta["content"] = content[self.content_sent:]
+            self.content_sent = len(content)
+        pieces = []
+        for k, c in enumerate(found.calls):
+            if k == len(self.args_sent):
+                first = call(c.name, c.arguments)
+                pieces.append({"index": k, **first})
+                self.args_sent.append(len(c.arguments))
+            elif len(c.arguments) > self.args_sent[k]:
+                pieces.append({"index": k, "function": {"arguments": c.arguments[self.args_sent[k]:]}})
+                self.args_sent[k] = len(c.arguments)
+        if pieces:
+            delta["tool_calls"] = pieces
+        return delta
+
+    @property
+    def called(self) -> bool:
+        return bool(self.args_sent)
 
 
 def template_messages(messages: list[ChatMessage], text_of) -> list[dict]:

@@ -2,12 +2,14 @@
 parse and match the tools' schemas (jsonschema checks; the text equals the offline engine's under
 the same constraint); a call, its `role: tool` result and the next turn go through a Hermes-style
 `--chat-template` (the rendered prompt checked against the template rendered here by jinja2);
-`auto` reads `<tool_call>` blocks with the hermes parser; the openai client gets its objects;
-what cannot work is a 400 naming the field."""
+`auto` reads `<tool_call>` blocks with the hermes parser; streamed, every mode's deltas add up
+(through the openai client's own stream) to the whole response's calls; the openai client gets
+its objects; what cannot work is a 400 naming the field."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import httpx
@@ -15,7 +17,6 @@ import jsonschema
 import pytest
 
 from serve_util import API_KEY, MODEL_NAME, TINY_CHAT, free_port, serve_cmd, spawn, stop
-from llmopt.serve.tool_calls import parse_hermes
 
 TEMPLATE = Path(__file__).parent / "data" / "hermes_tools.jinja"
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
@@ -55,19 +56,6 @@ def _chat(http, **body):
                                                  "messages": ASK, "tools": TOOLS, **body})
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]
-
-
-def test_hermes_parser():
-    text = 'Let me look.<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>\n' \
-           '<tool_call>{"name": "get_weather", "arguments": {"city": "Lima", "days": 2}}'   # the last one unclosed
-    content, calls = parse_hermes(text)
-    assert content == "Let me look."
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
-        [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Lima", "days": 2})]
-    assert all(c["type"] == "function" and c["id"].startswith("chatcmpl-tool-") for c in calls)
-    assert len({c["id"] for c in calls}) == 2
-    assert parse_hermes("no calls here") == ("no calls here", [])
-    assert parse_hermes('<tool_call>{"name": broken</tool_call>') == ('<tool_call>{"name": broken</tool_call>', [])
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}],
@@ -133,11 +121,51 @@ def test_auto_reads_the_models_text(http):
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"tool_choice": "required", "stream": True}, "stream"),
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": None, "tool_choice": "required"}, "tool_choice"),
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
-], ids=["stream", "unknown-name", "no-tools", "two-constraints"])
+], ids=["unknown-name", "no-tools", "two-constraints"])
 def test_what_cannot_work_is_a_400(http, body, param):
     r = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": ASK, "tools": TOOLS, **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+HERMES_CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}</tool_call>'
+STREAMED = {"required": dict(tool_choice="required"),
+            "named": dict(tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+            # auto, the model's text forced (a regex) to a Hermes block: the parser's work, streamed
+            "auto": dict(tool_choice="auto", structured_outputs={"regex": re.escape(HERMES_CALL)})}
+
+
+@pytest.mark.parametrize("mode", list(STREAMED))
+def test_streamed_calls_add_up_to_the_whole_response(http, mode):
+    """The openai client's stream of tool-call deltas (first piece: index, id, type, name; then
+    argument pieces) accumulates to the calls, content and finish_reason of stream: false."""
+    import openai
+    client = openai.OpenAI(base_url=str(http.base_url.join("/v1")), api_key=API_KEY, max_retries=0)
+    body = dict(model=MODEL_NAME, messages=ASK, tools=TOOLS, max_tokens=48, temperature=0)
+    extra = dict(STREAMED[mode])
+    so = {"structured_outputs": extra.pop("structured_outputs")} if "structured_outputs" in extra else None
+    whole = client.chat.completions.create(**body, **extra, extra_body=so).choices[0]
+    calls, content, finish, pieces = {}, "", None, 0
+    for chunk in client.chat.completions.create(**body, **extra, extra_body=so, stream=True):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+            for piece in choice.delta.tool_calls or []:
+                pieces += 1
+                if piece.id is not None:
+                    assert piece.index not in calls and piece.type == "function" and piece.function.name
+                    calls[piece.index] = [piece.id, piece.function.name, piece.function.arguments or ""]
+                else:
+                    assert piece.function.name is None
+                    calls[piece.index][2] += piece.function.arguments
+    assert whole.finish_reason == finish == "tool_calls"
+    assert (content or None) == whole.message.content
+    got = [(name, json.loads(args)) for _, name, args in calls.values()]
+    assert got == [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+    assert pieces > len(calls)   # the arguments came in pieces, not whole at the end
+    if mode == "auto":
+        assert got == [("get_weather", {"city": "Oslo", "days": 3})] and whole.message.content is None
+    for name, args in got:
+        jsonschema.validate(args, SCHEMAS[name])
