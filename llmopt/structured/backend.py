@@ -7,15 +7,19 @@ under a millisecond and computes each mask in tens of microseconds), so no gramm
 stall the step loop, and it rolls back (speculative drafts) and deep-copies (n > 1 forks).
 
 `StructuredOutputManager(tokenizer, vocab_size, eos_token_ids)` builds llguidance's tokenizer once
-(the engine, at its first structured request) and makes a `RequestGrammar` per request. A step
+(the engine, at its first structured request), compiles each distinct constraint once (cached)
+and makes a `RequestGrammar` per request, a copy of the compiled matcher. A step
 fills one bitmask row per sampled row (`RequestGrammar.fill`; draft rows by consuming the drafts and
 rolling them back), the sampler masks the logits with it (`apply_bitmask`), and each accepted token
 advances the matcher (`RequestGrammar.accept`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+import threading
+from collections import OrderedDict
 from typing import Any, Sequence
 
 import llguidance
@@ -64,10 +68,15 @@ class RequestGrammar:
 
 class StructuredOutputManager:
     """llguidance's view of the model's tokenizer (built once: about half a second for a 49k
-    vocabulary) and a matcher per request."""
+    vocabulary) and a matcher per request, copied from a compiled one kept per constraint (the
+    last CACHE_SIZE constraints): a 40-field schema compiles in ~5.6 ms and copies in ~0.13 ms."""
+
+    CACHE_SIZE = 256
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int] = ()) -> None:
         self.vocab_size = vocab_size
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()   # requests are added from the server's loop and the engine's thread
         import llguidance.hf   # deferred: start-up time (it imports transformers' tokenizer classes)
         try:
             self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
@@ -76,15 +85,30 @@ class StructuredOutputManager:
             raise UserInputError(f"structured outputs need a fast (Rust) Hugging Face tokenizer: {e}") from None
 
     def grammar(self, params: StructuredOutputsParams) -> RequestGrammar:
-        """A fresh matcher for `params`; an invalid schema, regex or grammar is a UserInputError
-        naming the problem (e.g. an unclosed regex group, an unsupported schema keyword)."""
+        """A fresh matcher for `params` (its own state: a copy of the compiled one); an invalid
+        schema, regex or grammar is a UserInputError naming the problem (e.g. an unclosed regex
+        group, an unsupported schema keyword)."""
+        key = json.dumps(dataclasses.asdict(params))   # key order kept: it orders the generated JSON
+        with self._lock:
+            compiled = self._compiled.get(key)
+            if compiled is not None:
+                self._compiled.move_to_end(key)
+        if compiled is None:
+            compiled = self._compile(params)
+            with self._lock:
+                self._compiled[key] = compiled
+                while len(self._compiled) > self.CACHE_SIZE:
+                    self._compiled.popitem(last=False)
+        return RequestGrammar(compiled.deep_copy(), params)
+
+    def _compile(self, params: StructuredOutputsParams) -> "llguidance.LLMatcher":
         try:
             matcher = llguidance.LLMatcher(self.tokenizer, grammar_text(params), log_level=0)
         except (ValueError, TypeError, RuntimeError) as e:
             raise UserInputError(f"structured outputs: invalid {params.kind}: {_one_line(str(e))}") from None
         if matcher.is_error():
             raise UserInputError(f"structured outputs: invalid {params.kind}: {_one_line(matcher.get_error())}")
-        return RequestGrammar(matcher, params)
+        return matcher
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         return allocate_bitmask(rows, self.vocab_size)

@@ -120,6 +120,24 @@ def test_forks_keep_their_own_state(manager, tok):
     assert not g.accept(tok.encode("no", add_special_tokens=False))
 
 
+def test_each_constraint_compiles_once_and_requests_keep_their_own_state(tok, monkeypatch):
+    """The second request of a constraint copies the compiled matcher (no second compile); its
+    state is its own; a schema whose properties come in another order is another constraint (the
+    order of the generated JSON's keys follows it)."""
+    manager = backend.StructuredOutputManager(tok, 49152, [tok.eos_token_id])
+    compiles = []
+    compile_ = manager._compile
+    monkeypatch.setattr(manager, "_compile", lambda p: compiles.append(p) or compile_(p))
+    a, b = manager.grammar(P(choice=("yes", "no"))), manager.grammar(P(choice=("yes", "no")))
+    assert len(compiles) == 1
+    assert a.accept(tok.encode("yes", add_special_tokens=False)) and b.accept(tok.encode("no", add_special_tokens=False))
+    two = {"type": "object", "properties": {"x": {"const": 1}, "y": {"const": 2}}, "required": ["x", "y"],
+           "additionalProperties": False}
+    swapped = {**two, "properties": dict(reversed(list(two["properties"].items()))), "required": ["y", "x"]}
+    texts = [_walk(manager, tok, P(json=s, disable_any_whitespace=True), seed=0, bias_eos=20) for s in (two, swapped)]
+    assert len(compiles) == 3 and texts == ['{"x":1,"y":2}', '{"y":2,"x":1}']
+
+
 @pytest.mark.parametrize("params, words", [
     (dict(regex="a(b"), "unclosed group"),
     (dict(json={"type": "object", "properties": {"a": {"type": "frobnicate"}}}), "frobnicate"),
