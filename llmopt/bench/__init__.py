@@ -7,5 +7,6 @@ in-process (offline), with vLLM's metric definitions and result keys.
     online.py     the streaming HTTP client (httpx) over /v1/completions and /v1/chat/completions
     offline.py    the engine in-process on the same schedule; transformers `generate` for --compare hf
     report.py     BenchResult (vLLM's key names), CSV, plots, --compare-to deltas
+    saved.py      vllm bench serve's result file (--save-result): name, content, --metadata
     runner.py     one run or a sweep, from a BenchConfig
 """

@@ -14,7 +14,32 @@ from llmopt.bench.schedule import Load
 from llmopt.errors import UserInputError
 
 SPEC_METHODS = ("none", "ngram", "draft_model", "eagle", "eagle3")
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+# vLLM's --backend names of the two OpenAI endpoints (vllm/benchmarks/lib/endpoint_request_func.py)
+BACKENDS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+ENDPOINTS = tuple(BACKENDS.values())
+
+
+def resolve_backend(backend: str | None, endpoint: str | None) -> str:
+    """--backend and --endpoint -> the endpoint: either one implies the other (neither: openai's,
+    /v1/completions); given both, they must agree."""
+    if backend is not None and backend not in BACKENDS:
+        raise UserInputError(f"--backend {backend}: use one of {', '.join(BACKENDS)}")
+    if endpoint is None:
+        return BACKENDS[backend or "openai"]
+    if endpoint.rstrip("/") not in ENDPOINTS:
+        raise UserInputError(f"--endpoint {endpoint}: use {' or '.join(ENDPOINTS)}")
+    if backend is not None and BACKENDS[backend] != endpoint.rstrip("/"):
+        raise UserInputError(f"--backend {backend} posts to {BACKENDS[backend]}, not --endpoint {endpoint}")
+    return endpoint
+
+
+def server_url(base_url: str | None, host: str | None, port: int | None) -> str:
+    """vLLM's: --base-url, else http://--host:--port (127.0.0.1:8000 by default)."""
+    if base_url is not None:
+        return base_url
+    host = host or defaults.BENCH_HOST
+    port = defaults.BENCH_PORT if port is None else port
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 @dataclass
@@ -48,6 +73,8 @@ class BenchConfig:
     sweep_size: int = defaults.BENCH_SWEEP_SIZE
     spec: str = "none"
     kv_sample_interval: float = defaults.BENCH_KV_SAMPLE_INTERVAL
+    label: str | None = None               # vLLM's --label (the result file's prefix)
+    metadata: dict[str, str] = field(default_factory=dict)   # vLLM's --metadata KEY=VALUE, into the result
 
     @property
     def online(self) -> bool:
@@ -56,6 +83,11 @@ class BenchConfig:
     @property
     def chat(self) -> bool:
         return self.endpoint.rstrip("/").endswith("chat/completions")
+
+    @property
+    def backend(self) -> str:
+        """vLLM's --backend name of the endpoint."""
+        return "openai-chat" if self.chat else "openai"
 
     def __post_init__(self) -> None:
         if self.endpoint.rstrip("/") not in ENDPOINTS:

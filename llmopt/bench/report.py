@@ -1,14 +1,18 @@
 """Benchmark results with vLLM's key names, and what is made of them: CSV rows, plots, and the
 deltas against a previous result (`--compare-to`), which fail a CI gate with exit code 4.
 
-`BenchResult.to_dict()` is the JSON of one run: vLLM's keys (`request_throughput`,
-`output_throughput`, `total_token_throughput`, `mean_ttft_ms`, `median_ttft_ms`, `std_ttft_ms`,
-`p99_ttft_ms`, ... for ttft, tpot, itl and e2el, `request_goodput`, `max_output_tokens_per_s`,
-`max_concurrent_requests`, and the per-request lists `input_lens`, `output_lens`, `ttfts`, `itls`,
-`latencies`, `start_times`, `errors`), the run's setup, the failures by reason, and the server's view
-(prefix-cache hit rate, KV usage, speculative acceptance). mean/median/std are given for all four
-latency metrics; percentiles for those of --percentile-metrics. A sweep is
-`{"benchmarks": [one run's object, ...]}`.
+`BenchResult.to_dict()` is the JSON of one run, keyed as `vllm bench serve`'s result file: the setup
+(`date` as %Y%m%d-%H%M%S, `endpoint_type`, `backend`, `label`, `model_id`, `tokenizer_id`,
+`num_prompts`, the --metadata KEY=VALUE pairs, `request_rate` ("inf" when unbounded), `burstiness`,
+`max_concurrency`), the metrics (`duration`, `completed`, `failed`, `total_input_tokens`,
+`total_output_tokens`, `request_throughput`, `output_throughput`, `total_token_throughput`,
+`mean_ttft_ms`, `median_ttft_ms`, `std_ttft_ms`, `p99_ttft_ms`, ... for ttft, tpot, itl and e2el,
+`request_goodput`, `max_output_tokens_per_s`, `max_concurrent_requests`) and the per-request lists
+(`input_lens`, `output_lens`, `ttfts`, `itls`, `latencies`, `start_times`, `queue_times`,
+`generated_texts`, `errors`); besides them llmopt's own: the mode and strategy, the failures by
+reason, and the server's view (prefix-cache hit rate, KV usage, speculative acceptance).
+mean/median/std are given for all four latency metrics; percentiles for those of
+--percentile-metrics. A sweep is `{"benchmarks": [one run's object, ...]}`.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from llmopt.bench.metrics import METRICS, RequestRecord, ServerStats, Summary, p
 from llmopt.errors import UserInputError
 
 EXIT_REGRESSION = 4   # --compare-to: a metric got worse than --fail-threshold allows
+DATE_FORMAT = "%Y%m%d-%H%M%S"   # vLLM's `date` (local time), also in its result file's name
 
 
 @dataclass
@@ -44,7 +49,9 @@ class CategoryStats:
 
 @dataclass
 class BenchResult:
-    date: str
+    date: str                                 # DATE_FORMAT
+    backend: str                              # vLLM's --backend: openai | openai-chat
+    label: str | None
     mode: str                                 # online | offline
     strategy: str                             # single | synchronous | throughput | constant@R
     endpoint: str
@@ -68,14 +75,18 @@ class BenchResult:
     per_category: dict[str, CategoryStats] | None = None
     compare_hf: Any = None                    # offline.HFComparison with --compare hf
     compare_spec: Any = None                  # spec.bench.SpecComparison with --spec METHOD (offline)
+    metadata: dict[str, str] = field(default_factory=dict)   # --metadata
 
     def to_dict(self) -> dict[str, Any]:
         s = self.summary
         d: dict[str, Any] = {
-            "date": self.date, "mode": self.mode, "strategy": self.strategy, "endpoint": self.endpoint,
+            "date": self.date, "endpoint_type": self.backend, "backend": self.backend, "label": self.label,
+            "mode": self.mode, "strategy": self.strategy, "endpoint": self.endpoint,
             "base_url": self.base_url, "model_id": self.model_id, "tokenizer_id": self.tokenizer_id,
-            "dataset_name": self.dataset_name, "num_prompts": self.num_prompts, "request_rate": self.request_rate,
-            "burstiness": self.burstiness, "max_concurrency": self.max_concurrency,
+            "dataset_name": self.dataset_name, "num_prompts": self.num_prompts}
+        d.update(self.metadata)   # where vLLM merges them: over the keys above, under those below
+        d.update({
+            "request_rate": self.request_rate, "burstiness": self.burstiness, "max_concurrency": self.max_concurrency,
             "duration_limit": self.duration_limit, "duration": self.duration, "interrupted": self.interrupted,
             "completed": s.completed, "failed": s.failed, "cancelled": s.cancelled,
             "total_input_tokens": s.total_input_tokens, "total_output_tokens": s.total_output_tokens,
@@ -83,7 +94,8 @@ class BenchResult:
             "output_throughput": s.output_throughput, "total_token_throughput": s.total_token_throughput,
             "max_output_tokens_per_s": s.max_output_tokens_per_s,
             "max_concurrent_requests": s.max_concurrent_requests,
-        }
+            "rtfx": 0.0,   # vLLM's inverse real-time factor of speech benchmarks: 0 for text, as there
+        })
         for m in METRICS:
             st = s.stats[m]
             d[f"mean_{m}_ms"], d[f"median_{m}_ms"], d[f"std_{m}_ms"] = st.mean, st.median, st.std
@@ -103,6 +115,8 @@ class BenchResult:
         d["itls"] = [list(r.itl) for r in self.records]
         d["latencies"] = [r.latency for r in self.records]
         d["start_times"] = [r.start_time for r in self.records]
+        d["queue_times"] = [r.queue_time for r in self.records]
+        d["generated_texts"] = [r.generated_text for r in self.records]
         d["errors"] = [r.error for r in self.records]
         return d
 

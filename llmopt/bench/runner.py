@@ -9,7 +9,7 @@ from dataclasses import replace
 from llmopt.bench.config import BenchConfig, Hooks, RunOutput
 from llmopt.bench.datasets import load_tokenizer, sample_requests
 from llmopt.bench.metrics import summarize
-from llmopt.bench.report import BenchReport, BenchResult, category_stats
+from llmopt.bench.report import DATE_FORMAT, BenchReport, BenchResult, category_stats
 from llmopt.bench.schedule import Load, sweep_loads, synchronous, throughput
 from llmopt.errors import LLMOptError, UserInputError
 
@@ -33,8 +33,8 @@ def result_of(cfg: BenchConfig, run: RunOutput, load: Load, tokenizer, model_id:
     """A run's BenchResult: its metrics (vLLM's definitions) and the setup it ran under."""
     summary = summarize(run.records, run.duration, tokenizer, cfg.percentiles, cfg.goodput)
     return BenchResult(
-        date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        mode="online" if cfg.online else "offline", strategy=load.label, endpoint=cfg.endpoint,
+        date=datetime.datetime.now().strftime(DATE_FORMAT), backend=cfg.backend, label=cfg.label,
+        metadata=dict(cfg.metadata), mode="online" if cfg.online else "offline", strategy=load.label, endpoint=cfg.endpoint,
         base_url=cfg.base_url, model_id=model_id, tokenizer_id=tokenizer_id,
         dataset_name=cfg.workload.dataset_name, num_prompts=len(run.records), request_rate=load.request_rate,
         burstiness=load.burstiness, max_concurrency=load.max_concurrency, duration_limit=load.duration,

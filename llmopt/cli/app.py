@@ -1,8 +1,9 @@
 """The `llmopt` command: one Typer app, and the one place where subcommands are registered.
 
-Command modules define plain functions (Typer options as defaults, the body calling the library)
-and an EXAMPLES list; they never import `app`. Each is registered here once, wrapped by
-`output.guarded`, which turns LLMOptError and friends into one red line and an exit code."""
+Command modules define plain functions (Typer options as defaults, the body calling the library),
+an EXAMPLES list and, for flags that take several values as argparse's nargs, a COMMAND_CLS; they
+never import `app`. Each is registered here once, wrapped by `output.guarded`, which turns
+LLMOptError and friends into one red line and an exit code."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ COMMANDS = [
 ]
 
 for _name, _module, _function in COMMANDS:
-    app.command(_name, epilog=output.examples_epilog(_module.EXAMPLES),
+    app.command(_name, epilog=output.examples_epilog(_module.EXAMPLES), cls=getattr(_module, "COMMAND_CLS", None),
                 short_help=(_function.__doc__ or "").strip())(output.guarded(_function))   # whole, not cut
 
 

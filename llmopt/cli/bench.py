@@ -1,7 +1,8 @@
-"""`llmopt bench`: serving benchmarks with `vllm bench serve`'s flags and metrics. Online against any
-OpenAI-compatible server (--base-url), offline on the engine in-process (no --base-url). A table, or
-JSON (--json, --output), CSV (--csv), a plot (--plot), and a CI gate (--compare-to: exit 4 when a
-metric regresses beyond --fail-threshold). Ctrl-C stops sending, reports what completed, exits 130."""
+"""`llmopt bench`: serving benchmarks with `vllm bench serve`'s flags and metrics, a drop-in for it.
+Online against any OpenAI-compatible server (--base-url, or --host/--port/--backend as vLLM), offline
+on the engine in-process (none of those). A table, or JSON (--json, --output), vLLM's result file
+(--save-result), CSV (--csv), a plot (--plot), and a CI gate (--compare-to: exit 4 when a metric
+regresses beyond --fail-threshold). Ctrl-C stops sending, reports what completed, exits 130."""
 
 from __future__ import annotations
 
@@ -30,7 +31,11 @@ EXAMPLES = [
     "llmopt bench --model smollm2-135m --num-prompts 16 --ignore-eos",
     "llmopt bench --base-url URL --sweep --plot sweep.png -o sweep.json",
     "llmopt bench --base-url URL -o new.json --compare-to old.json",
+    "llmopt bench --backend openai-chat --port 8000 --save-result --result-dir out --metadata tp=1 v=2",
 ]
+
+# vLLM's multi-value flags: `--metadata a=1 b=2`, `--goodput ttft:500 tpot:50` (argparse's nargs)
+COMMAND_CLS = output.nargs_command({"--metadata": "*", "--goodput": "+"})
 
 class _Bars:
     """A rich progress bar on stderr per stage (warm-up, each benchmark of a sweep)."""
@@ -171,9 +176,15 @@ def _tables(d: dict[str, Any]) -> list[Table]:
 @common.engine_options(exclude=("speculative_config",), before="quiet")
 def bench(
     base_url: str = typer.Option(None, "--base-url", help="Server root (or ending in /v1) of an OpenAI-compatible "
-                                 "server: an online run. Without it: offline, the engine in-process."),
-    endpoint: str = typer.Option(defaults.BENCH_ENDPOINT, "--endpoint",
-                                 help="/v1/completions or /v1/chat/completions."),
+                                 "server (overrides --host/--port): an online run, as --host, --port or --backend make one. "
+                                 "With none of them: offline, the engine in-process."),
+    host: str = typer.Option(None, "--host", help=f"The server's host (default {defaults.BENCH_HOST}): online."),
+    port: int = typer.Option(None, "--port", callback=in_range(1, 65535),
+                             help=f"The server's port (default {defaults.BENCH_PORT}): online."),
+    backend: str = typer.Option(None, "--backend", help="openai (/v1/completions) or openai-chat "
+                                "(/v1/chat/completions): online (default: --endpoint's, else openai)."),
+    endpoint: str = typer.Option(None, "--endpoint", help="/v1/completions or /v1/chat/completions (default: "
+                                 "--backend's)."),
     model: str = typer.Option(None, "--model", "-m", help="Offline: the model to run (folder, .gguf, HF id in the "
                               f"cache, built-in; default {defaults.DEFAULT_MODEL}). Online: the served name "
                               "(default: the server's first)."),
@@ -240,6 +251,15 @@ def bench(
                                       "(repeatable, or 'ttft:500 tpot:50')."),
     json_out: bool = common.JsonOpt,
     output_file: str = typer.Option(None, "--output", "-o", help="Also write the JSON result to this file."),
+    save_result: bool = typer.Option(False, "--save-result", help="Write vllm bench serve's result file: "
+                                     "{label}-{rate}qps[-concurrency{N}]-{model}-{date}.json."),
+    save_detailed: bool = typer.Option(False, "--save-detailed", help="Keep the per-request lists in it."),
+    append_result: bool = typer.Option(False, "--append-result", help="Add the result as a line to the file."),
+    result_dir: str = typer.Option(None, "--result-dir", help="Its folder (created; default: here)."),
+    result_filename: str = typer.Option(None, "--result-filename", help="Its name instead of the pattern."),
+    label: str = typer.Option(None, "--label", help="The result's label and file prefix (default: --backend)."),
+    metadata: list[str] = typer.Option(None, "--metadata", help="KEY=VALUE pairs added to the result "
+                                       "(several after one flag, as vLLM)."),
     csv_file: str = typer.Option(None, "--csv", help="Write the scalar results as CSV (a row per benchmark)."),
     plot_file: str = typer.Option(None, "--plot", help="Write latency CDFs (and a sweep's curves) as a PNG "
                                   "(needs matplotlib: llmopt[plot])."),
@@ -260,19 +280,29 @@ def bench(
     speculative_config: str = typer.Option(None, "--speculative-config",
                                            help="vLLM's JSON or a spec_config.json from llmopt spec-tune "
                                            "(instead of --spec ...)."),
-    quiet: bool = common.QuietOpt,
+    quiet: bool = typer.Option(False, "--quiet", "-q", "--disable-tqdm", help="No progress bar (or vLLM's "
+                               "--disable-tqdm)."),
     **engine: Any,
 ) -> None:
     """Benchmark a server (online) or the engine (offline) with vLLM's metrics."""
     # deferred: keep CLI start-up fast
-    from llmopt.bench.config import BenchConfig, SamplingSpec
+    from llmopt.bench.config import BenchConfig, SamplingSpec, resolve_backend, server_url
     from llmopt.bench.datasets import Workload
     from llmopt.bench.metrics import parse_goodput, parse_metric_names, parse_percentiles
+    from llmopt.bench.saved import parse_metadata
     from llmopt.bench.schedule import Load
     from llmopt.speculative.config import bench_speculative_config
 
     spec_config = bench_speculative_config(spec, spec_model, num_speculative_tokens, speculative_config)
     spec = spec_config.method if spec_config is not None else "none"
+    endpoint, meta = resolve_backend(backend, endpoint), parse_metadata(metadata)
+    if any(x is not None for x in (base_url, host, port, backend)):   # online: vLLM's server, over --host/--port
+        if base_url is not None and (host is not None or port is not None):
+            output.err.print("[yellow]warning:[/] --host/--port left unused: --base-url names the server (as "
+                             "vllm bench serve)", highlight=False)
+        base_url = server_url(base_url, host, port)
+    save = _save_spec(save_result or append_result, save_detailed, append_result, result_dir, result_filename,
+                      sweep, [compare_to, dataset_path])
     previous, only = _check_flags(compare, base_url, engine, {"--output": output_file, "--csv": csv_file,
                                                                "--plot": plot_file}, [compare_to, dataset_path],
                                   compare_to, compare_metrics)
@@ -291,9 +321,38 @@ def bench(
         num_warmups=num_warmups, percentiles=parse_percentiles(metric_percentiles),
         percentile_metrics=parse_metric_names(percentile_metrics), goodput=parse_goodput(goodput),
         request_timeout=request_timeout, engine_args=engine_args, compare_hf=compare == "hf", sweep=sweep,
-        sweep_size=sweep_size, spec=spec)
+        sweep_size=sweep_size, spec=spec, label=label, metadata=meta)
     report = _run(cfg, quiet)
-    _report(report, previous, only, compare_to, fail_threshold, json_out, output_file, csv_file, plot_file)
+    _report(report, previous, only, compare_to, fail_threshold, json_out, output_file, csv_file, plot_file, save)
+
+
+def _save_spec(save: bool, detailed: bool, append: bool, result_dir: str | None, result_filename: str | None,
+               sweep: bool, inputs: list):
+    """vllm bench serve's --save-result (or --append-result) as a SaveSpec, its folder made and its
+    file checked before the run; None without it (its other flags then warn: they write nothing)."""
+    # deferred: keep CLI start-up fast
+    from pathlib import Path
+
+    from llmopt.bench.saved import SaveSpec
+    from llmopt.fsutil import check_output_file
+
+    if not save:
+        unused = [f for f, v in (("--save-detailed", detailed), ("--result-dir", result_dir),
+                                 ("--result-filename", result_filename)) if v]
+        if unused:
+            output.err.print(f"[yellow]warning:[/] {', '.join(unused)} without --save-result: no result file is "
+                             "written (as vllm bench serve)", highlight=False)
+        return None
+    if sweep:
+        raise UserInputError("--save-result writes one run's result (vllm bench serve's file): a --sweep's "
+                             "results go to --output")
+    if result_dir:
+        Path(result_dir).mkdir(parents=True, exist_ok=True)   # as vLLM: the folder is made
+    spec = SaveSpec(result_dir, result_filename, detailed, append)
+    if result_filename:
+        name = Path(result_dir) / result_filename if result_dir else Path(result_filename)
+        check_output_file(name, inputs, flag="--result-filename")
+    return spec
 
 
 def _check_flags(compare: str | None, base_url: str | None, engine: dict, outputs: dict[str, str | None],
@@ -310,8 +369,8 @@ def _check_flags(compare: str | None, base_url: str | None, engine: dict, output
         given = common.engine_flags_given(engine)
         if given:
             flags = ", ".join(given)
-            raise UserInputError(f"{flags}: engine flags are for offline runs; with --base-url the server's own "
-                                 "settings apply")
+            raise UserInputError(f"{flags}: engine flags are for offline runs; a server (--base-url, --host, "
+                                 "--port, --backend) runs on its own settings")
     for flag, path in outputs.items():
         if path:
             check_output_file(path, inputs, flag=flag)
@@ -352,10 +411,12 @@ def _run(cfg, quiet: bool):
 
 
 def _report(report, previous, only, compare_to: str | None, fail_threshold: float, json_out: bool,
-            output_file: str | None, csv_file: str | None, plot_file: str | None) -> None:
-    """Print and write the report (with the --compare-to comparison); exit 130 when interrupted, 4 when a
-    metric regressed."""
+            output_file: str | None, csv_file: str | None, plot_file: str | None, save=None) -> None:
+    """Print and write the report (with the --compare-to comparison, and --save-result's file); exit 130
+    when interrupted, 4 when a metric regressed."""
     # deferred: keep CLI start-up fast
+    import json
+
     from llmopt.bench.report import EXIT_REGRESSION, compare as compare_results, plot, to_csv
     from llmopt.fsutil import write_atomic
 
@@ -368,6 +429,12 @@ def _report(report, previous, only, compare_to: str | None, fail_threshold: floa
         write_atomic(csv_file, to_csv(result))
     if plot_file:
         plot(report, plot_file)
+    if save is not None:   # one line of JSON, as vLLM's json.dump; --append-result: after the file's lines
+        path = save.path(report.results[0])
+        text = json.dumps(output.to_jsonable(save.content(result)))
+        if save.append and path.is_file() and path.stat().st_size:
+            text = path.read_text(encoding="utf-8") + "\n" + text
+        write_atomic(path, text)
     if report.interrupted:
         done = sum(r.summary.completed for r in report.results)
         output.fail(f"interrupted: reported the {done} request(s) that completed", 130)

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.table import Table
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 from llmopt import fsutil
 from llmopt.errors import LLMOptError
@@ -236,3 +236,36 @@ class Group(TyperGroup):
         except _ABORTS:
             fail("interrupted", 130, as_json=_wants_json(argv), kind="Interrupted")
         raise SystemExit(rv if isinstance(rv, int) else 0)
+
+
+def spread_values(args: list[str], nargs: dict[str, str]) -> list[str]:
+    """argparse's nargs ('*' or '+') for the flags in `nargs`, as vLLM's commands take them:
+    `--metadata a=1 b=2` -> `--metadata a=1 --metadata b=2`, the values running up to the next
+    option or `--`. A '*' flag with no value is dropped (an empty list); a '+' one is left for click
+    to refuse."""
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        flag = args[i]
+        i += 1
+        if flag == "--":
+            return out + args[i - 1:]
+        if flag not in nargs:
+            out.append(flag)
+            continue
+        start = i
+        while i < len(args) and not (args[i].startswith("-") and len(args[i]) > 1):
+            out += [flag, args[i]]
+            i += 1
+        if i == start and nargs[flag] == "+":
+            out.append(flag)
+    return out
+
+
+def nargs_command(nargs: dict[str, str]) -> type[TyperCommand]:
+    """A command class whose flags in `nargs` take several values after one flag (spread_values);
+    a command module hands it to app.py as COMMAND_CLS."""
+    class NargsCommand(TyperCommand):
+        def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+            return super().parse_args(ctx, spread_values(list(args), nargs))
+    return NargsCommand

@@ -17,11 +17,12 @@ from llmopt.cli.app import app
 
 # The keys of one run's JSON with the default --percentile-metrics and --metric-percentiles.
 SCHEMA = [
-    "date", "mode", "strategy", "endpoint", "base_url", "model_id", "tokenizer_id", "dataset_name", "num_prompts",
+    "date", "endpoint_type", "backend", "label", "mode", "strategy", "endpoint", "base_url", "model_id", "tokenizer_id",
+    "dataset_name", "num_prompts",
     "request_rate", "burstiness", "max_concurrency", "duration_limit", "duration", "interrupted",
     "completed", "failed", "cancelled", "total_input_tokens", "total_output_tokens",
     "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
-    "max_output_tokens_per_s", "max_concurrent_requests",
+    "max_output_tokens_per_s", "max_concurrent_requests", "rtfx",
     "mean_ttft_ms", "median_ttft_ms", "std_ttft_ms", "p99_ttft_ms",
     "mean_tpot_ms", "median_tpot_ms", "std_tpot_ms", "p99_tpot_ms",
     "mean_itl_ms", "median_itl_ms", "std_itl_ms", "p99_itl_ms",
@@ -31,7 +32,8 @@ SCHEMA = [
     "kv_cache_usage_mean", "kv_cache_usage_max", "spec_decode_num_drafts", "spec_decode_draft_tokens",
     "spec_decode_accepted_tokens", "spec_decode_acceptance_rate", "spec_decode_acceptance_length",
     "spec_decode_per_position_acceptance_rates", "server_mean_tpot_ms", "per_category", "compare_hf", "compare_spec",
-    "input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times", "errors", "comparison",
+    "input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times", "queue_times", "generated_texts", "errors",
+    "comparison",
 ]
 
 
