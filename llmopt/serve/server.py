@@ -53,7 +53,8 @@ class OpenAIServer:
         # as its text): a prompt of more than max_model_len times this many characters cannot fit
         self.max_token_chars = max((len(k) for k in self.tokenizer.get_vocab()), default=1) \
             if self.tokenizer is not None else None
-        self.metrics = ServerMetrics(config.model_name, self.llm.stats)
+        self.metrics = ServerMetrics(config.model_name, self.llm.stats, self.max_model_len, self.llm.cache_config())
+        engine.iteration_listeners.append(self.metrics.iteration)
         self.in_flight = 0   # sequences (n counted as n) the server has queued and not finished
         self.draining = False   # shutting down: new requests get 503
 
