@@ -23,7 +23,12 @@ log = logging.getLogger("llmopt.serve")
 class ServeConfig:
     model_name: str
     api_keys: tuple[str, ...] = ()           # /v1/* needs one of these (none: open)
-    allowed_origins: tuple[str, ...] = ("*",)   # CORS (vLLM's default: any origin)
+    # CORS, with vLLM's defaults (--allowed-origins, --allowed-methods, --allowed-headers,
+    # --allow-credentials): Starlette's CORSMiddleware; no origin: no CORS headers at all
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
     request_id_headers: bool = False         # X-Request-Id on every response
     max_num_queued_reqs: int | None = None   # running + waiting (n counted as n) above this: 503
     max_n: int | None = None                 # cap on n (default: the engine's max_num_seqs)
