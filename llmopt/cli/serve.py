@@ -47,6 +47,15 @@ def serve(
     allowed_origins: list[str] = typer.Option(["*"], "--allowed-origins", metavar="ORIGIN",
                                               help="CORS: origins a browser may call from (repeatable; vLLM's "
                                               "default *)."),
+    allowed_methods: list[str] = typer.Option(["*"], "--allowed-methods", metavar="METHOD",
+                                              help="CORS: HTTP methods a browser may use (repeatable; vLLM's "
+                                              "default *)."),
+    allowed_headers: list[str] = typer.Option(["*"], "--allowed-headers", metavar="HEADER",
+                                              help="CORS: request headers a browser may send (repeatable; vLLM's "
+                                              "default *)."),
+    allow_credentials: bool = typer.Option(False, "--allow-credentials",
+                                           help="CORS: let browsers send cookies and credentials (vLLM's default: "
+                                           "no)."),
     enable_request_id_headers: bool = typer.Option(False, "--enable-request-id-headers",
                                                    help="Answer each request with an X-Request-Id header (the "
                                                    "client's, else a new one), as vLLM."),
@@ -90,10 +99,10 @@ def serve(
     run(**opts)
 
 
-def run(*, model, config, host, port, api_key, allowed_origins, enable_request_id_headers, generation_config,
-        chat_template, enable_auto_tool_choice, tool_call_parser, served_model_name,
-        max_num_queued_reqs, max_request_bytes, scheduling_policy, seed, shutdown_timeout, log_interval,
-        disable_log_requests, log_level, **engine) -> None:
+def run(*, model, config, host, port, api_key, allowed_origins, allowed_methods, allowed_headers, allow_credentials,
+        enable_request_id_headers, generation_config, chat_template, enable_auto_tool_choice, tool_call_parser,
+        served_model_name, max_num_queued_reqs, max_request_bytes, scheduling_policy, seed, shutdown_timeout,
+        log_interval, disable_log_requests, log_level, **engine) -> None:
     engine_args = common.engine_args_from_flags(engine, model=model, seed=seed, scheduling_policy=scheduling_policy)
     body_bytes = parse_bytes(max_request_bytes, "--max-request-bytes")
     if body_bytes < 1:
@@ -130,6 +139,9 @@ def run(*, model, config, host, port, api_key, allowed_origins, enable_request_i
     name = served_model_name or model or defaults.DEFAULT_MODEL
     app = build_app(async_engine, ServeConfig(model_name=name, api_keys=tuple(api_key or ()),
                                         allowed_origins=tuple(allowed_origins or ()),
+                                        allowed_methods=tuple(allowed_methods or ()),
+                                        allowed_headers=tuple(allowed_headers or ()),
+                                        allow_credentials=allow_credentials,
                                         request_id_headers=enable_request_id_headers,
                                         max_num_queued_reqs=max_num_queued_reqs, max_request_bytes=body_bytes,
                                         log_interval=log_interval, log_requests=not disable_log_requests,

@@ -39,6 +39,30 @@ class RequestMetrics:
     def e2e_latency(self) -> float | None:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
+    @property
+    def last_token_time(self) -> float | None:
+        return self.token_times[-1] if self.token_times else None
+
+    # vLLM's request phases (v1/metrics/stats.py), preemptions included; None until the tokens exist:
+    # prefill = first scheduled -> first token, decode = first token -> last token, inference = both
+    @property
+    def prefill_time(self) -> float | None:
+        if self.first_scheduled_time is None or self.first_token_time is None:
+            return None
+        return self.first_token_time - self.first_scheduled_time
+
+    @property
+    def decode_time(self) -> float | None:
+        if self.first_token_time is None or self.last_token_time is None:
+            return None
+        return self.last_token_time - self.first_token_time
+
+    @property
+    def inference_time(self) -> float | None:
+        if self.first_scheduled_time is None or self.last_token_time is None:
+            return None
+        return self.last_token_time - self.first_scheduled_time
+
     @staticmethod
     def merge(parts: list["RequestMetrics"]) -> "RequestMetrics":
         """One prompt's metrics from its n samples': first arrival, schedule and token; last finish
@@ -62,6 +86,8 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None       # "stop", "length", "abort", "error" or None while running
     stop_reason: int | str | None = None   # the stop token id or stop string that ended it
+    # this sample's own timing once it has finished (None while it runs); RequestOutput.metrics merges them
+    metrics: RequestMetrics | None = field(default=None, compare=False, repr=False)
 
     @property
     def finished(self) -> bool:

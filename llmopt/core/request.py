@@ -26,6 +26,14 @@ class RequestStatus(enum.Enum):
                         RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
+def max_tokens_limit(params: SamplingParams, prompt_len: int, max_model_len: int | None) -> int:
+    """The most tokens a sample may generate: max_tokens (None: up to the context), within the context."""
+    limit = params.max_tokens if params.max_tokens is not None else (max_model_len or 1 << 30) - prompt_len
+    if max_model_len is not None:
+        limit = min(limit, max_model_len - prompt_len)
+    return max(limit, 0)
+
+
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: frozenset[int] = frozenset(), max_model_len: int | None = None,
@@ -49,10 +57,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1              # prefix-cache hit at first schedule (-1: not yet)
         self.num_preemptions = 0
-        limit = params.max_tokens if params.max_tokens is not None else (max_model_len or 1 << 30) - len(prompt_token_ids)
-        if max_model_len is not None:
-            limit = min(limit, max_model_len - len(prompt_token_ids))
-        self.max_tokens = max(limit, 0)
+        self.max_tokens = max_tokens_limit(params, len(prompt_token_ids), max_model_len)
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
         # one entry per prompt token scored so far (the first has none): filled chunk by chunk, once
         self.prompt_logprobs: list[TokenLogprobs | None] | None = [None] if params.prompt_logprobs is not None else None

@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from llmopt.engine.args import EngineArgs
 from llmopt.engine.engine import EngineDeadError, LLMEngine
@@ -39,7 +39,8 @@ log = logging.getLogger("llmopt.engine")
 
 _DONE = object()
 
-__all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineStoppedError", "RequestFailedError", "RequestStream"]
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineStoppedError", "IterationStats", "RequestFailedError",
+           "RequestStream"]
 
 
 class RequestFailedError(LLMOptError):
@@ -56,6 +57,15 @@ class Throughput:
     hits) and generated tokens, counted as outputs arrive."""
     prompt_tokens: int = 0
     generation_tokens: int = 0
+
+
+@dataclass
+class IterationStats:
+    """The tokens of one engine step that produced outputs, counted as vLLM's IterationStats: the
+    prompts of the samples whose first token came this step (a prompt of n samples counts n times,
+    prefix-cache hits included) and the tokens generated."""
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
 
 
 class RequestStream:
@@ -107,10 +117,12 @@ class AsyncLLMEngine:
         self._stopping = False
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count()
-        self._seen: dict[str, int] = {}                 # request id -> output tokens counted so far
+        self._seen: dict[str, list[int]] = {}           # request id -> output tokens counted so far, per sample
         self._dead: EngineDeadError | None = None       # set once a step failed for no request's reason
         self.num_steps = 0                              # steps run (a loop that waits runs none)
         self.throughput = Throughput()
+        # called (in the event loop) with the IterationStats of each step that produced outputs
+        self.iteration_listeners: list[Callable[[IterationStats], None]] = []
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kwargs) -> "AsyncLLMEngine":
@@ -252,21 +264,34 @@ class AsyncLLMEngine:
             if stream is not None:
                 stream.queue.put_nowait(error if error is not None else _DONE)
 
-    def _route(self, outputs: list[RequestOutput]) -> None:
+    def _count(self, out: RequestOutput, step: IterationStats) -> None:
+        """Add one output's new tokens to the throughput and the step's IterationStats."""
         tp = self.throughput
+        seen = self._seen.get(out.request_id)
+        if seen is None:   # its first output: the prompt is computed
+            tp.prompt_tokens += max(len(out.prompt_token_ids) - out.num_cached_tokens, 0)
+            seen = [0] * len(out.outputs)
+        now = [len(c.token_ids) for c in out.outputs]
+        step.num_prompt_tokens += len(out.prompt_token_ids) * sum(1 for a, b in zip(seen, now) if not a and b)
+        step.num_generation_tokens += sum(now) - sum(seen)
+        tp.generation_tokens += sum(now) - sum(seen)
+        if out.finished:
+            self._seen.pop(out.request_id, None)
+        else:
+            self._seen[out.request_id] = now
+
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        step = IterationStats()
         for out in outputs:
-            n = sum(len(c.token_ids) for c in out.outputs)
-            if out.request_id not in self._seen:   # its first output: the prompt is computed
-                tp.prompt_tokens += max(len(out.prompt_token_ids) - out.num_cached_tokens, 0)
-            tp.generation_tokens += n - self._seen.get(out.request_id, 0)
-            self._seen[out.request_id] = n
-            if out.finished:
-                self._seen.pop(out.request_id, None)
+            self._count(out, step)
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.queue.put_nowait(out)
                 if out.finished:
                     del self._streams[out.request_id]
+        if outputs:
+            for listener in self.iteration_listeners:
+                listener(step)
 
     def _die(self, error: BaseException) -> None:
         message = str(error) if isinstance(error, EngineDeadError) else \

@@ -295,6 +295,14 @@ class LLMEngine:
     def kv_cache_info(self) -> KVCacheInfo:
         return self.executor.kv_cache_info()
 
+    def cache_config(self) -> dict[str, object]:
+        """The KV cache's configuration under the names of vLLM's CacheConfig (the ones this engine
+        has): its `cache_config_info` metric. num_gpu_blocks: the blocks allocated, on any device."""
+        a = self.args
+        return {"block_size": a.block_size, "cache_dtype": a.kv_cache_dtype,
+                "enable_prefix_caching": a.enable_prefix_caching, "gpu_memory_utilization": a.gpu_memory_utilization,
+                "kv_cache_memory_bytes": a.kv_cache_memory, "num_gpu_blocks": self.kv.pool.num_blocks}
+
     def stats(self) -> EngineStats:
         s = self.kv.stats
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.pool.usage(),
@@ -420,7 +428,8 @@ class LLMEngine:
         outs = [CompletionOutput(req.index, req.text, list(req.output_token_ids),
                                  req.cumulative_logprob if req.logprobs is not None else None,
                                  list(req.logprobs) if req.logprobs is not None else None, req.finish_reason,
-                                 req.stop_reason) for req in parent.children]
+                                 req.stop_reason, req.metrics if req.is_finished else None)
+                for req in parent.children]
         finished = all(r.is_finished for r in parent.children)
         if finished:
             del self._parents[parent.request_id]

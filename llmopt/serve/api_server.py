@@ -168,8 +168,9 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig) -> FastAPI:
     if config.request_id_headers:
         app.add_middleware(RequestIdMiddleware)
     if config.allowed_origins:   # outermost: preflights and errors carry the CORS headers too
-        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
-                           allow_headers=["*"])
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=list(config.allowed_methods), allow_headers=list(config.allowed_headers),
+                           allow_credentials=config.allow_credentials)
     app.include_router(router)
     openapi.install(app, api_keys=bool(config.api_keys))
     return app

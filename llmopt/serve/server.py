@@ -23,7 +23,12 @@ log = logging.getLogger("llmopt.serve")
 class ServeConfig:
     model_name: str
     api_keys: tuple[str, ...] = ()           # /v1/* needs one of these (none: open)
-    allowed_origins: tuple[str, ...] = ("*",)   # CORS (vLLM's default: any origin)
+    # CORS, with vLLM's defaults (--allowed-origins, --allowed-methods, --allowed-headers,
+    # --allow-credentials): Starlette's CORSMiddleware; no origin: no CORS headers at all
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
     request_id_headers: bool = False         # X-Request-Id on every response
     max_num_queued_reqs: int | None = None   # running + waiting (n counted as n) above this: 503
     max_n: int | None = None                 # cap on n (default: the engine's max_num_seqs)
@@ -53,7 +58,8 @@ class OpenAIServer:
         # as its text): a prompt of more than max_model_len times this many characters cannot fit
         self.max_token_chars = max((len(k) for k in self.tokenizer.get_vocab()), default=1) \
             if self.tokenizer is not None else None
-        self.metrics = ServerMetrics(config.model_name, self.llm.stats)
+        self.metrics = ServerMetrics(config.model_name, self.llm.stats, self.max_model_len, self.llm.cache_config())
+        engine.iteration_listeners.append(self.metrics.iteration)
         self.in_flight = 0   # sequences (n counted as n) the server has queued and not finished
         self.draining = False   # shutting down: new requests get 503
 

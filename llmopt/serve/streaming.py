@@ -115,7 +115,7 @@ class Job:
                     self.last[i] = out
                     if out.finished:
                         self.done[i] = True
-                        metrics.finished(out, self.arrival)
+                        metrics.finished(out, self.arrival, self.params)
                         self.serving.log_request(self.streams[i].request_id, out, self.arrival)
                     yield i, out
         except Exception as e:
