@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmopt.core.logits_processors import apply_logits_processors
+from llmopt.core.logits_processors import apply_logits_processors, needs_processing
 from llmopt.core.sampling_params import SamplingParams
 from llmopt.structured.backend import allocate_bitmask, apply_bitmask
 
@@ -127,13 +127,12 @@ def _grammar_first(raw: torch.Tensor, logits: torch.Tensor, rows: list[SamplingR
                    grammar_rows: list[int]) -> None:
     """In place: a grammar row that the logits processors left with no allowed token (min_tokens
     blocking the EOS a complete grammar needs, allowed_token_ids or bad_words outside it) gets the
-    grammar's mask alone, then the penalties: an output that keeps the grammar wins over them."""
-    if not grammar_rows:
+    grammar's mask alone, then the penalties: an output that keeps the grammar wins over them.
+    Only rows with logits processors can be emptied (penalties and bias stay finite)."""
+    js = [j for j, i in enumerate(grammar_rows)
+          if needs_processing(rows[i]) and bool(torch.isneginf(logits[i]).all())]
+    if not js:
         return
-    empty = ~torch.isfinite(logits[torch.tensor(grammar_rows, device=logits.device)]).any(-1)
-    if not bool(empty.any()):
-        return
-    js = empty.nonzero().flatten().tolist()
     idx = torch.tensor([grammar_rows[j] for j in js], device=logits.device)
     sub = raw[idx].float().clone()
     apply_bitmask(sub, bitmask[js], range(len(js)))
