@@ -31,7 +31,7 @@ EXAMPLES = [
     "llmopt bench --model smollm2-135m --num-prompts 16 --ignore-eos",
     "llmopt bench --base-url URL --sweep --plot sweep.png -o sweep.json",
     "llmopt bench --base-url URL -o new.json --compare-to old.json",
-    "llmopt bench --backend openai-chat --port 8000 --save-result --result-dir out --metadata tp=1 v=2",
+    "llmopt bench --backend openai-chat --port 8000 --save-result --metadata tp=1",
 ]
 
 # vLLM's multi-value flags: `--metadata a=1 b=2`, `--goodput ttft:500 tpot:50` (argparse's nargs)
