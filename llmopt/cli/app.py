@@ -12,7 +12,7 @@ import os
 import typer
 
 from llmopt import __version__
-from llmopt.cli import bench, eval_ppl, generate, kv_estimate, output, quantize, serve, spec_tune
+from llmopt.cli import bench, eval_ppl, evaluate, generate, kv_estimate, output, quantize, serve, spec_tune
 
 app = typer.Typer(name="llmopt", help="LLM inference optimization toolkit: quantize, estimate, serve, "
                   "benchmark and evaluate Llama-family models.", no_args_is_help=True,
@@ -37,6 +37,7 @@ def _root(
 # (name, module, function): the order of `llmopt --help`.
 COMMANDS = [
     ("eval-ppl", eval_ppl, eval_ppl.eval_ppl),
+    ("eval", evaluate, evaluate.eval_tasks),
     ("quantize", quantize, quantize.quantize),
     ("kv-estimate", kv_estimate, kv_estimate.kv_estimate),
     ("generate", generate, generate.generate),

@@ -11,13 +11,14 @@ import typer
 from typer.testing import CliRunner
 
 from llmopt.cli import app as app_module
-from llmopt.cli import bench, eval_ppl, generate, kv_estimate, output, quantize, serve, spec_tune
+from llmopt.cli import bench, eval_ppl, evaluate, generate, kv_estimate, output, quantize, serve, spec_tune
 from llmopt.cli.app import app
 from llmopt.errors import DoesNotFitError, LLMOptError, UserInputError
 
 CLI_DIR = Path(app_module.__file__).parent
 REPO = CLI_DIR.parents[1]
-COMMANDS = {"eval-ppl": (eval_ppl, eval_ppl.eval_ppl), "quantize": (quantize, quantize.quantize),
+COMMANDS = {"eval-ppl": (eval_ppl, eval_ppl.eval_ppl), "eval": (evaluate, evaluate.eval_tasks),
+            "quantize": (quantize, quantize.quantize),
             "kv-estimate": (kv_estimate, kv_estimate.kv_estimate), "generate": (generate, generate.generate),
             "serve": (serve, serve.serve), "bench": (bench, bench.bench),
             "spec-tune": (spec_tune, spec_tune.spec_tune)}
