@@ -97,3 +97,45 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         raise FileNotFoundError(f"{SHARED_DATA} is missing: tests read ../shared/data beside the checkout")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def lm_eval_tasks(tmp_path_factory, shared_data) -> Path:
+    """A folder of local lm-eval task files: llmopt_rolling (rolling perplexity on 4 WikiText-2
+    paragraphs), llmopt_mc (6 multiple-choice questions of 4 choices) and llmopt_gen (generate_until
+    with a stop string, 12 tokens at most)."""
+    import json
+    import random
+    import textwrap
+    folder = tmp_path_factory.mktemp("lm-eval-tasks")
+    text = (shared_data / "wikitext-2-raw" / "wiki.test.raw").read_text(encoding="utf-8")
+    passages = [line.strip() for line in text.splitlines() if len(line.strip()) > 400][:4]   # paragraphs
+    rng = random.Random(0)
+    words = "river hill city bridge music sound light water stone field cloud paper".split()
+    rows = {"rolling": [{"text": p[:1200]} for p in passages],
+            "mc": [{"question": " ".join(rng.sample(words, 5)),
+                    "choices": [" ".join(rng.sample(words, rng.randint(1, 3))) for _ in range(4)],
+                    "answer": rng.randrange(4)} for _ in range(6)],
+            "gen": [{"prompt": p[:160], "answer": "x"} for p in passages]}
+    for name, docs in rows.items():
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    specs = {
+        "rolling": """output_type: loglikelihood_rolling
+            doc_to_text: ""
+            doc_to_target: "{{text}}"
+            metric_list: [{metric: word_perplexity}, {metric: byte_perplexity}, {metric: bits_per_byte}]""",
+        "mc": """output_type: multiple_choice
+            doc_to_text: "Question: {{question}}\\nAnswer:"
+            doc_to_choice: "{{choices}}"
+            doc_to_target: "{{answer}}"
+            metric_list: [{metric: acc}, {metric: acc_norm}]""",
+        "gen": """output_type: generate_until
+            doc_to_text: "{{prompt}}"
+            doc_to_target: "{{answer}}"
+            generation_kwargs: {until: ["."], max_gen_toks: 12, do_sample: false}
+            metric_list: [{metric: exact_match}]"""}
+    for name, spec in specs.items():
+        head = (f"task: llmopt_{name}\ndataset_path: json\n"
+                f"dataset_kwargs: {{data_files: {{test: {folder / (name + '.jsonl')}}}}}\ntest_split: test\n")
+        (folder / f"llmopt_{name}.yaml").write_text(head + textwrap.dedent("            " + spec) + "\n")
+    return folder

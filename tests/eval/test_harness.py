@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import textwrap
 
 import pytest
@@ -24,57 +23,8 @@ def tiny(tiny_factory):
 
 
 @pytest.fixture(scope="module")
-def tasks(tmp_path_factory, shared_data):
-    folder = tmp_path_factory.mktemp("lm-eval-tasks")
-    text = (shared_data / "wikitext-2-raw" / "wiki.test.raw").read_text(encoding="utf-8")
-    passages = [line.strip() for line in text.splitlines() if len(line.strip()) > 400][:4]
-    with open(folder / "rolling.jsonl", "w") as f:
-        for p in passages:
-            f.write(json.dumps({"text": p[:1200]}) + "\n")
-    rng = random.Random(0)
-    words = "river hill city bridge music sound light water stone field cloud paper".split()
-    with open(folder / "mc.jsonl", "w") as f:
-        for _ in range(6):
-            f.write(json.dumps({"question": " ".join(rng.sample(words, 5)),
-                                "choices": [" ".join(rng.sample(words, rng.randint(1, 3))) for _ in range(4)],
-                                "answer": rng.randrange(4)}) + "\n")
-    with open(folder / "gen.jsonl", "w") as f:
-        for p in passages:
-            f.write(json.dumps({"prompt": p[:160], "answer": "x"}) + "\n")
-    data = {name: folder / f"{name}.jsonl" for name in ("rolling", "mc", "gen")}
-    (folder / "llmopt_rolling.yaml").write_text(textwrap.dedent(f"""\
-        task: llmopt_rolling
-        dataset_path: json
-        dataset_kwargs: {{data_files: {{test: {data['rolling']}}}}}
-        test_split: test
-        output_type: loglikelihood_rolling
-        doc_to_text: ""
-        doc_to_target: "{{{{text}}}}"
-        metric_list: [{{metric: word_perplexity}}, {{metric: byte_perplexity}}, {{metric: bits_per_byte}}]
-        """))
-    (folder / "llmopt_mc.yaml").write_text(textwrap.dedent(f"""\
-        task: llmopt_mc
-        dataset_path: json
-        dataset_kwargs: {{data_files: {{test: {data['mc']}}}}}
-        test_split: test
-        output_type: multiple_choice
-        doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
-        doc_to_choice: "{{{{choices}}}}"
-        doc_to_target: "{{{{answer}}}}"
-        metric_list: [{{metric: acc}}, {{metric: acc_norm}}]
-        """))
-    (folder / "llmopt_gen.yaml").write_text(textwrap.dedent(f"""\
-        task: llmopt_gen
-        dataset_path: json
-        dataset_kwargs: {{data_files: {{test: {data['gen']}}}}}
-        test_split: test
-        output_type: generate_until
-        doc_to_text: "{{{{prompt}}}}"
-        doc_to_target: "{{{{answer}}}}"
-        generation_kwargs: {{until: ["."], max_gen_toks: 12, do_sample: false}}
-        metric_list: [{{metric: exact_match}}]
-        """))
-    return folder
+def tasks(lm_eval_tasks):
+    return lm_eval_tasks
 
 
 def _evaluate(model, model_args, tasks_folder):

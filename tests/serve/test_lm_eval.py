@@ -6,10 +6,7 @@ rolling window where `hf` keeps `max_length`, so it is given 2 more."""
 
 from __future__ import annotations
 
-import json
 import os
-import random
-import textwrap
 
 import pytest
 
@@ -24,51 +21,8 @@ def tiny_chat_model(tiny_factory):
 
 
 @pytest.fixture(scope="module")
-def tasks(tmp_path_factory, shared_data):
-    folder = tmp_path_factory.mktemp("lm-eval-tasks")
-    text = (shared_data / "wikitext-2-raw" / "wiki.test.raw").read_text(encoding="utf-8")
-    passages = [line.strip() for line in text.splitlines() if len(line.strip()) > 400][:4]   # paragraphs
-    with open(folder / "rolling.jsonl", "w") as f:
-        for p in passages:
-            f.write(json.dumps({"text": p[:1200]}) + "\n")
-    rng = random.Random(0)
-    words = "river hill city bridge music sound light water stone field cloud paper".split()
-    with open(folder / "mc.jsonl", "w") as f:
-        for i in range(6):
-            f.write(json.dumps({"question": " ".join(rng.sample(words, 5)),
-                                "choices": [" ".join(rng.sample(words, rng.randint(1, 3))) for _ in range(4)],
-                                "answer": rng.randrange(4)}) + "\n")
-    (folder / "llmopt_rolling.yaml").write_text(textwrap.dedent(f"""\
-        task: llmopt_rolling
-        dataset_path: json
-        dataset_kwargs:
-          data_files:
-            test: {folder / 'rolling.jsonl'}
-        test_split: test
-        output_type: loglikelihood_rolling
-        doc_to_text: ""
-        doc_to_target: "{{{{text}}}}"
-        metric_list:
-          - metric: word_perplexity
-          - metric: byte_perplexity
-          - metric: bits_per_byte
-        """))
-    (folder / "llmopt_mc.yaml").write_text(textwrap.dedent(f"""\
-        task: llmopt_mc
-        dataset_path: json
-        dataset_kwargs:
-          data_files:
-            test: {folder / 'mc.jsonl'}
-        test_split: test
-        output_type: multiple_choice
-        doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
-        doc_to_choice: "{{{{choices}}}}"
-        doc_to_target: "{{{{answer}}}}"
-        metric_list:
-          - metric: acc
-          - metric: acc_norm
-        """))
-    return folder
+def tasks(lm_eval_tasks):
+    return lm_eval_tasks
 
 
 def _evaluate(model: str, model_args: dict, tasks_folder):
