@@ -59,13 +59,14 @@ class KVCacheManager:
             hashes.extend(hash_request_blocks(tokens, self.block_size, len(hashes), hashes[-1] if hashes else None))
         return hashes
 
-    def get_computed_blocks(self, req: CacheRequest) -> tuple[list[KVBlock], int]:
-        """Longest cached prefix of a request not yet started: (blocks, number of tokens they hold).
-        At least one token is always left to compute, so the step produces logits. The caller
-        records the lookup with `record_lookup` once the request is really scheduled."""
+    def get_computed_blocks(self, req: CacheRequest, max_tokens: int | None = None) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of a request not yet started, of at most `max_tokens` tokens:
+        (blocks, number of tokens they hold). At least one token is always left to compute, so the
+        step produces logits. The caller records the lookup with `record_lookup` once the request is
+        really scheduled."""
         if not self.enable_prefix_caching:
             return [], 0
-        n_tokens = len(req.all_token_ids)
+        n_tokens = len(req.all_token_ids) if max_tokens is None else min(len(req.all_token_ids), max_tokens + 1)
         max_blocks = (n_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
         for h in self.block_hashes(req)[:max_blocks]:

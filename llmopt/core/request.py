@@ -60,7 +60,10 @@ class Request:
         self.max_tokens = max_tokens_limit(params, len(prompt_token_ids), max_model_len)
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
         # one entry per prompt token scored so far (the first has none): filled chunk by chunk, once
-        self.prompt_logprobs: list[TokenLogprobs | None] | None = [None] if params.prompt_logprobs is not None else None
+        # (and None for the positions before params.prompt_logprobs_start, which are never scored)
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * min(max(1, params.prompt_logprobs_start), len(prompt_token_ids))
         self.cumulative_logprob = 0.0
         self.stop_reason: int | str | None = None
         self.error: str | None = None            # why it finished with FINISHED_ERROR

@@ -30,6 +30,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None           # number of top logprobs per output token (0 = sampled only)
     prompt_logprobs: int | None = None    # the same per prompt token (vLLM's; the first token has none)
+    # with prompt_logprobs: the first prompt position scored (SGLang's logprob_start_len); the ones
+    # before it are None and may come from the prefix cache (a scored position is always computed)
+    prompt_logprobs_start: int = 0
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | dict | None = None  # vLLM's: json, regex, choice, grammar, ...
     logit_bias: dict[int, float] | None = None      # token id -> added to its logit, clamped to [-100, 100]
@@ -69,6 +72,7 @@ class SamplingParams:
              f"logprobs must be in [0, {defaults.MAX_LOGPROBS}] (vLLM's max_logprobs), got {self.logprobs}"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= defaults.MAX_LOGPROBS,
              f"prompt_logprobs must be in [0, {defaults.MAX_LOGPROBS}] (vLLM's max_logprobs), got {self.prompt_logprobs}"),
+            (self.prompt_logprobs_start >= 0, f"prompt_logprobs_start must be >= 0, got {self.prompt_logprobs_start}"),
             (self.seed is None or SEED_MIN <= self.seed <= SEED_MAX, f"seed must fit in 64 bits "
              f"([{SEED_MIN}, {SEED_MAX}]), got {self.seed}"),
             (all(s for s in self.stop), "stop strings must not be empty"),

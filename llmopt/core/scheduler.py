@@ -21,8 +21,9 @@ The n samples of one prompt: only the first is queued; its siblings wait until t
 computed, then fork from it (sharing every prompt block, copy-on-write for the partial last one)
 and take their first token from the same logits row.
 
-Prompt logprobs (`SamplingParams.prompt_logprobs`): such a request reads nothing from the prefix
-cache (the positions must be computed to be scored), and each chunk asks the runner to score the
+Prompt logprobs (`SamplingParams.prompt_logprobs`): such a request reads from the prefix cache only
+the positions before the first one it scores (`prompt_logprobs_start`: a scored position must be
+computed), and each chunk asks the runner to score the
 prompt positions it computes that are not scored yet (`prompt_targets`, so a recompute after a
 preemption scores nothing twice); `update_from_output` appends what the runner returns.
 """
@@ -211,7 +212,8 @@ class Scheduler:
             if self.running and len(self.running) + group > self.max_num_seqs:
                 break
             unscored = req.prompt_logprobs is not None and len(req.prompt_logprobs) < req.num_prompt_tokens
-            hits, n_hit = ([], 0) if unscored else self.kv.get_computed_blocks(req)
+            # positions still to score must be computed: hits may cover only the ones before them
+            hits, n_hit = self.kv.get_computed_blocks(req, len(req.prompt_logprobs) - 1 if unscored else None)
             n = min(req.num_tokens - n_hit, budget)
             if not self.kv.allocate_slots(req, n, hits):
                 break

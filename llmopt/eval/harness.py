@@ -5,8 +5,10 @@ answers its three request types through the continuous-batching engine, every re
 submitted at once:
 
 - `loglikelihood`: the tokens are split as lm-eval's `hf` model splits them (TemplateLM), the last
-  `max_length + 1` tokens of context + continuation are one prompt with `prompt_logprobs`, and the
-  continuation's positions are summed; greedy when every continuation token ranks first.
+  `max_length + 1` tokens of context + continuation are one prompt with `prompt_logprobs` from the
+  continuation's first position on (`prompt_logprobs_start`), so only those rows reach the LM head
+  and a context shared by several requests (few-shot examples, the choices of one question) is
+  computed once and read from the prefix cache; greedy when every continuation token ranks first.
 - `loglikelihood_rolling`: lm-eval's own rolling windows (`get_rolling_token_windows`), each scored as
   above and summed per document.
 - `generate_until`: lm-eval's generation kwargs (`until`, `max_gen_toks`, `do_sample`, `temperature`,
@@ -91,13 +93,16 @@ class LLMoptLM(TemplateLM):
     # -- scoring ---------------------------------------------------------------------------------------
     def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         """(log P(continuation | context), greedy) per (context, continuation) token pair, all at once."""
-        prompts, n_cont = [], []
+        prompts, n_cont, params = [], [], []
         for ctx, cont in pairs:
             if not cont:
                 raise UserInputError("lm-eval sent an empty continuation to score")
-            prompts.append((ctx + cont)[-(self.max_length + 1):])
-            n_cont.append(len(cont))
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+            prompt = (ctx + cont)[-(self.max_length + 1):]
+            prompts.append(prompt)
+            n_cont.append(min(len(cont), len(prompt) - 1))
+            # only the continuation is scored; the context may come from the prefix cache
+            params.append(SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0,
+                                         prompt_logprobs_start=len(prompt) - n_cont[-1]))
         outs = self.llm.generate(prompts, params)
         results = []
         for out, n in zip(outs, n_cont):

@@ -1,8 +1,9 @@
 """Prompt logprobs (SamplingParams.prompt_logprobs, vLLM's) against transformers' float32 forward of
 each whole prompt: every position's log p(next prompt token), its rank and the top k, with the
 prompt in one chunk or many, a prefix cache already warm with the prompts' shared prefix (which a
-scored request must not read), preemption (a recompute scores nothing twice) and n > 1 samples
-(one list, the leader's). The completions stay what greedy generation gives."""
+scored request must not read, unless it scores from a later position: prompt_logprobs_start),
+preemption (a recompute scores nothing twice) and n > 1 samples (one list, the leader's). The
+completions stay what greedy generation gives."""
 
 import pytest
 import torch
@@ -68,6 +69,35 @@ def test_prompt_logprobs_match_transformers(tiny, kw):
     check_no_leak(engine)
 
 
+@pytest.mark.parametrize("kw", [dict(), dict(max_num_batched_tokens=8), dict(enable_prefix_caching=False)],
+                         ids=["one-step", "chunk8", "no-prefix-cache"])
+def test_scoring_from_a_start_position_reads_the_shared_prefix_from_the_cache(tiny, kw):
+    """prompt_logprobs_start = 20, the end of the prompts' shared prefix: positions from it on are
+    scored as transformers scores them, the ones before are None, and with prefix caching every
+    request after the first reads the prefix's full block (16 tokens) from the cache, even when all
+    are scheduled in one step."""
+    path, loaded, prompts, ref, greedy = tiny
+    engine = LLMEngine(EngineArgs(model=str(path), detokenize=False, kv_cache_memory=1 << 22, **kw), loaded=loaded)
+    params = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True, prompt_logprobs=K,
+                            prompt_logprobs_start=20)
+    outs = run_outputs(engine, prompts, params)
+    for out, p, lp, want in zip(outs, prompts, ref, greedy):
+        got = out.prompt_logprobs
+        assert len(got) == len(p) and got[:20] == [None] * 20
+        for i in range(20, len(p)):
+            assert got[i].token_id == p[i]
+            assert got[i].logprob == pytest.approx(float(lp[i - 1, p[i]]), abs=2e-4)
+            assert got[i].rank == int((lp[i - 1] > lp[i - 1, p[i]]).sum()) + 1
+            assert list(got[i].top) == torch.topk(lp[i - 1], K).indices.tolist()
+        assert out.outputs[0].token_ids == want
+    cached = [o.num_cached_tokens for o in outs]
+    assert cached == ([0] * 8 if kw.get("enable_prefix_caching") is False else [0] + [16] * 7)
+    (out,) = run_outputs(engine, [prompts[0]], SamplingParams(max_tokens=1, prompt_logprobs=0,
+                                                               prompt_logprobs_start=len(prompts[0])))
+    assert out.prompt_logprobs == [None] * len(prompts[0])       # a start past the prompt scores nothing
+    check_no_leak(engine)
+
+
 def test_n_samples_share_the_prompts_logprobs_and_zero_means_the_token_alone(tiny):
     path, loaded, prompts, ref, greedy = tiny
     engine = LLMEngine(EngineArgs(model=str(path), detokenize=False, kv_cache_memory=1 << 22), loaded=loaded)
@@ -88,3 +118,5 @@ def test_prompt_logprobs_out_of_range_are_refused():
     for bad in (-1, 21):
         with pytest.raises(UserInputError, match=r"prompt_logprobs must be in \[0, 20\]"):
             SamplingParams(prompt_logprobs=bad)
+    with pytest.raises(UserInputError, match="prompt_logprobs_start must be >= 0, got -1"):
+        SamplingParams(prompt_logprobs=0, prompt_logprobs_start=-1)
