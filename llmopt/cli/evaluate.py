@@ -6,7 +6,6 @@ import typer
 
 from llmopt.cli import common, output
 from llmopt.cli.ranges import in_range
-from llmopt.errors import UserInputError
 
 # Shown under Examples in --help (app.py registers the command); one short line each.
 EXAMPLES = [
@@ -20,7 +19,8 @@ def _fmt(v) -> str:
     return "-" if v is None else output.fmt(v)
 
 
-def _table(r):
+def task_table(r):
+    """The table of a TaskEvalResult (also in quantize's summary with --eval-tasks)."""
     from rich.table import Table
     title = f"lm-eval: {r.model}" + (f" vs base {r.base_model}" if r.base_model else "")
     t = Table(title=title, title_justify="left")
@@ -36,7 +36,7 @@ def _table(r):
                       f"{_fmt(row.base_stderr)}, {_fmt(row.stderr)}", verdict)
         else:
             t.add_row(row.task, name, _fmt(row.value), _fmt(row.stderr))
-    return [t]
+    return t
 
 
 @common.engine_options(before="json_out")
@@ -63,16 +63,12 @@ def eval_tasks(
 ) -> None:
     """Downstream accuracy with lm-evaluation-harness's own tasks, on the engine, against a base model."""
     # deferred: keep CLI start-up fast (and lm-eval is an optional extra)
-    from llmopt.eval.tasks import check_tasks, run_tasks, task_manager
+    from llmopt.eval.tasks import check_tasks, parse_limit, parse_task_names, run_tasks, task_manager
     from llmopt.fsutil import check_output_file
 
     if out_file:   # refused before any evaluation
         check_output_file(out_file, [model, base_model, include_path])
-    names = [t.strip() for t in tasks.split(",") if t.strip()]
-    if limit is not None:   # lm-eval's rule: a whole count, or a fraction of each task below 1
-        if not (0 < limit < 1 or (limit >= 1 and limit == int(limit))):
-            raise UserInputError(f"--limit {limit:g}: give a whole count >= 1 or a fraction in (0, 1)")
-        limit = int(limit) if limit >= 1 else limit
+    names, limit = parse_task_names(tasks), parse_limit(limit)
     manager = task_manager(include_path)   # bad tasks and missing data are refused before any model loads
     check_tasks(names, manager)
     stages = 2 if base_model else 1
@@ -80,4 +76,4 @@ def eval_tasks(
         result = run_tasks(model, names, base_model=base_model, limit=limit, num_fewshot=num_fewshot,
                            include_path=include_path, max_length=max_length, seed=seed,
                            progress=advance, manager=manager, **common.engine_args_from_flags(engine))
-    output.emit(result, as_json=json_out, table=_table, output=out_file)
+    output.emit(result, as_json=json_out, table=lambda r: [task_table(r)], output=out_file)

@@ -7,7 +7,9 @@ import typer
 
 from llmopt import defaults
 from llmopt.cli import common, output
+from llmopt.cli.evaluate import task_table
 from llmopt.cli.ranges import in_range
+from llmopt.errors import UserInputError
 from llmopt.validate import SEED_MAX, SEED_MIN
 
 
@@ -36,6 +38,8 @@ def _tables(r):
         tables.append(output.kv_table(f"eval-ppl {e.method} {e.window} (before -> after)", [
             ("perplexity before", e.perplexity_before), ("perplexity after", e.perplexity_after),
             ("KLD mean", e.kld_mean), ("top-1 agreement", e.top1_agreement), ("scored tokens", e.scored_tokens)]))
+    if r.task_eval:
+        tables.append(task_table(r.task_eval))
     return tables
 
 
@@ -43,6 +47,7 @@ def _tables(r):
 EXAMPLES = [
     "llmopt quantize --method awq --group-size 64 -o out/smollm2-awq",
     "llmopt quantize --recipe recipes/gptq-w4-g64.yaml -o out/gptq --eval",
+    "llmopt quantize -o out/awq --eval-tasks arc_easy --eval-task-limit 200",
 ]
 
 
@@ -89,6 +94,12 @@ def quantize(
     run_eval: bool = typer.Option(False, "--eval", help="Perplexity before and after (eval-ppl chunks, KLD vs the source)."),
     eval_limit: int = typer.Option(defaults.QUANT_EVAL_LIMIT, "--eval-limit", callback=in_range(defaults.PPL_CTX),
                                    help=f"Tokens of WikiText-2 test for --eval, >= {defaults.PPL_CTX} (one window)."),
+    eval_tasks: str = typer.Option(None, "--eval-tasks", help="Also run these lm-eval tasks (comma-separated) on "
+                                   "the output and its source, as `llmopt eval --base-model` (the `eval` extra)."),
+    eval_task_limit: float = typer.Option(None, "--eval-task-limit", help="Documents per --eval-tasks task: a count "
+                                          "(>= 1) or a fraction (< 1), as lm-eval's --limit (default: all)."),
+    eval_include_path: str = typer.Option(None, "--eval-include-path", help="A folder of lm-eval task YAML files "
+                                          "for --eval-tasks, as lm-eval's --include_path."),
     json_out: bool = common.JsonOpt,
     quiet: bool = common.QuietOpt,
 ) -> None:
@@ -97,6 +108,7 @@ def quantize(
     from llmopt.quant.evaluate import plan_quant_eval, run_quant_eval
     from llmopt.quant.pipeline import quantize_model
     from llmopt.quant.config import merge_sources
+    from llmopt.eval.tasks import check_tasks, parse_limit, parse_task_names, run_tasks, task_manager
 
     job = merge_sources(recipe, dict(
         model=model, output=out_dir, method=method, bits=bits, group_size=group_size, sym=sym,
@@ -104,6 +116,12 @@ def quantize(
         format=fmt, damp=damp,
         act_order=act_order, smoothquant_alpha=smoothquant_alpha, awq_duo_scaling=awq_duo_scaling,
         fp8_scale=fp8_scale, activations=activations))
+    if eval_tasks is None and (eval_task_limit is not None or eval_include_path is not None):
+        raise UserInputError("--eval-task-limit and --eval-include-path go with --eval-tasks")
+    if eval_tasks is not None:   # bad tasks, limits and missing data are refused before quantizing
+        names, task_limit = parse_task_names(eval_tasks, "--eval-tasks"), parse_limit(eval_task_limit, "--eval-task-limit")
+        manager = task_manager(eval_include_path)
+        check_tasks(names, manager)
     with output.progress(f"quantize {job.qconfig.method}", None, enabled=not quiet) as advance:
         result = quantize_model(job.model, job.output, job.qconfig, overwrite=overwrite, progress=advance,
                                 on_start=advance.set_total)
@@ -111,4 +129,8 @@ def quantize(
         plan = plan_quant_eval(result.source, result.output, limit=eval_limit)
         with output.progress("eval-ppl", plan.windows, enabled=not quiet) as advance:
             result.eval = run_quant_eval(plan, progress=advance)
+    if eval_tasks is not None:
+        with output.progress("lm-eval", 2, enabled=not quiet) as advance:
+            result.task_eval = run_tasks(str(result.output), names, base_model=str(result.source), limit=task_limit,
+                                         progress=advance, manager=manager)
     output.emit(result, as_json=json_out, table=_tables)

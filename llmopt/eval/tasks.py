@@ -89,6 +89,23 @@ def check_tasks(tasks: list[str], manager) -> None:
                                  "point --include-path at a task YAML with local data_files") from e
 
 
+def parse_limit(limit: float | None, flag: str = "--limit") -> int | float | None:
+    """lm-eval's --limit rule: a whole count of documents >= 1, or a fraction of each task below 1."""
+    if limit is None:
+        return None
+    if not (0 < limit < 1 or (limit >= 1 and limit == int(limit))):
+        raise UserInputError(f"{flag} {limit:g}: give a whole count >= 1 or a fraction in (0, 1)")
+    return int(limit) if limit >= 1 else limit
+
+
+def parse_task_names(tasks: str, flag: str = "--tasks") -> list[str]:
+    """Comma-separated task names (empty entries dropped)."""
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    if not names:
+        raise UserInputError(f"{flag} is empty: name at least one lm-eval task")
+    return names
+
+
 def _jsonable(results: dict) -> dict:
     kept = {k: results[k] for k in LM_EVAL_KEYS if k in results}
     return json.loads(json.dumps(kept, default=str))

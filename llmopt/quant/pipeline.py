@@ -29,6 +29,7 @@ from llmopt.models.llama import DecoderLayer, rope_cos_sin, rope_inv_freq
 from llmopt.models.loader import DTYPES, load_tokenizer, resolve_checkpoint, safetensors_files
 from llmopt.quant.calib import load_calibration
 from llmopt.quant.checkpoint import CheckpointReader, save_shard, write_metadata
+from llmopt.eval.tasks import TaskEvalResult
 from llmopt.quant.evaluate import QuantEval
 from llmopt.quant.formats import pack_linear, quantization_config
 from llmopt.quant.layerwise import LINEARS, LayerContext, quantize_layer
@@ -61,6 +62,7 @@ class QuantizeResult:
     max_rel_error: float
     layers: list[LayerReport] = field(default_factory=list)
     eval: QuantEval | None = None      # llmopt.quant.evaluate, when asked for (`llmopt quantize --eval`)
+    task_eval: TaskEvalResult | None = None  # lm-eval tasks against the source (`llmopt quantize --eval-tasks`)
     group_size_reason: str | None = None   # how an auto group size was picked ("auto: 128 does not divide 576")
 
 

@@ -27,12 +27,12 @@ def tasks(lm_eval_tasks):
     return lm_eval_tasks
 
 
-def _evaluate(model, model_args, tasks_folder):
+def _evaluate(model, model_args, tasks_folder, names=TASKS):
     import lm_eval
     from lm_eval.tasks import TaskManager
     import llmopt.eval.harness  # noqa: F401  registers the `llmopt` model
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=TASKS,
+    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=names,
                                    task_manager=TaskManager(include_path=str(tasks_folder)), log_samples=True,
                                    batch_size=2, random_seed=0, numpy_random_seed=0, torch_random_seed=0,
                                    fewshot_random_seed=0)
@@ -145,3 +145,37 @@ def test_llmopt_eval_bad_input_is_one_line_and_exit_2(tiny, tasks, tmp_path, mon
     monkeypatch.setitem(sys.modules, "lm_eval", None)
     with pytest.raises(Exception, match=r"pip install 'llmopt\[eval\]'"):
         eval_tasks.run_tasks(str(tiny), ["llmopt_mc"])
+
+
+def test_quantize_eval_tasks_compares_the_output_with_its_source(tiny, tasks, hf_result, tmp_path):
+    """`quantize --eval-tasks`: the source's row is lm-eval's hf model on the source, the output's row
+    lm-eval's hf model on the written (dequantized-format) checkpoint."""
+    out = tmp_path / "rtn"
+    res = _cli(["quantize", "-m", str(tiny), "--method", "rtn", "--group-size", "16", "--format", "dequantized",
+                "--num-samples", "2", "--seq-len", "16", "-o", str(out), "--eval-tasks", "llmopt_mc",
+                "--eval-include-path", str(tasks), "--json", "-q"])
+    assert res.exit_code == 0, res.output
+    got = {r["metric"]: r for r in json.loads(res.stdout)["task_eval"]["rows"] if r["task"] == "llmopt_mc"}
+    want = _evaluate("hf", {"pretrained": str(out), "dtype": "float32", "max_length": MAX_LENGTH, "device": "cpu"},
+                     tasks)["results"]
+    for metric in ("acc", "acc_norm"):
+        assert got[metric]["base_value"] == pytest.approx(hf_result["results"]["llmopt_mc"][f"{metric},none"])
+        assert got[metric]["value"] == pytest.approx(want["llmopt_mc"][f"{metric},none"])
+    for args, message in [(["--eval-tasks", "nope_task"], "nope_task"),
+                          (["--eval-tasks", "llmopt_mc", "--eval-task-limit", "1.5"], "--eval-task-limit 1.5"),
+                          (["--eval-task-limit", "3"], "go with --eval-tasks")]:
+        include = ["--eval-include-path", str(tasks)] if "--eval-tasks" in args else []
+        res = _cli(["quantize", "-m", str(tiny), "--method", "rtn", "-o", str(tmp_path / "x"), *args, *include])
+        assert res.exit_code == 2 and message in res.output, res.output
+        assert not (tmp_path / "x").exists()                 # refused before quantizing
+
+
+def test_default_model_generates_what_lm_evals_hf_model_generates(tasks):
+    """generate_until on the real default model (greedy, stop string "."): the same text per prompt."""
+    from llmopt.models.loader import resolve_checkpoint
+    folder = str(resolve_checkpoint(None))
+    ours = _evaluate("llmopt", {"model": folder, "dtype": "float32"}, tasks, ["llmopt_gen"])
+    hf = _evaluate("hf", {"pretrained": folder, "dtype": "float32", "device": "cpu"}, tasks, ["llmopt_gen"])
+    got, want = _responses(ours, "llmopt_gen"), _responses(hf, "llmopt_gen")
+    assert len(got) == 4 and any(r[0][0].strip() for r in want)   # something was generated
+    assert got == want
