@@ -244,6 +244,19 @@ class ModelRunner:
             return f.run(ids, positions, a if decode else f.rows_context(a, seq_idx, positions),
                          self.key_caches, self.value_caches, None if every else logit_rows), {}
         hidden = self.model(ids, positions.to(dev, non_blocking=True), a)
-        scored = {s.request_id: score_tokens(self.model, hidden[row:row + len(s.prompt_targets)],
-                                             torch.tensor(s.prompt_targets), s.prompt_top_k) for row, s in scoring}
-        return self.model.compute_logits(hidden[logit_rows.to(dev)]).float(), scored
+        return self.model.compute_logits(hidden[logit_rows.to(dev)]).float(), self._score(hidden, scoring)
+
+    def _score(self, hidden: torch.Tensor, scoring: list) -> dict[str, ScoredTokens]:
+        """The step's scored rows of every request asking the same top k, through the LM head at
+        once (one pass over its weights, not one per request), split back per request."""
+        scored: dict[str, ScoredTokens] = {}
+        for k in sorted({s.prompt_top_k for _, s in scoring}):
+            group = [(row, s) for row, s in scoring if s.prompt_top_k == k]
+            rows = torch.cat([torch.arange(row, row + len(s.prompt_targets)) for row, s in group])
+            targets = torch.tensor([t for _, s in group for t in s.prompt_targets])
+            got = score_tokens(self.model, hidden[rows.to(hidden.device)], targets, k)
+            sizes = [len(s.prompt_targets) for _, s in group]
+            parts = zip(*(x.split(sizes) for x in (got.logprobs, got.ranks, got.top_ids, got.top_logprobs)))
+            for (_, s), part in zip(group, parts):
+                scored[s.request_id] = ScoredTokens(*part)
+        return scored
