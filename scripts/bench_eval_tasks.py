@@ -27,7 +27,8 @@ import torch
 
 from llmopt import defaults
 from llmopt.eval.data import load_text_dataset
-from llmopt.eval.tasks import _lm_eval
+from llmopt.eval.tasks import task_manager
+from llmopt.models.loader import resolve_checkpoint
 
 CHOICE_WORDS = 12
 
@@ -76,14 +77,14 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--order", choices=("hf-first", "ours-first"), default="hf-first")
     a = ap.parse_args()
-    lm_eval, TaskManager = _lm_eval()
-    from llmopt.eval.harness import LLMoptLM      # registers the `llmopt` lm-eval model
-    from llmopt.models.loader import resolve_checkpoint
-    from lm_eval.models.huggingface import HFLM
 
     with tempfile.TemporaryDirectory() as tmp:
         task = write_task(Path(tmp), a.questions, a.context_words, a.seed, a.fewshot_sampler)
-        manager = TaskManager(include_path=tmp)
+        manager = task_manager(tmp)               # lm-eval's TaskManager, offline
+        # imported after task_manager, which sets the offline switches datasets reads at import
+        import lm_eval
+        from lm_eval.models.huggingface import HFLM
+        from llmopt.eval.harness import LLMoptLM      # registers the `llmopt` lm-eval model
         folder = resolve_checkpoint(a.model)      # the HF folder llmopt resolved (the converted default GGUF)
 
         def evaluate(make):

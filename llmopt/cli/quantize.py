@@ -119,9 +119,9 @@ def quantize(
     if eval_tasks is None and (eval_task_limit is not None or eval_include_path is not None):
         raise UserInputError("--eval-task-limit and --eval-include-path go with --eval-tasks")
     if eval_tasks is not None:   # bad tasks, limits and missing data are refused before quantizing
-        names, task_limit = parse_task_names(eval_tasks, "--eval-tasks"), parse_limit(eval_task_limit, "--eval-task-limit")
+        names, task_limit = parse_task_names(eval_tasks), parse_limit(eval_task_limit, "--eval-task-limit")
         manager = task_manager(eval_include_path)
-        check_tasks(names, manager)
+        check_tasks(names, manager, "--eval-tasks")
     with output.progress(f"quantize {job.qconfig.method}", None, enabled=not quiet) as advance:
         result = quantize_model(job.model, job.output, job.qconfig, overwrite=overwrite, progress=advance,
                                 on_start=advance.set_total)

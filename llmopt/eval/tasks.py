@@ -71,10 +71,10 @@ def task_manager(include_path: str | None):
     return TaskManager(include_path=include_path)
 
 
-def check_tasks(tasks: list[str], manager) -> None:
+def check_tasks(tasks: list[str], manager, flag: str = "--tasks") -> None:
     """Each name is a task, group or tag lm-eval knows, and its data loads offline; else one line."""
     if not tasks:
-        raise UserInputError("--tasks is empty: name at least one lm-eval task")
+        raise UserInputError(f"{flag} is empty: name at least one lm-eval task")
     known = set(manager.all_tasks)
     for name in tasks:
         if name not in known:
@@ -98,12 +98,9 @@ def parse_limit(limit: float | None, flag: str = "--limit") -> int | float | Non
     return int(limit) if limit >= 1 else limit
 
 
-def parse_task_names(tasks: str, flag: str = "--tasks") -> list[str]:
-    """Comma-separated task names (empty entries dropped)."""
-    names = [t.strip() for t in tasks.split(",") if t.strip()]
-    if not names:
-        raise UserInputError(f"{flag} is empty: name at least one lm-eval task")
-    return names
+def parse_task_names(tasks: str) -> list[str]:
+    """Comma-separated task names (empty entries dropped; `check_tasks` refuses an empty list)."""
+    return [t.strip() for t in tasks.split(",") if t.strip()]
 
 
 def _jsonable(results: dict) -> dict:
