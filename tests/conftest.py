@@ -139,3 +139,26 @@ def lm_eval_tasks(tmp_path_factory, shared_data) -> Path:
                 f"dataset_kwargs: {{data_files: {{test: {folder / (name + '.jsonl')}}}}}\ntest_split: test\n")
         (folder / f"llmopt_{name}.yaml").write_text(head + textwrap.dedent("            " + spec) + "\n")
     return folder
+
+
+@pytest.fixture
+def idot_path(request):
+    """Sets the integer tiles' path named by the test's parameter (idot_util.IDOT_PATHS)."""
+    import torch
+    from idot_util import IDOT_PATHS
+    from llmopt import defaults
+    isa, panel = IDOT_PATHS[request.param]
+    torch.ops.llmopt_cpu.tiles_config(isa, panel)
+    yield request.param
+    torch.ops.llmopt_cpu.tiles_config(-1, defaults.CPU_IDOT_PANEL_MIN_ROWS)
+
+
+@pytest.fixture(scope="session")
+def smollm2_float(tmp_path_factory) -> Path:
+    """The default model's GGUF dequantized to a float32 safetensors folder (the engine runs the file
+    as stored): the transformers and lm-eval `hf` reference of the tests on the real model."""
+    from llmopt import defaults
+    from llmopt.models.config import builtin_gguf
+    from llmopt.models.gguf_convert import convert_gguf
+    return convert_gguf(builtin_gguf(defaults.DEFAULT_MODEL), tmp_path_factory.mktemp("smollm2") / "float",
+                        weights=True)

@@ -1,6 +1,7 @@
 """A tiny llama GGUF written with the gguf package's GGUFWriter from a transformers model (q/k rows
 permuted as llama.cpp's converter does, a byte-level BPE vocabulary of 97 tokens, BOS 95, EOS 96),
-for the loader and GGUF-cache tests."""
+for the loader and GGUF-cache tests; its 2-D weights optionally in a GGML block type: the gguf
+package's reference quantizers where it has one, else (K-quants) random blocks of sane scales."""
 
 from __future__ import annotations
 
@@ -26,7 +27,36 @@ def _gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{inverse['.'.join(mod)]}.{param}"
 
 
-def write_tiny_gguf(path, hf):
+# block scales that keep random K-quant weights at |w| ~ 0.1-1: (d, dmin) ranges per type
+_K_SCALES = {"Q4_K": (4e-4, 4e-4), "Q5_K": (2e-4, 2e-4), "Q6_K": (6e-5, None)}
+
+
+def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """uint8 [rows, bytes a row] of valid K-quant blocks: random codes and sub-block scales, the
+    fp16 super-block scales drawn in a range that gives weights of order 0.1."""
+    import gguf
+    from llmopt.layers.formats.ggml import BLOCKS
+    rng = np.random.default_rng(seed)
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+    raw = rng.integers(0, 256, (rows, cols // block * size), dtype=np.uint8)
+    b = raw.view(BLOCKS[type_name])
+    d, dmin = _K_SCALES[type_name]
+    b["d"] = rng.uniform(-d, d, b["d"].shape).astype(np.float16)
+    if dmin is not None:
+        b["dmin"] = rng.uniform(0, dmin, b["dmin"].shape).astype(np.float16)
+    return b.view(np.uint8).reshape(rows, -1)
+
+
+def ggml_bytes(a: np.ndarray, type_name: str, seed: int = 0) -> np.ndarray:
+    """A float matrix in a GGML block type: quantized by the gguf package, or random K-quant blocks
+    of its shape."""
+    import gguf
+    if type_name in _K_SCALES:
+        return random_blocks(type_name, a.shape[0], a.shape[1], seed)
+    return gguf.quants.quantize(a, gguf.GGMLQuantizationType[type_name])
+
+
+def write_tiny_gguf(path, hf, qtype: str | None = None):
     import gguf
     from transformers.convert_slow_tokenizer import bytes_to_unicode
     c = hf.config
@@ -51,13 +81,18 @@ def write_tiny_gguf(path, hf):
     w.add_token_merges([f"{b2u[32]} t"])
     w.add_bos_token_id(95)
     w.add_eos_token_id(96)
-    for name, t in hf.state_dict().items():
+    for i, (name, t) in enumerate(hf.state_dict().items()):
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
         a = t.float().numpy().copy()
         if name.endswith("q_proj.weight"):
             a = _llama_cpp_permute(a, c.num_attention_heads)
         elif name.endswith("k_proj.weight"):
             a = _llama_cpp_permute(a, c.num_key_value_heads)
-        w.add_tensor(_gguf_name(name), a)
+        if qtype is not None and a.ndim == 2:
+            w.add_tensor(_gguf_name(name), ggml_bytes(a, qtype, seed=i), raw_dtype=gguf.GGMLQuantizationType[qtype])
+        else:
+            w.add_tensor(_gguf_name(name), a)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -11,36 +11,10 @@ import torch
 
 from llmopt import defaults
 from llmopt.kernels import cpu_quant
+from idot_util import IDOT_PATHS, quantize_x
 from quant_util import quantization_config, rtn, write_quantized
 
 pytestmark = pytest.mark.skipif(cpu_quant.ops() is None, reason="needs the C++ kernels (g++, AVX2)")
-
-
-def _has_vnni() -> bool:
-    ops = cpu_quant.ops()
-    if ops is None:
-        return False
-    try:
-        ops.tiles_config(1)
-        return True
-    except RuntimeError:
-        return False
-    finally:
-        ops.tiles_config(-1)
-
-
-# the integer kernels: (instruction set, linears of at least this many rows as panels)
-IDOT_PATHS = {"avx2-tiles": (0, 10**6)}
-if _has_vnni():
-    IDOT_PATHS |= {"vnni-tiles": (1, 10**6), "vnni-panels": (1, 1)}
-
-
-@pytest.fixture
-def idot_path(request):
-    isa, panel = IDOT_PATHS[request.param]
-    torch.ops.llmopt_cpu.tiles_config(isa, panel)
-    yield request.param
-    torch.ops.llmopt_cpu.tiles_config(-1, defaults.CPU_IDOT_PANEL_MIN_ROWS)
 
 
 def _engine(path, quantization=None, lm_head_dtype="auto", **kw):
@@ -204,15 +178,6 @@ def test_cpu_decode_quantized_checkpoints(tiny_factory, tmp_path, name):
         assert 1e-4 < _rel(got, want) <= 0.05
 
 
-def _quantize_x(x: torch.Tensor) -> torch.Tensor:
-    """Per 32 columns: q = round(x * 127 / max|x|) (float32 products, half to even), as float64 q * d."""
-    b = x.view(x.shape[0], -1, 32)
-    amax = b.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-    q = torch.round(b * inv)
-    return (q.double() * (amax / 127).double()).view_as(x)
-
-
 @pytest.mark.parametrize("idot_path", list(IDOT_PATHS), indirect=True)
 @pytest.mark.parametrize("kind,gs", [("int8", 576), ("int8", 64), ("int4", 32), ("int4", 64), ("int4", 128)])
 @pytest.mark.parametrize("m", [1, 3, 16, 21])
@@ -236,7 +201,7 @@ def test_integer_tiles_equal_float64_of_quantized_activations(idot_path, kind, g
         packed, code = cpu_quant.pack_int4(q), 2
     w = w.reshape(n, k)
     y = torch.ops.llmopt_cpu.idot_gemm(x, packed, scales, szeros, gs, code)
-    want = _quantize_x(x) @ w.t()
+    want = quantize_x(x) @ w.t()
     assert float((y.double() - want).abs().max() / want.abs().max()) <= 2e-6
     assert float(((x.double() @ w.t()) - want).abs().max() / want.abs().max()) > 1e-4   # the rounding is real
 

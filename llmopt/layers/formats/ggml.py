@@ -1,0 +1,132 @@
+"""GGML's block formats (the tensors of a GGUF file) as plain structs, decoded into the grouped
+integer form the CPU kernels multiply: w = codes * scale - szero, per group of `gs` columns.
+
+Every format below maps onto that form exactly (its block scale, and its minimum or implied zero
+point, are fp16 numbers times small integers, exact in float32), so a GGUF layer runs on the int4
+tiles (4-bit codes) or the int8 tiles (5, 6 and 8-bit codes) of llmopt.kernels.cpu_quant with no
+float copy of the weight. Layouts follow ggml-common.h: each struct is one block of a row.
+
+| type | values a block | code bits | group | w                         |
+|------|---------------:|----------:|------:|---------------------------|
+| Q4_0 |             32 |         4 |    32 | (q - 8) * d               |
+| Q4_1 |             32 |         4 |    32 | q * d + m                 |
+| Q5_0 |             32 |         5 |    32 | (q - 16) * d              |
+| Q5_1 |             32 |         5 |    32 | q * d + m                 |
+| Q8_0 |             32 |  8 signed |    32 | q * d                     |
+| Q4_K |            256 |         4 |    32 | q * d * sc - dmin * mn    |
+| Q5_K |            256 |         5 |    32 | q * d * sc - dmin * mn    |
+| Q6_K |            256 |         6 |    16 | (q - 32) * d * sc         |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from llmopt.ggml_types import BITS
+
+_F16 = "<f2"
+BLOCKS = {   # type name -> one block as a numpy struct (field order and sizes as ggml-common.h)
+    "Q4_0": np.dtype([("d", _F16), ("qs", "u1", 16)]),
+    "Q4_1": np.dtype([("d", _F16), ("m", _F16), ("qs", "u1", 16)]),
+    "Q5_0": np.dtype([("d", _F16), ("qh", "u1", 4), ("qs", "u1", 16)]),
+    "Q5_1": np.dtype([("d", _F16), ("m", _F16), ("qh", "u1", 4), ("qs", "u1", 16)]),
+    "Q8_0": np.dtype([("d", _F16), ("qs", "i1", 32)]),
+    "Q4_K": np.dtype([("d", _F16), ("dmin", _F16), ("scales", "u1", 12), ("qs", "u1", 128)]),
+    "Q5_K": np.dtype([("d", _F16), ("dmin", _F16), ("scales", "u1", 12), ("qh", "u1", 32), ("qs", "u1", 128)]),
+    "Q6_K": np.dtype([("ql", "u1", 128), ("qh", "u1", 64), ("scales", "i1", 16), ("d", _F16)]),
+}
+
+
+@dataclass
+class GroupedCodes:
+    """W [rows, cols] = codes * scales - szeros per group of `group_size` columns; codes uint8 in
+    [0, 2**bits) (int8 for Q8_0, whose szeros are empty); scales, szeros float32 [rows, cols / gs]."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    szeros: torch.Tensor
+    bits: int
+    group_size: int
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.codes.shape
+        w = self.codes.float().view(n, k // self.group_size, self.group_size) * self.scales[..., None]
+        if self.szeros.numel():
+            w = w - self.szeros[..., None]
+        return w.view(n, k)
+
+
+def _t(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def _f32(a: np.ndarray) -> torch.Tensor:
+    return _t(a.astype(np.float32))
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32] codes: the low nibbles are values 0-15, the high ones 16-31."""
+    return np.concatenate((qs & 0xF, qs >> 4), axis=-1)
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1: 4 bytes (a little-endian uint32) -> bit j of value j, [..., 32], as << 4."""
+    bits = np.unpackbits(qh, axis=-1, bitorder="little")
+    return bits << 4
+
+
+def _k_scales(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K: 12 bytes -> the 8 sub-blocks' 6-bit scales and mins (ggml's get_scale_min_k4)."""
+    sc = sc.astype(np.uint8)
+    lo_s, lo_m = sc[..., 0:4] & 63, sc[..., 4:8] & 63
+    hi_s = (sc[..., 8:12] & 0xF) | ((sc[..., 0:4] >> 6) << 4)
+    hi_m = (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)
+    return np.concatenate((lo_s, hi_s), -1), np.concatenate((lo_m, hi_m), -1)
+
+
+def decode(type_name: str, raw: np.ndarray, cols: int) -> GroupedCodes:
+    """A tensor's rows of blocks (uint8 [rows, bytes a row], e.g. a GGUFReader tensor's data) as
+    grouped codes [rows, cols]."""
+    if type_name not in BLOCKS:
+        raise ValueError(f"GGML type {type_name} has no grouped-integer decoder")
+    rows = raw.shape[0]
+    b = np.ascontiguousarray(raw).reshape(rows, -1).view(BLOCKS[type_name])   # [rows, blocks]
+    d = b["d"].astype(np.float32)
+    empty = torch.empty(0)
+    if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        q = _nibbles(b["qs"])
+        if type_name.startswith("Q5"):
+            q = q | _high_bits(b["qh"])
+        if type_name.endswith("_0"):
+            szero = d * (8 if type_name == "Q4_0" else 16)
+        else:
+            szero = -b["m"].astype(np.float32)
+        return GroupedCodes(_t(q.reshape(rows, cols)), _f32(d), _f32(szero), BITS[type_name], 32)
+    if type_name == "Q8_0":
+        return GroupedCodes(_t(b["qs"].reshape(rows, cols)), _f32(d), empty, 8, 32)
+    if type_name in ("Q4_K", "Q5_K"):
+        qs = b["qs"].reshape(rows, -1, 4, 32)              # 4 chunks of 64 values: low then high nibbles
+        q = np.stack((qs & 0xF, qs >> 4), axis=3)          # [rows, blocks, chunk, half, 32]
+        if type_name == "Q5_K":                            # bit 2j (low half) and 2j + 1 (high) of qh
+            qh = b["qh"][:, :, None, None, :]
+            shift = (2 * np.arange(4)[:, None] + np.arange(2)[None, :]).astype(np.uint8)[None, None, :, :, None]
+            q = q | (((qh >> shift) & 1) << 4)
+        sc, mn = _k_scales(b["scales"])
+        dmin = b["dmin"].astype(np.float32)
+        scale = d[..., None] * sc.astype(np.float32)       # [rows, blocks, 8]
+        szero = dmin[..., None] * mn.astype(np.float32)
+        return GroupedCodes(_t(q.reshape(rows, cols)), _f32(scale.reshape(rows, -1)),
+                            _f32(szero.reshape(rows, -1)), BITS[type_name], 32)
+    # Q6_K: two halves of 128 values; in each, value 32k + l takes ql[l + 32 (k & 1)]'s low (k < 2)
+    # or high nibble and bits 2k, 2k + 1 of qh[l]
+    ql = b["ql"].reshape(rows, -1, 2, 2, 32)               # [rows, blocks, half, k & 1, l]
+    qh = b["qh"].reshape(rows, -1, 2, 1, 32)
+    lo = np.concatenate((ql & 0xF, ql >> 4), axis=3)       # k = 0, 1, 2, 3
+    shift = (2 * np.arange(4)).astype(np.uint8)[None, None, None, :, None]
+    q = lo | (((qh >> shift) & 3) << 4)
+    scale = d[..., None] * b["scales"].astype(np.float32)  # [rows, blocks, 16]
+    return GroupedCodes(_t(q.reshape(rows, cols)), _f32(scale.reshape(rows, -1)),
+                        _f32(32 * scale.reshape(rows, -1)), 6, 16)

@@ -1,0 +1,98 @@
+"""GGML's block formats as the CPU kernels run them (llmopt.layers.formats.ggml, GGMLLinear):
+decoded exactly as the gguf package's own dequantizers decode them, multiplied equal to a float64
+product of those dequantized weights (float activations: within float32 rounding; int8
+activations: equal to the float64 product of the quantized activations), for M = 1, 3, 16, 64 and
+widths of odd block counts. Tensors are quantized by the gguf package's reference quantizers, or
+(K-quants, which it cannot quantize) random blocks of sane scales."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from gguf_util import ggml_bytes
+from idot_util import IDOT_PATHS, quantize_x
+from llmopt import defaults
+from llmopt.kernels import cpu_quant
+from llmopt.ggml_types import RUN_TYPES, held_bytes
+from llmopt.layers.formats.ggml import BLOCKS, decode
+from llmopt.layers.modules_ggml import GGMLEmbedding, GGMLLinear
+
+pytestmark = pytest.mark.skipif(cpu_quant.ops() is None, reason="needs the C++ kernels (g++, AVX2)")
+
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+# (type, in_features): 576 = 9 x 64 (int4 tiles), 352 = 11 x 32 (4-bit codes on the int8 tiles), 768 = 3 x 256
+SHAPES = [(t, k) for t in RUN_TYPES if t not in K_QUANTS for k in (576, 352)] + [(t, 768) for t in K_QUANTS]
+
+
+def _tensor(type_name: str, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
+    """(the blocks, the gguf package's dequantization of them as float64 [n, k])."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.2
+    raw = ggml_bytes(w, type_name, seed)
+    ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name])
+    return raw, torch.from_numpy(np.asarray(ref, dtype=np.float64)).reshape(n, k)
+
+
+def test_every_run_type_has_its_block_struct_of_ggml_size():
+    assert tuple(BLOCKS) == RUN_TYPES
+    for name, struct in BLOCKS.items():
+        assert struct.itemsize == gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]][1]
+
+
+@pytest.mark.parametrize("type_name,k", SHAPES)
+def test_decode_equals_the_gguf_dequantizers(type_name, k):
+    raw, ref = _tensor(type_name, 7, k)
+    g = decode(type_name, raw, k)
+    assert g.codes.shape == (7, k) and int(g.codes.min()) >= (-127 if type_name == "Q8_0" else 0)
+    assert int(g.codes.max()) < (128 if type_name == "Q8_0" else 2 ** g.bits)
+    assert torch.equal(g.dequantize().double(), ref)
+    lin = GGMLLinear(g, type_name)
+    assert lin._cpu[0] == ("w4" if g.bits == 4 and k % 64 == 0 else "w8")
+    assert torch.equal(lin.dequantized().double(), ref)
+    held = sum(b.numel() * b.element_size() for b in lin.buffers())
+    assert held == held_bytes(type_name, (7, k))           # what kv-estimate counts for it
+
+
+@pytest.mark.parametrize("type_name,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 3, 16, 64])
+def test_float_activations_equal_float64_of_the_dequantized_weight(type_name, k, m):
+    raw, ref = _tensor(type_name, 43, k, seed=m)   # 43 rows: a partial tile
+    lin = GGMLLinear(decode(type_name, raw, k), type_name)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    y = lin(x)
+    want = x.double() @ ref.t()
+    assert y.dtype == torch.float32 and y.shape == (m, 43)
+    assert float((y.double() - want).abs().max() / want.abs().max()) <= 2e-6
+
+
+@pytest.mark.parametrize("idot_path", list(IDOT_PATHS), indirect=True)
+@pytest.mark.parametrize("type_name", [t for t in RUN_TYPES if t != "Q6_K"])   # Q6_K: groups of 16, float tiles
+@pytest.mark.parametrize("m", [1, 3, 16, 64])
+def test_int8_activations_equal_float64_of_the_quantized_activations(idot_path, type_name, m):
+    k = 768 if type_name in K_QUANTS else 576
+    raw, ref = _tensor(type_name, 43, k, seed=m)
+    lin = GGMLLinear(decode(type_name, raw, k), type_name)
+    kind, gs = lin._cpu
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
+    y = torch.ops.llmopt_cpu.idot_gemm(x, lin.cpu_codes, lin.cpu_scales, lin.cpu_szeros, gs,
+                                       2 if kind == "w4" else 1)
+    exact = x.double() @ ref.t()
+    if idot_path == "avx2-tiles" and m >= defaults.CPU_F32_PANEL_MIN_ROWS:   # without VNNI: the float panels
+        assert float((y.double() - exact).abs().max() / exact.abs().max()) <= 2e-6
+        return
+    want = quantize_x(x) @ ref.t()
+    assert float((y.double() - want).abs().max() / want.abs().max()) <= 2e-6
+    assert float((exact - want).abs().max() / want.abs().max()) > 1e-4   # the rounding is real
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q6_K"])
+def test_embedding_rows_are_the_dequantized_rows(type_name):
+    k = 768 if type_name in K_QUANTS else 576
+    raw, ref = _tensor(type_name, 50, k)
+    table = GGMLLinear(decode(type_name, raw, k), type_name)
+    emb = GGMLEmbedding(table, torch.float32, owner=True)
+    ids = torch.tensor([[3, 0, 49], [7, 7, 1]])
+    assert torch.equal(emb(ids).double(), ref[ids])
+    assert [n for n, _ in emb.named_buffers()] == ["own.cpu_codes", "own.cpu_scales", "own.cpu_szeros"]
