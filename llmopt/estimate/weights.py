@@ -17,7 +17,9 @@ On the CPU (device "cpu") the figure is what llmopt's engine keeps resident: gro
 codes with a float32 scale and a float32 scaled zero per group (the layout of
 llmopt/kernels/cpu_quant), and for quantized weights the head, or the tied embedding it shares,
 as int8 per row + a float32 scale per row (--lm-head-dtype auto); a quantized checkpoint's folder
-is then counted from its config, not its stored tensors.
+is then counted from its config, not its stored tensors. A GGUF file on the CPU is counted as the
+engine holds it (llmopt.ggml_types.held_bytes: its block types repacked with float32 group
+scales, other types dequantized to float32).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from math import ceil
 
 from llmopt import defaults
 from llmopt.errors import UserInputError
+from llmopt.ggml_types import held_bytes
 from llmopt.estimate.kv import tp_split
 from llmopt.estimate.arch import ModelArch
 from llmopt.estimate.params import Param, count_params, model_params
@@ -145,6 +148,8 @@ def weight_memory(arch: ModelArch, fmt: str = "auto", group_size: int | None = N
     if fmt == "auto" and arch.tensors and not (cpu and arch.quantization_config):
         tied_head = arch.tie_word_embeddings
         tensors = [t for t in arch.tensors if not (tied_head and t.name in ("lm_head.weight", "output.weight"))]
+        if cpu and arch.source in ("gguf", "builtin") and tp == 1:   # a GGUF as the CPU engine holds it
+            tensors = [TensorInfo(t.name, t.shape, t.dtype, held_bytes(t.dtype, t.shape)) for t in tensors]
         by: dict[str, int] = {}
         for t in tensors:
             by[_file_group(t.name)] = by.get(_file_group(t.name), 0) + t.nbytes

@@ -1,6 +1,8 @@
-"""GGUF (llama architecture) -> Hugging Face checkpoint folder: dequantized safetensors, config.json,
-tokenizer files. The folder is cached, so converting happens once per file content, and a damaged
-cached folder is detected and rebuilt (see `cached_conversion`)."""
+"""GGUF (llama architecture) -> Hugging Face checkpoint folder: config.json, generation_config.json
+and the tokenizer files, cached once per file content (a damaged cached folder is detected and
+rebuilt: `cached_conversion`). The cache holds no weights: the engine reads them from the GGUF file
+(llmopt.models.gguf_weights). `convert_gguf(..., weights=True)` writes a complete float32
+safetensors checkpoint instead, for tools that need one (transformers, lm-eval's `hf` model)."""
 
 from __future__ import annotations
 
@@ -11,63 +13,24 @@ import shutil
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
 
 from llmopt.errors import ModelLoadError, UserInputError
 from llmopt.fsutil import (MARKER, apply_umask, clean_stale, file_sha256, replace_folder, temp_path, write_atomic,
                            write_marker)
 from llmopt.models.config import gguf_hf_config
+from llmopt.models.gguf_file import read_header
+from llmopt.models.gguf_weights import GGUFFile, dequantized, hf_name
 
-CONVERTER_VERSION = 3   # 3: cache keyed by the GGUF's content, manifest (sizes, sha256) in llmopt.json
+CONVERTER_VERSION = 4   # 3: keyed by the GGUF's content, manifest in llmopt.json; 4: no weights (run as stored)
 
-_TENSOR_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-}
-
-
-def hf_name(gguf_name: str) -> str:
-    if gguf_name in _TENSOR_NAMES:
-        return _TENSOR_NAMES[gguf_name]
-    parts = gguf_name.split(".")
-    if parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
-    raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r}")
-
-
-def unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """llama.cpp stores q/k rows interleaved for its RoPE; undo it for rotate-half RoPE."""
-    out = w.shape[0]
-    return w.reshape(n_head, out // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def reader_metadata(reader) -> dict:
-    """A gguf.GGUFReader's metadata as key -> value, string arrays (the vocabulary) left out."""
-    import gguf
-    meta = {}
-    for key, f in reader.fields.items():
-        if f.types and f.types[0] == gguf.GGUFValueType.ARRAY and f.types[-1] == gguf.GGUFValueType.STRING:
-            continue
-        meta[key] = f.contents()
-    return meta
-
-
-def gguf_config(reader) -> dict:
+def gguf_config(path: Path) -> dict:
     """The config.json of the converted folder: models/config.py's gguf_hf_config, the mapping
     kv-estimate reads GGUF headers with too."""
-    meta = reader_metadata(reader)
-    arch = meta.get("general.architecture")
+    h = read_header(path)
+    arch = h.meta.get("general.architecture")
     if arch != "llama":
         raise ModelLoadError(f"GGUF architecture {arch!r} is not supported: llmopt reads llama-architecture GGUF files")
-    return gguf_hf_config(meta, [(t.name, tuple(int(s) for s in reversed(t.shape))) for t in reader.tensors])
+    return gguf_hf_config(h.meta, [(t.name, t.shape) for t in h.tensors])
 
 
 # -- the conversion cache ----------------------------------------------------------------------------
@@ -84,6 +47,7 @@ _HASH_EACH_USE = 16 << 20  # files up to this size are re-hashed on each use (co
 _LEGACY_TMP = re.compile(r"^\..+\.[a-z0-9_]{8}$")   # converter 2's tempfile.mkdtemp leftovers
 _OURS = re.compile(r"^\..+\.(tmp|old)\d+$")             # fsutil's PID-named temporaries
 _LEGACY_AGE_S = 3600
+_OLD_VERSION = re.compile(rf"^gguf-[0-9a-f]+-v(?!{CONVERTER_VERSION}$)\d+$")
 
 log = logging.getLogger("llmopt.models")
 
@@ -152,8 +116,9 @@ def _manifest(folder: Path) -> dict:
 
 
 def _clean_cache_dir(cache_dir: Path) -> None:
-    """Leftovers of dead conversions (`.NAME.tmp<PID>`), and converter 2's random-named temporaries
-    once they are an hour old (a conversion takes minutes; a live one is never that old)."""
+    """Leftovers of dead conversions (`.NAME.tmp<PID>`), converter 2's random-named temporaries
+    once they are an hour old (a conversion takes minutes; a live one is never that old), and the
+    folders of older converter versions."""
     clean_stale(cache_dir)
     now = time.time()
     for p in cache_dir.iterdir():
@@ -161,23 +126,22 @@ def _clean_cache_dir(cache_dir: Path) -> None:
             if _LEGACY_TMP.match(p.name) and not _OURS.match(p.name) and p.is_dir() \
                     and now - p.stat().st_mtime > _LEGACY_AGE_S:
                 shutil.rmtree(p, ignore_errors=True)
+            elif _OLD_VERSION.match(p.name) and p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)   # an older converter's folder (v3's held float weights)
         except OSError:
             continue
 
 
-def convert_gguf(path: Path, out_dir: Path, progress=None, sha256: str | None = None) -> Path:
-    """Write `out_dir` and return it: built in `.NAME.tmp<PID>` beside it (removed on any error,
-    Ctrl-C or SIGTERM; a killed run's is removed by the next start), with the manifest and the
-    user's umask, then put in place in one atomic swap (a damaged folder being replaced). When a
-    concurrent run has put a sound folder there meanwhile, that one is kept."""
-    import gguf
-    from safetensors.torch import save_file
+def convert_gguf(path: Path, out_dir: Path, progress=None, sha256: str | None = None,
+                 weights: bool = False) -> Path:
+    """Write `out_dir` and return it: the config and tokenizer (and, with `weights`, the tensors
+    dequantized to float32 safetensors, one at a time), built in `.NAME.tmp<PID>` beside it (removed
+    on any error, Ctrl-C or SIGTERM; a killed run's is removed by the next start), with the manifest
+    and the user's umask, then put in place in one atomic swap (a damaged folder being replaced).
+    When a concurrent run has put a sound folder there meanwhile, that one is kept."""
+    from types import SimpleNamespace
 
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # the gguf package raises plain ValueErrors for bad files
-        raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
-    cfg = gguf_config(reader)
+    cfg = gguf_config(path)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     _clean_cache_dir(out_dir.parent)
     tmp = temp_path(out_dir)
@@ -185,27 +149,23 @@ def convert_gguf(path: Path, out_dir: Path, progress=None, sha256: str | None = 
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        tensors = {}
-        for t in reader.tensors:
-            arr = gguf.quants.dequantize(t.data, t.tensor_type)
-            w = torch.from_numpy(np.array(arr, dtype=np.float32))
-            w = w.reshape([int(s) for s in reversed(t.shape)]) if w.numel() == int(np.prod(t.shape)) else w
-            name = hf_name(t.name)
-            if t.name.endswith("attn_q.weight"):
-                w = unpermute_rope(w, cfg["num_attention_heads"])
-            elif t.name.endswith("attn_k.weight"):
-                w = unpermute_rope(w, cfg["num_key_value_heads"])
-            tensors[name] = w.contiguous()
-            if progress:
-                progress(1)
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        del tensors
+        if weights:
+            from safetensors.torch import save_file   # deferred: start-up time
+            heads = SimpleNamespace(num_attention_heads=cfg["num_attention_heads"],
+                                    num_key_value_heads=cfg["num_key_value_heads"])
+            tensors, f = {}, GGUFFile(path)
+            for t in f.tensors:
+                tensors[hf_name(t.name)] = dequantized(f, t, heads)
+                if progress:
+                    progress(1)
+            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            del tensors
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         gen = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
         _convert_tokenizer(path, tmp)
         write_marker(tmp, {"command": "convert-gguf", "converter_version": CONVERTER_VERSION, "gguf": str(path.resolve()),
-                           "gguf_sha256": sha256 or file_sha256(path), "files": _manifest(tmp)})
+                           "gguf_sha256": sha256 or file_sha256(path), "weights": weights, "files": _manifest(tmp)})
         apply_umask(tmp)
         if out_dir.exists() and cache_problem(out_dir) is None:
             shutil.rmtree(tmp)          # a concurrent conversion finished first: keep its folder

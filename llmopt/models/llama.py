@@ -266,7 +266,7 @@ class LlamaForCausalLM(nn.Module):
             new = tensor.to(device=device, dtype=keep_dtype)
             _set_tensor(self, name, new, is_param=name in params)
             loaded.add(name)
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and type(self.lm_head) is nn.Linear:   # (a GGUF table ties itself)
             self.lm_head.weight = self.model.embed_tokens.weight
             loaded.add("lm_head.weight")
         for module in self.modules():   # quantized modules check their buffers and prepare their kernels

@@ -1,9 +1,12 @@
 """Find and load a model: a Hugging Face checkpoint folder, a GGUF file, a Hugging Face id from the
-local cache (offline), or a built-in name (the default, `smollm2-135m`)."""
+local cache (offline), or a built-in name (the default, `smollm2-135m`). A GGUF file runs as stored
+(llmopt.models.gguf_weights): its config and tokenizer are cached in a small folder, its weights are
+read from the file itself."""
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -15,10 +18,12 @@ from llmopt.errors import ModelLoadError, UserInputError
 from llmopt.layers import runtime
 from llmopt.layers.tp import fit_quantized_modules
 from llmopt.models.config import ModelConfig, builtin_gguf, resolve_device_name, resolve_dtype_name
+from llmopt.models import gguf_weights
 from llmopt.models.gguf_convert import cached_conversion
 from llmopt.models.llama import LlamaForCausalLM, rope_inv_freq
 from llmopt.validate import safetensors_header
 
+log = logging.getLogger("llmopt.models")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
@@ -32,6 +37,15 @@ class LoadedModel:
     source: str           # what the user named
     dtype: torch.dtype
     device: torch.device
+    gguf: Path | None = None   # the GGUF file the weights were read from
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What a model name resolves to: the folder with config.json and the tokenizer and, for a GGUF
+    file, the file the weights are read from (its cached folder holds no weights)."""
+    folder: Path
+    gguf: Path | None = None
 
 
 def resolve_device(device: str | None = "auto") -> torch.device:
@@ -45,24 +59,30 @@ def resolve_dtype(dtype: str | None, device: torch.device, checkpoint_dtype: str
     return DTYPES[resolve_dtype_name(dtype, torch.device(device).type, checkpoint_dtype)]
 
 
-def resolve_checkpoint(model: str | None, progress=None) -> Path:
-    """Return a Hugging Face checkpoint folder for what the user named (converting a GGUF once)."""
+def resolve(model: str | None, progress=None) -> Checkpoint:
+    """The checkpoint the user named (a GGUF's config and tokenizer cached once per file content)."""
     name = model or defaults.DEFAULT_MODEL
     if name in defaults.BUILTIN_MODELS:
-        return gguf_folder(builtin_gguf(name), progress)
+        path = builtin_gguf(name)
+        return Checkpoint(gguf_folder(path, progress), path)
     p = Path(name).expanduser()
     if p.is_file() and p.suffix == ".gguf":
-        return gguf_folder(p, progress)
+        return Checkpoint(gguf_folder(p, progress), p)
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise ModelLoadError(f"{p} has no config.json: it is not a Hugging Face checkpoint folder")
-        return p
+        return Checkpoint(p)
     if p.exists():
         raise ModelLoadError(f"{p} is neither a checkpoint folder nor a .gguf file")
     if name.count("/") == 1 and not name.startswith((".", "/")):
-        return hf_cache_folder(name)
+        return Checkpoint(hf_cache_folder(name))
     raise ModelLoadError(f"model {name!r} not found: give a checkpoint folder, a .gguf file, a Hugging Face id "
                          f"in the local cache, or one of: {', '.join(defaults.BUILTIN_MODELS)}")
+
+
+def resolve_checkpoint(model: str | None, progress=None) -> Path:
+    """The folder with the config and tokenizer of what the user named (`resolve(...).folder`)."""
+    return resolve(model, progress).folder
 
 
 def hf_cache_folder(repo_id: str) -> Path:
@@ -75,7 +95,7 @@ def hf_cache_folder(repo_id: str) -> Path:
 
 
 def gguf_folder(path: Path, progress=None) -> Path:
-    """The converted checkpoint of a GGUF file, cached under CACHE_DIR/gguf by the file's content
+    """The config and tokenizer of a GGUF file, cached under CACHE_DIR/gguf by the file's content
     (checked on each use, rebuilt with a warning when damaged: gguf_convert.cached_conversion)."""
     return cached_conversion(Path(path), defaults.CACHE_DIR / "gguf", progress)
 
@@ -103,6 +123,11 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
+def weight_files(ckpt: Checkpoint) -> list[Path]:
+    """The files the weights are read from: the GGUF file, or the folder's safetensors."""
+    return [ckpt.gguf] if ckpt.gguf is not None else safetensors_files(ckpt.folder)
+
+
 def iter_safetensors(folder: Path, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs read lazily from memory-mapped safetensors files. lazy: (name, slice)
     pairs instead, safetensors' slice objects (`get_shape()`, `[rows, cols]` reads only that part),
@@ -126,13 +151,22 @@ def iter_safetensors(folder: Path, lazy: bool = False) -> Iterator[tuple[str, to
 
 def build_model(cfg: ModelConfig, folder: Path, dtype: torch.dtype, device: torch.device,
                 quantization: str | None = None, lm_head_dtype: str = defaults.LM_HEAD_DTYPE,
-                tp=None) -> LlamaForCausalLM:
+                tp=None, gguf: Path | None = None) -> LlamaForCausalLM:
     """`quantization` int8|fp8: a float checkpoint's decoder Linears quantized per channel as they
     load; `lm_head_dtype` auto|float|int8 (layers/runtime.py: resolve_lm_head_dtype). `tp` (a
-    llmopt.distributed.parallel.TPGroup): build and load this rank's shard only."""
+    llmopt.distributed.parallel.TPGroup): build and load this rank's shard only. `gguf`: the weights
+    are that file's (run as stored on the CPU: gguf_weights.install; dequantized, one tensor at a
+    time, for --quantization and for a tensor-parallel rank, which shards float weights)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, tp)
-    weights = iter_safetensors(folder, lazy=tp is not None)
+    if gguf is None:
+        weights = iter_safetensors(folder, lazy=tp is not None)
+    elif quantization or tp is not None:   # dequantized a tensor at a time (then quantized, or sharded)
+        if tp is not None:
+            log.info(f"{gguf.name}: tensor-parallel ranks shard float weights: the GGUF is dequantized")
+        weights = gguf_weights.iter_float_weights(gguf, cfg)
+    else:
+        weights = gguf_weights.install(model, gguf, cfg, dtype, device)
     if quantization:
         if cfg.quantization_config:
             raise UserInputError(f"--quantization {quantization}: {folder} is already quantized "
@@ -145,15 +179,17 @@ def build_model(cfg: ModelConfig, folder: Path, dtype: torch.dtype, device: torc
         runtime.convert_for_runtime(model, cfg.quantization_config)  # swaps Linear for quantized modules
         if tp is not None:
             fit_quantized_modules(model, tp.plan)
-    head = runtime.resolve_lm_head_dtype(lm_head_dtype, bool(quantization or cfg.quantization_config), device)
+    runtime.resolve_lm_head_dtype(lm_head_dtype, False, device)   # (checked before the work)
     loaded = model.load_weights(weights, dtype, device)
+    quantized = bool(quantization or cfg.quantization_config or gguf_weights.runs_quantized(model))
+    head = runtime.resolve_lm_head_dtype(lm_head_dtype, quantized, device)
     missing = [n for n, _ in model.named_parameters(remove_duplicate=False) if n not in loaded]
     if missing:
         raise ModelLoadError(f"{folder}: checkpoint lacks {len(missing)} weights, e.g. {missing[0]}")
     model.inv_freq = rope_inv_freq(cfg).to(device)  # a buffer, not in checkpoints: still on meta
     if head == "int8":
         runtime.quantize_lm_head(model)
-    if device.type == "cpu" and (quantization or cfg.quantization_config):
+    if device.type == "cpu" and quantized:
         runtime.release_freed_memory()
     return model.eval()
 
@@ -175,11 +211,11 @@ def load_model(model: str | None = None, dtype: str | None = "auto", device: str
                progress=None, tokenizer: bool = True, quantization: str | None = None,
                lm_head_dtype: str = defaults.LM_HEAD_DTYPE, tp=None) -> LoadedModel:
     """tp: a llmopt.distributed.parallel.TPGroup: this rank's shard, on its device (`tp.device`)."""
-    folder = resolve_checkpoint(model, progress)
-    cfg = ModelConfig.from_path(folder)
+    ckpt = resolve(model, progress)
+    cfg = ModelConfig.from_path(ckpt.folder)
     dev = tp.device if tp is not None else resolve_device(device)
     dt = resolve_dtype(dtype, dev, cfg.torch_dtype)
     with torch.inference_mode(False), torch.no_grad():
-        m = build_model(cfg, folder, dt, dev, quantization, lm_head_dtype, tp)
-    tok = load_tokenizer(folder) if tokenizer else None
-    return LoadedModel(m, tok, cfg, folder, model or defaults.DEFAULT_MODEL, dt, dev)
+        m = build_model(cfg, ckpt.folder, dt, dev, quantization, lm_head_dtype, tp, ckpt.gguf)
+    tok = load_tokenizer(ckpt.folder) if tokenizer else None
+    return LoadedModel(m, tok, cfg, ckpt.folder, model or defaults.DEFAULT_MODEL, dt, dev, ckpt.gguf)

@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 
 from llmopt.fsutil import MARKER, temp_path, write_atomic
+from llmopt.models.config import ModelConfig
+from llmopt.models.gguf_weights import FloatTensors
 from llmopt.models.loader import safetensors_files
 
 METADATA_SKIP = {"config.json", "model.safetensors.index.json", MARKER}   # written here, not copied
@@ -19,13 +21,18 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgp
 
 
 class CheckpointReader:
-    """Tensors by name from a folder's safetensors files, read on demand from memory-mapped files."""
+    """Tensors by name from a folder's safetensors files, read on demand from memory-mapped files;
+    for a GGUF checkpoint, its tensors dequantized to float32 on demand."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, gguf: Path | None = None) -> None:
         from safetensors import safe_open
         self.folder = Path(folder)
         self._files = {}
         self._where: dict[str, str] = {}
+        self._gguf = FloatTensors(gguf, ModelConfig.from_path(self.folder)) if gguf is not None else None
+        if self._gguf is not None:
+            self._where = {name: str(gguf) for name in self._gguf.names()}
+            return
         for f in safetensors_files(self.folder):
             h = safe_open(str(f), framework="pt")
             self._files[str(f)] = h
@@ -36,6 +43,8 @@ class CheckpointReader:
         return list(self._where)
 
     def get(self, name: str) -> torch.Tensor:
+        if self._gguf is not None:
+            return self._gguf.get(name)
         return self._files[self._where[name]].get_tensor(name)
 
     def float_dtype(self) -> torch.dtype:

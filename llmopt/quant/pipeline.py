@@ -26,7 +26,7 @@ from llmopt.fsutil import atomic_folder, check_output_folder
 from llmopt.models.attention import DenseCausalAttention
 from llmopt.models.config import ModelConfig
 from llmopt.models.llama import DecoderLayer, rope_cos_sin, rope_inv_freq
-from llmopt.models.loader import DTYPES, load_tokenizer, resolve_checkpoint, safetensors_files
+from llmopt.models.loader import DTYPES, load_tokenizer, resolve, weight_files
 from llmopt.quant.calib import load_calibration
 from llmopt.quant.checkpoint import CheckpointReader, save_shard, write_metadata
 from llmopt.eval.tasks import TaskEvalResult
@@ -116,14 +116,15 @@ def quantize_model(model: str | None, output: str | Path, qconfig: QuantConfig, 
     # the inputs as named (--model, --calib-data), then the folder --model resolves to.
     inputs = [p for p in (model, qconfig.calib_data) if p and Path(p).expanduser().exists()]
     check_output_folder(output, overwrite, inputs)
-    folder = resolve_checkpoint(model)
-    check_output_folder(output, overwrite, [*inputs, folder])
+    ckpt = resolve(model)
+    folder = ckpt.folder
+    check_output_folder(output, overwrite, [*inputs, folder, *([ckpt.gguf] if ckpt.gguf else [])])
     cfg = ModelConfig.from_path(folder)
     if cfg.quantization_config:
         raise ModelLoadError(f"{folder} is already quantized ({cfg.quantization_config.get('quant_method')}): "
                              "quantize from the float checkpoint")
     validate(cfg, qconfig)
-    reader = CheckpointReader(folder)
+    reader = CheckpointReader(folder, ckpt.gguf)
     out_dtype = output_dtype(qconfig, reader)
     qconfig.scale_dtype = str(torch.float16 if qconfig.format in ("awq", "gptq") else out_dtype).replace("torch.", "")
     calib_ids = _calibration(folder, qconfig)
@@ -177,7 +178,7 @@ def quantize_model(model: str | None, output: str | Path, qconfig: QuantConfig, 
     return QuantizeResult(
         output=str(output), source=str(folder), method=qconfig.method, format=qconfig.format, bits=qconfig.bits,
         group_size=qconfig.group_size, sym=bool(qconfig.sym), calib_samples=int(calib_ids.shape[0]),
-        calib_seq_len=qconfig.seq_len, size_before=_size(safetensors_files(folder)),
+        calib_seq_len=qconfig.seq_len, size_before=_size(weight_files(ckpt)),
         size_after=_size(sorted(output.glob("*.safetensors"))), seconds=time.perf_counter() - t0,
         mean_rel_error=sum(errors) / max(len(errors), 1), max_rel_error=max(errors, default=0.0), layers=reports,
         group_size_reason=qconfig.group_size_reason)

@@ -18,7 +18,9 @@ import torch
 
 from llmopt.speculative.interface import DraftConfig, DraftProposal, ProposeInput, Proposer, ProposerContext
 from llmopt.errors import UserInputError
-from llmopt.models.loader import LoadedModel, resolve_checkpoint, safetensors_files
+from llmopt.models.config import ModelConfig
+from llmopt.models.gguf_weights import iter_float_weights
+from llmopt.models.loader import LoadedModel, iter_safetensors, resolve
 from llmopt.speculative.paged import DraftKVCache, prepare
 
 
@@ -93,18 +95,19 @@ class DraftModelProposer(Proposer):
 def write_self_draft(target: str | Path, num_layers: int, output: Path) -> Path:
     """A LayerSkip-style self-draft: the target's embedding, first `num_layers` layers, final norm
     and head, saved as an ordinary checkpoint folder (safetensors, config, tokenizer files)."""
-    from safetensors.torch import load_file, save_file
-    src = resolve_checkpoint(str(target))
+    from safetensors.torch import save_file
+    ckpt = resolve(str(target))
+    src = ckpt.folder
     cfg = json.loads((src / "config.json").read_text())
     total = cfg.get("num_hidden_layers")
     if not 1 <= num_layers < total:
         raise UserInputError(f"a self-draft of {num_layers} layers: give 1 to {total - 1} (the target has {total})")
     tensors = {}
-    for f in safetensors_files(src):
-        for name, t in load_file(str(f)).items():
-            if ".layers." in name and int(name.split(".layers.")[1].split(".")[0]) >= num_layers:
-                continue
-            tensors[name] = t.contiguous()
+    source = iter_float_weights(ckpt.gguf, ModelConfig.from_path(src)) if ckpt.gguf else iter_safetensors(src)
+    for name, t in source:
+        if ".layers." in name and int(name.split(".layers.")[1].split(".")[0]) >= num_layers:
+            continue
+        tensors[name] = t.contiguous()
     output.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(output / "model.safetensors"), metadata={"format": "pt"})
     cfg["num_hidden_layers"] = num_layers

@@ -27,10 +27,10 @@ def smol():
     return loaded, llm
 
 
-def test_greedy_matches_transformers_on_smollm2(smol):
+def test_greedy_matches_transformers_on_smollm2(smol, smollm2_float):
     loaded, llm = smol
     from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_float, dtype=torch.float32).eval()
     ids = [loaded.tokenizer(p).input_ids for p in PROMPTS]
     ref = hf_greedy(hf, ids, 8, stop_at_eos=True)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8))

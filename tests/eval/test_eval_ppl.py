@@ -198,9 +198,9 @@ def test_rolling_default_window_is_model_max_length(tiny, wiki):
     assert plan.window == 1024 and max(len(w.ids) for w in plan.windows) == 1024
 
 
-def test_smollm2_chunks_matches_transformers():
+def test_smollm2_chunks_matches_transformers(smollm2_float):
     lm = load_model(None, dtype="float32", device="cpu")
-    hf = AutoModelForCausalLM.from_pretrained(lm.path, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_float, dtype=torch.float32).eval()
     data = load_text_dataset(str(WIKI))
     r = run_ppl(lm, plan_ppl(lm.tokenizer, 8192, data, "chunks", ctx=256, limit=512), batch_size=2)
     assert r.windows == 2

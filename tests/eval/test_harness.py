@@ -170,12 +170,12 @@ def test_quantize_eval_tasks_compares_the_output_with_its_source(tiny, tasks, hf
         assert not (tmp_path / "x").exists()                 # refused before quantizing
 
 
-def test_default_model_generates_what_lm_evals_hf_model_generates(tasks):
-    """generate_until on the real default model (greedy, stop string "."): the same text per prompt."""
-    from llmopt.models.loader import resolve_checkpoint
-    folder = str(resolve_checkpoint(None))
-    ours = _evaluate("llmopt", {"model": folder, "dtype": "float32"}, tasks, ["llmopt_gen"])
-    hf = _evaluate("hf", {"pretrained": folder, "dtype": "float32", "device": "cpu"}, tasks, ["llmopt_gen"])
+def test_default_model_generates_what_lm_evals_hf_model_generates(tasks, smollm2_float):
+    """generate_until on the real default model (its GGUF as stored; greedy, stop string "."): the
+    same text per prompt as lm-eval's `hf` model on the file's float copy."""
+    ours = _evaluate("llmopt", {"model": "smollm2-135m", "dtype": "float32"}, tasks, ["llmopt_gen"])
+    hf = _evaluate("hf", {"pretrained": str(smollm2_float), "dtype": "float32", "device": "cpu"}, tasks,
+                   ["llmopt_gen"])
     got, want = _responses(ours, "llmopt_gen"), _responses(hf, "llmopt_gen")
     assert len(got) == 4 and any(r[0][0].strip() for r in want)   # something was generated
     assert got == want

@@ -69,12 +69,13 @@ def test_conversion_records_a_manifest_and_keeps_the_umask(gguf_file, cache):
     manifest = json.loads((folder / MANIFEST).read_text())
     assert manifest["written_by"] == "llmopt" and manifest["converter_version"] == gguf_convert.CONVERTER_VERSION
     files = {p.name for p in folder.iterdir()} - {MANIFEST}
-    assert {"model.safetensors", "config.json", "tokenizer.json"} <= files == set(manifest["files"])
+    assert {"config.json", "tokenizer.json"} <= files == set(manifest["files"])
+    assert not [f for f in files if f.endswith(".safetensors")]   # no weights: they are read from the GGUF
     snapshot = tree(folder)
     for name, rec in manifest["files"].items():
         assert rec["size"] == (folder / name).stat().st_size and rec["sha256"] == snapshot[name]
     assert stat.S_IMODE(folder.stat().st_mode) == 0o750
-    assert {stat.S_IMODE((folder / f).stat().st_mode) for f in files} == {0o640}   # safetensors writes 0600
+    assert {stat.S_IMODE((folder / f).stat().st_mode) for f in files} == {0o640}
     assert sorted(p.name for p in cache.iterdir()) == sorted([folder.name, gguf_convert.HASH_INDEX])
     assert cache_problem(folder) is None
 
@@ -103,8 +104,8 @@ def test_copies_of_one_gguf_share_one_entry_and_the_hash_is_memoized(gguf_file, 
     assert conversions == [copies[0]]
 
 
-def _truncate_weights(f: Path) -> None:
-    with open(f / "model.safetensors", "r+b") as fh:
+def _truncate_tokenizer(f: Path) -> None:
+    with open(f / "tokenizer.json", "r+b") as fh:
         fh.truncate(fh.seek(0, 2) // 2)
 
 
@@ -115,7 +116,7 @@ def _edit_config(f: Path) -> None:
 
 
 @pytest.mark.parametrize("damage, reason", [
-    (_truncate_weights, "model.safetensors has"),
+    (_truncate_tokenizer, "tokenizer.json has"),
     (lambda f: (f / "tokenizer.json").unlink(), "tokenizer.json is missing"),
     (_edit_config, "config.json was modified"),
     (lambda f: (f / MANIFEST).unlink(), "missing or unreadable"),
@@ -140,7 +141,7 @@ def test_a_damaged_entry_is_rebuilt_with_one_notice(gguf_file, cache, caplog, da
 
 def test_the_command_line_shows_the_rebuild_notice_as_one_line(gguf_file, cache, tmp_path):
     folder = resolve_checkpoint(str(gguf_file))
-    _truncate_weights(folder)
+    _truncate_tokenizer(folder)
     (tmp_path / "t.txt").write_text(TEXT)
     env = {**os.environ, "LLMOPT_CACHE": str(cache.parent), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-m", "llmopt", "eval-ppl", "--model", str(gguf_file), "--dataset",
@@ -148,7 +149,7 @@ def test_the_command_line_shows_the_rebuild_notice_as_one_line(gguf_file, cache,
                        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert r.returncode == 0, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and "damaged" in lines[0] and "model.safetensors" in lines[0], r.stderr
+    assert len(lines) == 1 and "damaged" in lines[0] and "tokenizer.json" in lines[0], r.stderr
     assert json.loads(r.stdout)["scored_tokens"] > 0 and cache_problem(folder) is None
 
 
@@ -159,7 +160,8 @@ def test_leftovers_of_dead_conversions_are_removed_never_a_live_ones(gguf_file, 
         dead = cache / f".gguf-0123-v{gguf_convert.CONVERTER_VERSION}.tmp{_dead_pid()}"
         running = cache / f".gguf-4567-v{gguf_convert.CONVERTER_VERSION}.tmp{live.pid}"
         legacy_old, legacy_new = cache / ".SmolLM2-135M.Q4_1-59becacf442e.k3j_9x0a", cache / ".Other-0123.ab12cd34"
-        for d in (dead, running, legacy_old, legacy_new):
+        v3 = cache / "gguf-0123456789abcdef01234567-v3"     # converter 3's float weights: removed
+        for d in (dead, running, legacy_old, legacy_new, v3):
             d.mkdir()
             (d / "model.safetensors").write_bytes(b"partial")
         os.utime(legacy_old, (time.time() - 7200, time.time() - 7200))   # converter 2's, two hours old

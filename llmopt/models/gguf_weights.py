@@ -1,0 +1,169 @@
+"""The weights of a GGUF file, read as stored.
+
+- `install`: on the CPU, each Linear (and the token table) whose tensor is one of the block formats
+  the kernels multiply (llmopt.layers.formats.ggml: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
+  Q6_K) becomes a GGMLLinear / GGMLEmbedding built from the memory-mapped blocks, a tensor at a
+  time; every other tensor comes out dequantized (float32, one at a time) for `load_weights` to
+  cast to the model's dtype, with one log line naming the quantized types that took that path.
+- `iter_float_weights` / `FloatTensors`: the same tensors dequantized, by Hugging Face name, for
+  the readers that want floats (quantize's input, the self-draft).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from llmopt.errors import ModelLoadError
+from llmopt.ggml_types import RUN_TYPES
+from llmopt.layers.formats.ggml import decode
+from llmopt.models.gguf_file import GGUFTensor, read_header
+
+log = logging.getLogger("llmopt.models")
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+_TENSOR_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+}
+
+
+def hf_name(gguf_name: str) -> str:
+    if gguf_name in _TENSOR_NAMES:
+        return _TENSOR_NAMES[gguf_name]
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r}")
+
+
+def unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp stores q/k rows interleaved for its RoPE; undo it for rotate-half RoPE."""
+    out = w.shape[0]
+    return w.reshape(n_head, out // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFFile:
+    """A GGUF file's header and its tensors' bytes, memory-mapped (read-only: nothing is copied until
+    a tensor is decoded or dequantized)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.header = read_header(self.path)
+        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+
+    @property
+    def tensors(self) -> list[GGUFTensor]:
+        return self.header.tensors
+
+    def raw(self, t: GGUFTensor) -> np.ndarray:
+        """uint8 [rows, bytes a row] (rows: every dimension but the innermost)."""
+        start = self.header.data_offset + t.offset
+        rows = math.prod(t.shape[:-1])
+        return self._map[start:start + t.nbytes].reshape(rows, t.nbytes // rows)
+
+
+def _rope_heads(gguf_name: str, cfg) -> int | None:
+    """llama.cpp stores q/k rows interleaved for its RoPE: the head count to undo it with."""
+    if gguf_name.endswith("attn_q.weight"):
+        return cfg.num_attention_heads
+    if gguf_name.endswith("attn_k.weight"):
+        return cfg.num_key_value_heads
+    return None
+
+
+_TORCH_FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def dequantized(f: GGUFFile, t: GGUFTensor, cfg) -> torch.Tensor:
+    """One tensor as float32 in PyTorch's shape, q/k rows in rotate-half order."""
+    raw = f.raw(t)
+    if t.type_name in _TORCH_FLOATS:   # a copy: the map is read-only and closes after loading
+        w = torch.from_numpy(np.array(raw)).view(_TORCH_FLOATS[t.type_name]).float()
+    else:
+        import gguf   # deferred: start-up time (the reference dequantizers of every GGML type)
+        arr = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[t.type_name])
+        w = torch.from_numpy(np.asarray(arr, dtype=np.float32))
+    w = w.reshape(t.shape)
+    heads = _rope_heads(t.name, cfg)
+    return unpermute_rope(w, heads).contiguous() if heads else w
+
+
+def iter_float_weights(path: Path, cfg) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, float32 tensor) pairs of a GGUF file, dequantized one at a time."""
+    f = GGUFFile(path)
+    for t in f.tensors:
+        yield hf_name(t.name), dequantized(f, t, cfg)
+
+
+class FloatTensors:
+    """Dequantized tensors by Hugging Face name, read on demand (quantize's CheckpointReader)."""
+
+    def __init__(self, path: Path, cfg) -> None:
+        self.cfg = cfg
+        self.file = GGUFFile(path)
+        self._by_name = {hf_name(t.name): t for t in self.file.tensors}
+
+    def names(self) -> list[str]:
+        return list(self._by_name)
+
+    def get(self, name: str) -> torch.Tensor:
+        return dequantized(self.file, self._by_name[name], self.cfg)
+
+
+def _grouped(f: GGUFFile, t: GGUFTensor, cfg):
+    g = decode(t.type_name, f.raw(t), t.shape[1])
+    heads = _rope_heads(t.name, cfg)
+    if heads:
+        g.codes, g.scales = unpermute_rope(g.codes, heads), unpermute_rope(g.scales, heads)
+        g.szeros = unpermute_rope(g.szeros, heads) if g.szeros.numel() else g.szeros
+    return g
+
+
+def install(model: nn.Module, path: Path, cfg, dtype: torch.dtype,
+            device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """Swap the model's (meta) Linears and token table for GGML modules where the tensor's type
+    runs on the CPU kernels; yields the other tensors as (name, float32 tensor) for load_weights."""
+    from llmopt.layers.modules_ggml import GGMLEmbedding, GGMLLinear   # deferred: start-up time
+    f = GGUFFile(path)
+    tied = "output.weight" not in {t.name for t in f.tensors}
+    fallback: dict[str, int] = {}
+    for t in f.tensors:
+        name, kind = hf_name(t.name), t.type_name
+        target = name.removesuffix(".weight")
+        runs = device.type == "cpu" and kind in RUN_TYPES and len(t.shape) == 2 and name.endswith(".weight")
+        if runs and target == "model.embed_tokens":
+            table = GGMLLinear(_grouped(f, t, cfg), kind)
+            model.model.embed_tokens = GGMLEmbedding(table, dtype, owner=not tied)
+            if tied:
+                model.lm_head = table
+            continue
+        if runs and isinstance(model.get_submodule(target), nn.Linear) and model.get_submodule(target).bias is None:
+            model.set_submodule(target, GGMLLinear(_grouped(f, t, cfg), kind))
+            continue
+        if kind not in FLOAT_TYPES:
+            fallback[kind] = fallback.get(kind, 0) + 1
+        yield name, dequantized(f, t, cfg)
+    if fallback:
+        what = ", ".join(f"{k} ({n} tensors)" for k, n in sorted(fallback.items()))
+        where = "the CPU kernels run " + ", ".join(RUN_TYPES) if device.type == "cpu" else f"on {device.type}"
+        log.info(f"GGUF {path.name}: {what} dequantized to {str(dtype).replace('torch.', '')} ({where})")
+
+
+def runs_quantized(model: nn.Module) -> bool:
+    """Whether `install` gave the model any GGML module (a float GGUF has none)."""
+    from llmopt.layers.modules_ggml import GGMLLinear   # deferred: start-up time
+    return any(isinstance(m, GGMLLinear) for m in model.modules())

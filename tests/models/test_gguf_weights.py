@@ -1,0 +1,124 @@
+"""GGUF files run as stored (llmopt.models.gguf_weights): a tiny llama GGUF of each block type the
+CPU kernels multiply loads with no float copy of its weights and generates the same greedy tokens
+as its dequantized float copy (written by `convert_gguf(weights=True)`, the gguf package's
+dequantizers); other types come out dequantized with one log line; the cache holds no weights; the
+default model loads with under 150 MB of weights and answers as its float copy does."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from engine_helpers import mixed_prompts
+from gguf_util import write_tiny_gguf
+from llmopt import defaults
+from llmopt.kernels import cpu_quant
+from llmopt.ggml_types import RUN_TYPES
+from llmopt.layers.modules_ggml import GGMLEmbedding, GGMLLinear
+from llmopt.models.gguf_convert import convert_gguf
+from llmopt.models.loader import load_model
+
+pytestmark = pytest.mark.skipif(cpu_quant.ops() is None, reason="needs the C++ kernels (g++, AVX2)")
+
+# widths that every block type divides (K-quants: 256); 97 tokens: gguf_util's vocabulary
+CFG = dict(vocab_size=97, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, head_dim=64, max_position_embeddings=256, initializer_range=0.1,
+           rms_norm_eps=1e-5, bos_token_id=95, eos_token_id=96)
+
+
+def _gguf(tmp_path, monkeypatch, qtype: str | None, tied: bool = False):
+    """A tiny GGUF of that type (its config and tokenizer then cached under tmp_path, not ~/.cache)."""
+    monkeypatch.setattr(defaults, "CACHE_DIR", tmp_path / "cache")
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(LlamaConfig(**CFG, tie_word_embeddings=tied)).eval()
+    path = tmp_path / f"tiny-{qtype}.gguf"
+    write_tiny_gguf(path, hf, qtype)
+    return path
+
+
+def _greedy(model: str | None, prompts, tokens: int = 12) -> list[list[int]]:
+    from llmopt import LLM, SamplingParams
+    llm = LLM(model=model, dtype="float32", device="cpu", kv_cache_memory=16 << 20, max_model_len=256)
+    assert llm.engine.runner.cpu_decode is not None   # the C++ decode layers ran it
+    if model is None or model.endswith(".gguf"):
+        assert llm.engine.runner.cpu_decode.int8_activations is defaults.GGUF_INT8_ACTIVATIONS
+    outs = llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("qtype", RUN_TYPES)
+def test_each_block_type_runs_as_stored_and_matches_its_float_copy(tmp_path, qtype, monkeypatch):
+    monkeypatch.setattr(defaults, "CPU_DECODE_INT8_ACTIVATIONS", False)   # float activations: exact
+    path = _gguf(tmp_path, monkeypatch, qtype)
+    lm = load_model(str(path), dtype="float32", device="cpu", tokenizer=False)
+    m = lm.model
+    linears = [mod for mod in m.modules() if isinstance(mod, (nn.Linear, GGMLLinear))]
+    assert linears and all(type(mod) is GGMLLinear and mod.ggml_type == qtype for mod in linears)
+    assert isinstance(m.model.embed_tokens, GGMLEmbedding) and lm.gguf == path
+    assert not list(lm.path.glob("*.safetensors"))                            # the cache holds no weights
+    float_copy = convert_gguf(path, tmp_path / "float", weights=True)
+    ref = load_model(str(float_copy), dtype="float32", device="cpu", tokenizer=False).model
+    for name, mod in m.named_modules():
+        if isinstance(mod, GGMLLinear) and ".layers." in name:                 # each layer's weight, unfused
+            assert torch.equal(mod.dequantized(), ref.get_submodule(name).weight)
+    prompts = mixed_prompts(3, CFG["vocab_size"] - 2, lo=3, hi=20, seed=1)
+    assert _greedy(str(path), prompts) == _greedy(str(float_copy), prompts)
+
+
+def test_other_types_are_dequantized_with_one_log_line(tmp_path, monkeypatch, caplog):
+    """MXFP4 (the gguf package quantizes it; our kernels do not run it): every Linear a float
+    nn.Linear holding the gguf package's dequantization, one log line naming the type."""
+    path = _gguf(tmp_path, monkeypatch, "MXFP4")
+    caplog.set_level(logging.INFO, logger="llmopt.models")
+    m = load_model(str(path), dtype="float32", device="cpu", tokenizer=False).model
+    lines = [r.getMessage() for r in caplog.records if "dequantized" in r.getMessage()]
+    assert len(lines) == 1 and "MXFP4 (" in lines[0] and "Q4_K" in lines[0]   # the types that do run
+    assert not [mod for mod in m.modules() if isinstance(mod, GGMLLinear)]
+    ref = load_model(str(convert_gguf(path, tmp_path / "float", weights=True)), dtype="float32", device="cpu",
+                     tokenizer=False).model
+    assert torch.equal(m.model.layers[1].mlp.down_proj.weight, ref.model.layers[1].mlp.down_proj.weight)
+
+
+def test_tied_table_is_one_table(tmp_path, monkeypatch):
+    lm = load_model(str(_gguf(tmp_path, monkeypatch, "Q8_0", tied=True)), dtype="float32", device="cpu", tokenizer=False)
+    m = lm.model
+    assert type(m.lm_head) is GGMLLinear and m.model.embed_tokens.table[0] is m.lm_head
+    assert not hasattr(m.model.embed_tokens, "own")   # the head owns the table: its bytes counted once
+
+
+def test_the_default_model_runs_as_stored(smollm2_float):
+    """The built-in Q4_1 file: under 150 MB of weights held (its Q4_1 layers and Q8_0 table
+    repacked, nothing else; kv-estimate's figure), one table for the tied head and embedding, and
+    the engine's greedy answers (a GGUF's default: float activations, defaults.GGUF_INT8_ACTIVATIONS)
+    equal to those of its float copy."""
+    lm = load_model(None, tokenizer=False)
+    m = lm.model
+    held = sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()]) - m.inv_freq.nbytes
+    assert 100e6 < held < 150e6
+    from llmopt.estimate import resolve_model_arch
+    from llmopt.estimate.weights import weight_memory
+    assert weight_memory(resolve_model_arch(None), device="cpu").bytes_total == held   # kv-estimate's figure
+    kinds = {mod.ggml_type for mod in m.modules() if isinstance(mod, GGMLLinear)}
+    assert kinds == {"Q4_1", "Q8_0"} and not [mod for mod in m.modules() if type(mod) is nn.Linear]
+    assert type(m.lm_head) is GGMLLinear and m.model.embed_tokens.table[0] is m.lm_head
+    from llmopt.models.loader import load_tokenizer
+    tok = load_tokenizer(smollm2_float)
+    prompts = [tok(t).input_ids for t in ("The capital of France is", "def fibonacci(n):",
+                                          "List three colors of the rainbow:")]
+    assert _greedy(None, prompts, 24) == _greedy(str(smollm2_float), prompts, 24)
+
+
+def test_the_default_model_perplexity_equals_its_float_copy(smollm2_float):
+    """eval-ppl (--method llamacpp) on WikiText-2, as stored against the float copy: within 1%."""
+    from conftest import SHARED_DATA
+    from llmopt.eval import load_text_dataset, plan_ppl, run_ppl
+    wiki = load_text_dataset(str(SHARED_DATA / "wikitext-2-raw" / "wiki.test.raw"))
+    got = []
+    for model in (None, str(smollm2_float)):
+        lm = load_model(model)
+        got.append(run_ppl(lm, plan_ppl(lm.tokenizer, 2048, wiki, "llamacpp", limit=1024), batch_size=2).ppl)
+    assert abs(got[0] / got[1] - 1) <= 0.01
