@@ -61,7 +61,8 @@ def quantize(
                                    f"{', '.join(map(str, defaults.QUANT_GROUP_SIZES))} that divides them all "
                                    "(SmolLM2's 576: 64)."),
     sym: bool = typer.Option(None, "--sym/--asym", help="Symmetric, or with zero points (default: sym, asym for awq)."),
-    out_dir: str = typer.Option(None, "--output", "-o", help="Folder to write (required, or `output` in --recipe)."),
+    out_dir: str = typer.Option(None, "--output", "-o", help="Folder to write, or FILE.gguf with "
+                                 "--format gguf (required, or `output` in --recipe)."),
     calib_data: str = typer.Option(None, "--calib-data", help="Text file, .jsonl (with --text-field) or Hugging Face "
                                    f"dataset path[:config[:split]] (local cache; split default {defaults.CALIB_SPLIT}) "
                                    f"(default {defaults.CALIB_DATA})."),
@@ -74,8 +75,9 @@ def quantize(
                                 f"context (default {defaults.QUANT_SEQ_LEN})."),
     seed: int = typer.Option(None, "--seed", callback=in_range(SEED_MIN, SEED_MAX),
                              help=f"Seed of the window sampling, a 64-bit integer (default {defaults.QUANT_SEED})."),
-    fmt: str = typer.Option(None, "--format", help="awq | gptq | compressed-tensors | dequantized (default: awq for awq, "
-                            "gptq for gptq, compressed-tensors otherwise)."),
+    fmt: str = typer.Option(None, "--format", help="awq | gptq | compressed-tensors | gguf | dequantized (default: awq for "
+                            "awq, gptq for gptq, compressed-tensors otherwise; gguf: one llama.cpp file, Q4_1 / "
+                            "Q4_0 (--sym) / Q8_0 blocks)."),
     damp: float = typer.Option(None, "--damp", callback=in_range(0, 1, lo_open=True, hi_open=True),
                                help="GPTQ dampening, fraction of the mean Hessian diagonal, (0, 1) "
                                f"(default {defaults.GPTQ_DAMP})."),

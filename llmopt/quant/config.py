@@ -10,7 +10,7 @@ from llmopt.errors import UserInputError
 from llmopt.validate import SEED_MAX, SEED_MIN, decode_utf8
 
 METHODS = ("awq", "gptq", "rtn", "fp8", "int8")
-FORMATS = ("awq", "gptq", "compressed-tensors", "dequantized")
+FORMATS = ("awq", "gptq", "compressed-tensors", "gguf", "dequantized")
 DEFAULT_FORMAT = {"awq": "awq", "gptq": "gptq", "rtn": "compressed-tensors", "fp8": "compressed-tensors",
                   "int8": "compressed-tensors"}
 
@@ -50,6 +50,7 @@ class QuantConfig:
     activations: str = "dynamic"       # fp8/int8: dynamic (W8A8) | none (weight-only)
     dtype: str = "auto"                # unquantized tensors: auto = checkpoint's 16-bit dtype, else float16
     scale_dtype: str | None = None     # set by the pipeline: the dtype the format stores scales in
+    gguf_type: str | None = None       # set by the pipeline for --format gguf: Q4_0, Q4_1 or Q8_0
     group_size_reason: str | None = None   # set by the pipeline when it picks the group size (auto)
 
     @property
@@ -85,6 +86,8 @@ class QuantConfig:
         if s.act_order == "group" and s.format == "compressed-tensors":   # refused here, before calibration
             raise UserInputError("--act-order group needs a g_idx, which --format compressed-tensors has no place "
                                  "for: use --format gptq, or --act-order static")
+        if s.format == "gguf" and s.method not in ("awq", "gptq", "rtn"):
+            raise UserInputError(f"--format gguf holds integer groups (awq, gptq, rtn), not --method {s.method}")
         if s.method == "awq" and s.format == "gptq":   # refused here, before calibration
             raise UserInputError("--method awq is written as --format awq (AutoAWQ GEMM) or compressed-tensors: GPTQ v1 "
                                  "stores zero points minus one, so AWQ's zero point 0 has no place there")

@@ -12,17 +12,19 @@ llmopt wrote (its llmopt.json marker), and never the input of the same command.
 
 from __future__ import annotations
 
+import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
 from llmopt import defaults
 from llmopt.errors import ModelLoadError, UserInputError
-from llmopt.fsutil import atomic_folder, check_output_folder
+from llmopt.fsutil import atomic_folder, check_output_file, check_output_folder, clean_stale, temp_path
 from llmopt.models.attention import DenseCausalAttention
 from llmopt.models.config import ModelConfig
 from llmopt.models.llama import DecoderLayer, rope_cos_sin, rope_inv_freq
@@ -31,6 +33,7 @@ from llmopt.quant.calib import load_calibration
 from llmopt.quant.checkpoint import CheckpointReader, save_shard, write_metadata
 from llmopt.eval.tasks import TaskEvalResult
 from llmopt.quant.evaluate import QuantEval
+from llmopt.quant.formats import gguf as gguf_format
 from llmopt.quant.formats import pack_linear, quantization_config
 from llmopt.quant.layerwise import LINEARS, LayerContext, quantize_layer
 from llmopt.quant.rtn import check_group_size
@@ -75,6 +78,8 @@ def validate(cfg: ModelConfig, qconfig: QuantConfig) -> None:
             qconfig.group_size, qconfig.group_size_reason = auto_group_size([n for _, n in widths])
         for name, n in widths:
             check_group_size(n, qconfig.group_size, name)
+    if qconfig.format == "gguf":   # the block type, before any work
+        qconfig.gguf_type = gguf_format.check(qconfig.bits, qconfig.sym, qconfig.group_size, qconfig.act_order)
     if qconfig.seq_len > cfg.max_position_embeddings:
         raise UserInputError(f"--seq-len {qconfig.seq_len:,} is longer than the model's context of "
                              f"{cfg.max_position_embeddings:,} tokens: give at most that")
@@ -97,8 +102,8 @@ def output_dtype(qconfig: QuantConfig, reader: "CheckpointReader") -> torch.dtyp
         if qconfig.dtype not in DTYPES:
             raise UserInputError(f"unknown --out-dtype {qconfig.dtype!r}: use auto, float16, bfloat16 or float32")
         return DTYPES[qconfig.dtype]
-    if qconfig.format in ("awq", "gptq"):
-        return torch.float16            # what the AutoAWQ / GPTQ kernels compute in
+    if qconfig.format in ("awq", "gptq", "gguf"):
+        return torch.float16            # what the AutoAWQ / GPTQ kernels compute in (GGUF: F16 embeddings)
     dt = reader.float_dtype()
     return dt if dt in (torch.float16, torch.bfloat16) else torch.float16
 
@@ -115,10 +120,11 @@ def quantize_model(model: str | None, output: str | Path, qconfig: QuantConfig, 
     # Everything a bad --output would lose is refused before any work (the GGUF conversion included):
     # the inputs as named (--model, --calib-data), then the folder --model resolves to.
     inputs = [p for p in (model, qconfig.calib_data) if p and Path(p).expanduser().exists()]
-    check_output_folder(output, overwrite, inputs)
+    check_output = _check_gguf_output if qconfig.format == "gguf" else check_output_folder
+    check_output(output, overwrite, inputs)
     ckpt = resolve(model)
     folder = ckpt.folder
-    check_output_folder(output, overwrite, [*inputs, folder, *([ckpt.gguf] if ckpt.gguf else [])])
+    check_output(output, overwrite, [*inputs, folder, *([ckpt.gguf] if ckpt.gguf else [])])
     cfg = ModelConfig.from_path(folder)
     if cfg.quantization_config:
         raise ModelLoadError(f"{folder} is already quantized ({cfg.quantization_config.get('quant_method')}): "
@@ -126,7 +132,8 @@ def quantize_model(model: str | None, output: str | Path, qconfig: QuantConfig, 
     validate(cfg, qconfig)
     reader = CheckpointReader(folder, ckpt.gguf)
     out_dtype = output_dtype(qconfig, reader)
-    qconfig.scale_dtype = str(torch.float16 if qconfig.format in ("awq", "gptq") else out_dtype).replace("torch.", "")
+    fp16_scales = qconfig.format in ("awq", "gptq", "gguf")
+    qconfig.scale_dtype = str(torch.float16 if fp16_scales else out_dtype).replace("torch.", "")
     calib_ids = _calibration(folder, qconfig)
     err_samples = max(1, min(calib_ids.shape[0], qconfig.error_tokens // qconfig.seq_len))
 
@@ -140,8 +147,9 @@ def quantize_model(model: str | None, output: str | Path, qconfig: QuantConfig, 
     marker = {"command": "quantize", "method": qconfig.method, "format": qconfig.format, "bits": qconfig.bits,
               "group_size": qconfig.group_size, "source": str(folder.resolve()), "model": model or defaults.DEFAULT_MODEL}
     # A `.NAME.tmp<PID>` folder beside the target, removed on any error, Ctrl-C or SIGTERM, swapped
-    # into place atomically at the end (a dead run's leftover is removed by the next start).
-    with atomic_folder(output, marker) as tmp:
+    # into place atomically at the end (a dead run's leftover is removed by the next start). GGUF:
+    # the same shards in a work folder, assembled into the one file at the end, then removed.
+    with (_gguf_work(output) if qconfig.format == "gguf" else atomic_folder(output, marker)) as tmp:
         rest = {n: _cast(reader.get(n), out_dtype) for n in reader.names() if not n.startswith("model.layers.")}
         x = F.embedding(calib_ids, reader.get("model.embed_tokens.weight").float())
         weight_map.update(save_shard(tmp / shard(0), rest))
@@ -174,12 +182,15 @@ def quantize_model(model: str | None, output: str | Path, qconfig: QuantConfig, 
                 progress(1)
         qcfg = quantization_config(qconfig.format, qconfig=qconfig)
         write_metadata(folder, tmp, weight_map, qcfg, out_dtype)
+        if qconfig.format == "gguf":
+            gguf_format.write_file(tmp, output, cfg, folder, ckpt.gguf, qconfig.gguf_type)
     errors = [r.rel_error for r in reports]
+    size_after = output.stat().st_size if qconfig.format == "gguf" else _size(sorted(output.glob("*.safetensors")))
     return QuantizeResult(
         output=str(output), source=str(folder), method=qconfig.method, format=qconfig.format, bits=qconfig.bits,
         group_size=qconfig.group_size, sym=bool(qconfig.sym), calib_samples=int(calib_ids.shape[0]),
         calib_seq_len=qconfig.seq_len, size_before=_size(weight_files(ckpt)),
-        size_after=_size(sorted(output.glob("*.safetensors"))), seconds=time.perf_counter() - t0,
+        size_after=size_after, seconds=time.perf_counter() - t0,
         mean_rel_error=sum(errors) / max(len(errors), 1), max_rel_error=max(errors, default=0.0), layers=reports,
         group_size_reason=qconfig.group_size_reason)
 
@@ -215,6 +226,29 @@ def _packer(fmt: str):
             return {f"{prefix}.weight": qt.dequantize(dtype)}
         return pack, lambda _fmt, qconfig: None
     return pack_linear, quantization_config
+
+
+def _check_gguf_output(output: Path, overwrite: bool, inputs) -> Path:
+    """--format gguf writes one file: a `.gguf` name, not an input, replaced only with --overwrite."""
+    if Path(output).suffix != ".gguf":
+        raise UserInputError(f"--output {output}: --format gguf writes one file: name it FILE.gguf")
+    if Path(output).exists() and not overwrite:
+        raise UserInputError(f"--output {output} exists: choose another file or pass --overwrite")
+    return check_output_file(output, inputs)
+
+
+@contextmanager
+def _gguf_work(output: Path) -> Iterator[Path]:
+    """A `.NAME.work.tmp<PID>` folder beside the GGUF file for the layer shards, always removed."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale(output.parent)
+    work = temp_path(output.with_name(output.name + ".work"))
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    try:
+        yield work
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

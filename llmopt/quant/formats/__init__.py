@@ -1,5 +1,6 @@
 """Writing the checkpoint formats other tools load (llmopt.layers.formats describes and reads them):
-AutoAWQ GEMM (`awq`), GPTQ v1 (`gptq`) and llm-compressor's `compressed-tensors`. Pure functions
+AutoAWQ GEMM (`awq`), GPTQ v1 (`gptq`), llm-compressor's `compressed-tensors` and llama.cpp's
+GGUF blocks (`gguf`: one file, assembled by formats/gguf.py's write_file). Pure functions
 from the canonical forms of llmopt.layers.types to (name -> tensor) dicts, plus the
 `quantization_config` entry of config.json."""
 
@@ -10,10 +11,10 @@ import torch
 from llmopt.errors import UserInputError
 from llmopt.layers.formats import FORMATS
 from llmopt.quant.config import act_order_mode
-from llmopt.quant.formats import awq, compressed_tensors, gptq
+from llmopt.quant.formats import awq, compressed_tensors, gguf, gptq
 
 # the dtype a format stores scales in: algorithms round their scales to it before choosing codes
-SCALE_DTYPE = {"awq": awq.SCALE_DTYPE, "gptq": gptq.SCALE_DTYPE, "compressed-tensors": None}
+SCALE_DTYPE = {"awq": awq.SCALE_DTYPE, "gptq": gptq.SCALE_DTYPE, "compressed-tensors": None, "gguf": gguf.SCALE_DTYPE}
 
 
 def pack_linear(prefix: str, qt, fmt: str, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -25,6 +26,8 @@ def pack_linear(prefix: str, qt, fmt: str, dtype: torch.dtype | None = None) -> 
         return gptq.pack(prefix, qt)
     if fmt == "compressed-tensors":
         return compressed_tensors.pack(prefix, qt, dtype)
+    if fmt == "gguf":
+        return gguf.pack(prefix, qt)
     raise UserInputError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
 
 
@@ -49,4 +52,6 @@ def quantization_config(fmt: str, qconfig=None, *, method: str | None = None, bi
         return gptq.quantization_config(bits, group_size, sym, act_order, damp if method == "gptq" else None)
     if fmt == "compressed-tensors":
         return compressed_tensors.quantization_config(method, bits, group_size, sym, activations, fp8_scale)
+    if fmt == "gguf":   # (the work folder's; the file's metadata says it: formats/gguf.py)
+        return {"quant_method": "gguf", "bits": bits, "group_size": group_size, "sym": sym}
     raise UserInputError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
