@@ -28,6 +28,7 @@ import json
 import os
 import random
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -35,7 +36,7 @@ from pathlib import Path
 import torch
 
 import llmopt
-from benchlib import hf_generate_left_padded, hf_generate_single
+from benchlib import hf_folder, hf_generate_left_padded, hf_generate_single
 from llmopt import LLM, SamplingParams, defaults
 from llmopt.engine.args import EngineArgs
 from llmopt.engine.engine import LLMEngine
@@ -232,7 +233,8 @@ def bench_transformers(model: str | None, num_prompts: int, hf_batch: int, singl
     tps = sum(outs) / dt
     rows = [("llmopt engine", tps, dt, peak)]
     print(f"llmopt engine:            {tps:8.1f} tok/s  {dt:7.1f} s  peak {peak / 2**20:7.0f} MiB", flush=True)
-    hf = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=torch.float32).to(dev).eval()
+    with tempfile.TemporaryDirectory() as tmp:   # a GGUF's float copy for transformers
+        hf = AutoModelForCausalLM.from_pretrained(hf_folder(model, tmp), dtype=torch.float32).to(dev).eval()
     _, b_dt, b_peak = _timed_peak(dev, lambda: hf_generate_left_padded(hf, prompts, outs, dev, hf_batch))
     rows.append((f"transformers batched-{hf_batch}", sum(outs) / b_dt, b_dt, b_peak))
     print(f"transformers batched-{hf_batch}:  {rows[-1][1]:8.1f} tok/s  {b_dt:7.1f} s  peak {b_peak / 2**20:7.0f} MiB",

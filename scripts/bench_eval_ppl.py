@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import tempfile
 import time
 
 import torch
 
+from benchlib import hf_folder
 from llmopt import defaults
 from llmopt.eval import load_text_dataset, plan_ppl, run_ppl
 from llmopt.models.loader import load_model
@@ -82,7 +84,8 @@ def main() -> int:
     from transformers import AutoModelForCausalLM
 
     lm = load_model(a.model, "float32", "cpu")
-    hf = AutoModelForCausalLM.from_pretrained(lm.path, dtype=torch.float32).eval()
+    with tempfile.TemporaryDirectory() as tmp:   # a GGUF's float copy for transformers
+        hf = AutoModelForCausalLM.from_pretrained(hf_folder(a.model, tmp), dtype=torch.float32).eval()
     data = load_text_dataset(a.dataset)
     limit = a.limit or None
     plan = plan_ppl(lm.tokenizer, lm.config.max_position_embeddings, data, a.method, ctx=a.ctx,

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
+from benchlib import hf_folder
 from llmopt import defaults
 from llmopt.eval.data import load_text_dataset
 from llmopt.eval.tasks import task_manager
-from llmopt.models.loader import resolve_checkpoint
 
 CHOICE_WORDS = 12
 
@@ -85,7 +85,7 @@ def main() -> int:
         import lm_eval
         from lm_eval.models.huggingface import HFLM
         from llmopt.eval.harness import LLMoptLM      # registers the `llmopt` lm-eval model
-        folder = resolve_checkpoint(a.model)      # the HF folder llmopt resolved (the converted default GGUF)
+        folder = hf_folder(a.model, tmp)          # lm-eval's hf model reads a float folder (a GGUF's copy)
 
         def evaluate(make):
             t = time.perf_counter()

@@ -27,10 +27,11 @@ from pathlib import Path
 
 import torch
 
+from benchlib import hf_folder
 from llmopt import defaults
 from llmopt.eval.data import load_text_dataset
 from llmopt.eval.ppl import plan_ppl, run_ppl
-from llmopt.models.loader import load_model, load_tokenizer, resolve_checkpoint, safetensors_files
+from llmopt.models.loader import load_model, load_tokenizer, safetensors_files
 from llmopt.quant.calib import load_calibration
 from llmopt.quant.pipeline import quantize_model
 from llmopt.quant.config import QuantConfig
@@ -57,7 +58,7 @@ def run_peer(args, out: Path) -> tuple[float, dict]:
     """llm-compressor on our calibration windows, in its own venv; returns (seconds, its report)."""
     if not PEER_PY.exists():
         sys.exit(f"{PEER_PY} is missing: run scripts/peer_venv.sh first")
-    folder = resolve_checkpoint(None)
+    folder = hf_folder(None, args.workdir)          # llm-compressor reads a float folder (the GGUF's copy)
     ids = load_calibration(args.calib_data, load_tokenizer(folder), args.num_samples, args.seq_len, 0).ids
     ids_file = Path(args.workdir) / "calib-ids.pt"
     ids_file.parent.mkdir(parents=True, exist_ok=True)
@@ -109,7 +110,7 @@ def main() -> None:
     plan = plan_ppl(base.tokenizer, base.config.max_position_embeddings, load_text_dataset(None), "chunks",
                     ctx=args.ctx, limit=args.limit_tokens)
     results = [dict(name="base (fp32 weights of the Q4_1 GGUF)", seconds=0.0,
-                    size=sum(f.stat().st_size for f in safetensors_files(base.path)) / 2)]  # as fp16
+                    size=sum(f.stat().st_size for f in safetensors_files(hf_folder(None, args.workdir))) / 2)]  # as fp16
     for r in done:
         q = load_model(r["path"], dtype="float32", device="cpu", tokenizer=False)
         q.tokenizer = base.tokenizer

@@ -6,7 +6,10 @@
   from its file for gpu_check.py and bench_kernels.py without putting tests/ on sys.path;
 - `hf_generate_left_padded`, `hf_generate_single`: transformers' `generate` as the peers of the engine
   (bench_decode.py --transformers, gpu_check_engine.py);
-- `median_seconds`: the median wall time of a call (CUDA events on a GPU).
+- `median_seconds`: the median wall time of a call (CUDA events on a GPU);
+- `hf_folder`: a Hugging Face folder with weights for a model name, for the peers that load one
+  (transformers, lm-eval's `hf`, llm-compressor): a GGUF (the built-in default) dequantized into
+  `workdir`, since llmopt runs the file as stored and caches no float copy.
 """
 
 from __future__ import annotations
@@ -77,3 +80,16 @@ def median_seconds(fn, dev=None, iters: int = 20, warmup: int = 3) -> float:
             fn()
             times.append(time.perf_counter() - t)
     return sorted(times)[len(times) // 2]
+
+
+def hf_folder(model: str | None, workdir: str | Path) -> Path:
+    """The checkpoint folder of `model`, or for a GGUF its float32 copy written once under `workdir`."""
+    from llmopt.models.gguf_convert import cache_problem, convert_gguf
+    from llmopt.models.loader import resolve
+    ckpt = resolve(model)
+    if ckpt.gguf is None:
+        return ckpt.folder
+    out = Path(workdir) / f"{ckpt.gguf.stem}-float32"
+    if out.exists() and cache_problem(out) is None:
+        return out
+    return convert_gguf(ckpt.gguf, out, weights=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from benchlib import hf_generate_left_padded, hf_generate_single
+from benchlib import hf_folder, hf_generate_left_padded, hf_generate_single
 
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
@@ -24,8 +24,7 @@ SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hi
 
 def checkpoint(tmp: str, shape: dict = SMOLLM2) -> tuple[Path, str]:
     try:   # deferred: any failure here (no model package on the machine) means the stand-in
-        from llmopt.models.loader import resolve_checkpoint
-        return resolve_checkpoint(None), "SmolLM2-135M"
+        return hf_folder(None, tmp), "SmolLM2-135M"   # transformers is the peer: the GGUF's float copy
     except Exception:
         from transformers import LlamaConfig, LlamaForCausalLM
         torch.manual_seed(0)
