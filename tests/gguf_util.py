@@ -56,10 +56,10 @@ def ggml_bytes(a: np.ndarray, type_name: str, seed: int = 0) -> np.ndarray:
     return gguf.quants.quantize(a, gguf.GGMLQuantizationType[type_name])
 
 
-def write_tiny_gguf(path, hf, qtype: str | None = None):
+def _metadata(path, c):
+    """A GGUFWriter with the llama hyperparameters of config `c` and the 97-token vocabulary."""
     import gguf
     from transformers.convert_slow_tokenizer import bytes_to_unicode
-    c = hf.config
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -81,6 +81,50 @@ def write_tiny_gguf(path, hf, qtype: str | None = None):
     w.add_token_merges([f"{b2u[32]} t"])
     w.add_bos_token_id(95)
     w.add_eos_token_id(96)
+    return w
+
+
+def _finish(w) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def write_random_gguf(path, c, qtype: str) -> int:
+    """A llama GGUF of config `c` (a SimpleNamespace; vocabulary 97) whose 2-D weights are random
+    `qtype` blocks (gguf_util's ggml_bytes of random floats a tensor at a time: the file is written
+    without the model ever existing in float); returns the file's tensor bytes."""
+    import gguf
+    rng = np.random.default_rng(0)
+    w = _metadata(path, c)
+    h, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    shapes = {"token_embd.weight": (c.vocab_size, c.hidden_size), "output_norm.weight": (c.hidden_size,),
+              "output.weight": (c.vocab_size, c.hidden_size)}
+    for i in range(c.num_hidden_layers):
+        shapes.update({f"blk.{i}.attn_norm.weight": (c.hidden_size,), f"blk.{i}.ffn_norm.weight": (c.hidden_size,),
+                       f"blk.{i}.attn_q.weight": (h, c.hidden_size), f"blk.{i}.attn_k.weight": (kv, c.hidden_size),
+                       f"blk.{i}.attn_v.weight": (kv, c.hidden_size), f"blk.{i}.attn_output.weight": (c.hidden_size, h),
+                       f"blk.{i}.ffn_gate.weight": (c.intermediate_size, c.hidden_size),
+                       f"blk.{i}.ffn_up.weight": (c.intermediate_size, c.hidden_size),
+                       f"blk.{i}.ffn_down.weight": (c.hidden_size, c.intermediate_size)})
+    total = 0
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            a = np.ones(shape, np.float32)
+            w.add_tensor(name, a)
+        else:
+            a = ggml_bytes((rng.standard_normal(shape, dtype=np.float32) * 0.02), qtype)
+            w.add_tensor(name, a, raw_dtype=gguf.GGMLQuantizationType[qtype])
+        total += a.nbytes
+    _finish(w)
+    return total
+
+
+def write_tiny_gguf(path, hf, qtype: str | None = None):
+    import gguf
+    c = hf.config
+    w = _metadata(path, c)
     for i, (name, t) in enumerate(hf.state_dict().items()):
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
@@ -93,7 +137,4 @@ def write_tiny_gguf(path, hf, qtype: str | None = None):
             w.add_tensor(_gguf_name(name), ggml_bytes(a, qtype, seed=i), raw_dtype=gguf.GGMLQuantizationType[qtype])
         else:
             w.add_tensor(_gguf_name(name), a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)

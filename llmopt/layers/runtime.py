@@ -188,10 +188,18 @@ def quantize_lm_head(model: nn.Module) -> bool:
 def release_freed_memory() -> None:
     """Hand the heap freed by load-time repacking back to the OS (glibc's malloc_trim): the
     unpacked int32 codes of each layer are temporaries that glibc otherwise keeps resident."""
-    import ctypes
-    import ctypes.util
     import gc
     gc.collect()
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """glibc's malloc_trim(0): freed heap pages back to the OS now. Repacking a tensor at a time
+    frees temporaries of a few MB each; glibc's growing mmap threshold puts the next ones on the
+    heap, which it keeps: a 300M-parameter GGUF peaked at 1.53x its held weights without a trim
+    after each tensor, 1.07x with one."""
+    import ctypes
+    import ctypes.util
     try:
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):   # not glibc

@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from llmopt.errors import ModelLoadError
 from llmopt.ggml_types import RUN_TYPES
+from llmopt.layers.runtime import trim_heap
 from llmopt.layers.formats.ggml import decode
 from llmopt.models.gguf_file import GGUFTensor, read_header
 
@@ -57,13 +58,13 @@ def unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 class GGUFFile:
-    """A GGUF file's header and its tensors' bytes, memory-mapped (read-only: nothing is copied until
-    a tensor is decoded or dequantized)."""
+    """A GGUF file's header and its tensors' bytes, each tensor memory-mapped on its own (read-only),
+    so that once it is decoded its mapping, and the file pages it brought in, go with it: loading
+    holds one tensor of the file at a time, not the file."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.header = read_header(self.path)
-        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
 
     @property
     def tensors(self) -> list[GGUFTensor]:
@@ -71,9 +72,9 @@ class GGUFFile:
 
     def raw(self, t: GGUFTensor) -> np.ndarray:
         """uint8 [rows, bytes a row] (rows: every dimension but the innermost)."""
-        start = self.header.data_offset + t.offset
         rows = math.prod(t.shape[:-1])
-        return self._map[start:start + t.nbytes].reshape(rows, t.nbytes // rows)
+        return np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.header.data_offset + t.offset,
+                         shape=(rows, t.nbytes // rows))
 
 
 def _rope_heads(gguf_name: str, cfg) -> int | None:
@@ -150,9 +151,11 @@ def install(model: nn.Module, path: Path, cfg, dtype: torch.dtype,
             model.model.embed_tokens = GGMLEmbedding(table, dtype, owner=not tied)
             if tied:
                 model.lm_head = table
+            trim_heap()
             continue
         if runs and isinstance(model.get_submodule(target), nn.Linear) and model.get_submodule(target).bias is None:
             model.set_submodule(target, GGMLLinear(_grouped(f, t, cfg), kind))
+            trim_heap()   # the tensor's decoding temporaries, before the next tensor's
             continue
         if kind not in FLOAT_TYPES:
             fallback[kind] = fallback.get(kind, 0) + 1

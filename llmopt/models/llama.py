@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from llmopt import kernels
 from llmopt.models.config import ModelConfig
 from llmopt.layers.fuse import Fused, call_fused, fuse
+from llmopt.layers.runtime import trim_heap
 
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, "int | None"], torch.Tensor]
 
@@ -272,9 +273,12 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():   # quantized modules check their buffers and prepare their kernels
             if hasattr(module, "finish_loading"):
                 module.finish_loading()
+        quantized = any(hasattr(m, "cpu_codes") for m in self.modules())
         for layer in self.model.layers:
             layer.self_attn.fuse_qkv()
             layer.mlp.fuse_gate_up()
+            if quantized:   # (CPU repacked layers: their cpu_codes)
+                trim_heap()   # the layer's unfused tensors: freed holes the next layer's cannot reuse
         return loaded
 
 
