@@ -139,7 +139,7 @@ def test_unrepresentable_inputs_are_refused():
     with pytest.raises(UserInputError, match="group size"):
         pack_linear("m", random_int(gs=-1, seed=8), "awq")
     with pytest.raises(UserInputError):
-        pack_linear("m", random_int(), "gguf")
+        pack_linear("m", random_int(), "exl2")
 
 
 def test_fp8_and_int8_tensors():
