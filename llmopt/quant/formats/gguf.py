@@ -92,7 +92,7 @@ def gguf_name(name: str) -> str:
 
 def _copy_metadata(writer, source: Path, kind: str) -> None:
     """Every key of a GGUF source but the writer's own and the file type (set to `kind`'s)."""
-    import gguf   # deferred: an optional reader of the source's string arrays (the vocabulary)
+    import gguf   # deferred: start-up time (its reader decodes the string arrays: the vocabulary)
     reader = gguf.GGUFReader(str(source))
     for key, f in reader.fields.items():
         if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type",
