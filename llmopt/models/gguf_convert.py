@@ -19,7 +19,7 @@ from llmopt.fsutil import (MARKER, apply_umask, clean_stale, file_sha256, replac
                            write_marker)
 from llmopt.models.config import gguf_hf_config
 from llmopt.models.gguf_file import read_header
-from llmopt.models.gguf_weights import GGUFFile, dequantized, hf_name
+from llmopt.models.gguf_weights import iter_float_weights
 
 CONVERTER_VERSION = 4   # 3: keyed by the GGUF's content, manifest in llmopt.json; 4: no weights (run as stored)
 
@@ -153,9 +153,9 @@ def convert_gguf(path: Path, out_dir: Path, progress=None, sha256: str | None = 
             from safetensors.torch import save_file   # deferred: start-up time
             heads = SimpleNamespace(num_attention_heads=cfg["num_attention_heads"],
                                     num_key_value_heads=cfg["num_key_value_heads"])
-            tensors, f = {}, GGUFFile(path)
-            for t in f.tensors:
-                tensors[hf_name(t.name)] = dequantized(f, t, heads)
+            tensors = {}
+            for name, w in iter_float_weights(path, heads):
+                tensors[name] = w
                 if progress:
                     progress(1)
             save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})

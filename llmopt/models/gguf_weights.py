@@ -41,6 +41,9 @@ _LAYER_NAMES = {
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
 
+_GGUF_TOP = {v: k for k, v in _TENSOR_NAMES.items()}
+_GGUF_LAYER = {v: k for k, v in _LAYER_NAMES.items()}
+
 
 def hf_name(gguf_name: str) -> str:
     if gguf_name in _TENSOR_NAMES:
@@ -51,10 +54,24 @@ def hf_name(gguf_name: str) -> str:
     raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r}")
 
 
+def gguf_name(name: str) -> str:
+    """The GGUF name of a Hugging Face tensor name (hf_name's inverse)."""
+    if name in _GGUF_TOP:
+        return _GGUF_TOP[name]
+    _, _, layer, rest = name.split(".", 3)
+    module, _, param = rest.rpartition(".")
+    return f"blk.{layer}.{_GGUF_LAYER[module]}.{param}"
+
+
 def unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """llama.cpp stores q/k rows interleaved for its RoPE; undo it for rotate-half RoPE."""
     out = w.shape[0]
     return w.reshape(n_head, out // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_rope(w, n_head: int):
+    """llama.cpp's q/k row order (unpermute_rope's inverse), for a tensor or an array."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 class GGUFFile:

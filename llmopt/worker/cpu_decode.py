@@ -104,7 +104,8 @@ class CpuDecode:
         self.float_head = type(head) is nn.Linear and head.bias is None and not head._forward_hooks and \
             head.weight.dtype == torch.float32 and head.weight.is_contiguous()   # both cores: aten's M = 1 GEMV uses one
         self.int8_activations = defaults.CPU_DECODE_INT8_ACTIVATIONS
-        if not defaults.GGUF_INT8_ACTIVATIONS and any(hasattr(mod, "ggml_type") for mod in model.modules()):
+        from llmopt.models.gguf_weights import runs_quantized   # deferred: start-up time (model code)
+        if not defaults.GGUF_INT8_ACTIVATIONS and runs_quantized(model):
             self.set_int8_activations(False)   # a GGUF run as stored (defaults.py says why)
 
     def set_int8_activations(self, on: bool) -> None:

@@ -25,6 +25,7 @@ from llmopt.errors import UserInputError
 from llmopt.fsutil import apply_umask, temp_path
 from llmopt.layers.formats.ggml import BLOCKS
 from llmopt.layers.types import IntQuantized
+from llmopt.models.gguf_weights import gguf_name, permute_rope
 
 SCALE_DTYPE = torch.float16
 TYPES = {(4, False): "Q4_1", (4, True): "Q4_0", (8, True): "Q8_0"}
@@ -67,27 +68,6 @@ def pack(prefix: str, qt: IntQuantized) -> dict[str, torch.Tensor]:
             b["m"] = (-zero * scale).numpy().astype(np.float16)
         b["qs"] = (codes[..., :16] | (codes[..., 16:] << 4)).astype(np.uint8)
     return {f"{prefix}.weight": torch.from_numpy(b.view(np.uint8).reshape(n, -1))}
-
-
-def permute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's q/k row order (the inverse of llmopt.models.gguf_weights.unpermute_rope)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-_LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-          "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-          "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
-_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight"}
-
-
-def gguf_name(name: str) -> str:
-    if name in _TOP:
-        return _TOP[name]
-    _, _, layer, rest = name.split(".", 3)
-    module, _, param = rest.rpartition(".")
-    return f"blk.{layer}.{_LAYER[module]}.{param}"
 
 
 def _copy_metadata(writer, source: Path, kind: str) -> None:
