@@ -15,8 +15,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 ModelOpt = typer.Option(None, "--model", "-m", help="Checkpoint folder, .gguf file, Hugging Face id in the local "
                         f"cache, or a built-in name (default: {defaults.DEFAULT_MODEL}).")
-DtypeOpt = typer.Option(defaults.DTYPE, "--dtype", help="auto|float32|bfloat16|float16 (auto: float32 on the CPU, "
-                        "the checkpoint's dtype on a GPU).")
+DtypeOpt = typer.Option(defaults.DTYPE, "--dtype", help="auto|float32|bfloat16|float16. On a GPU the model runs "
+                        "in it (auto: the checkpoint's dtype). On the CPU it computes in float32 and this is "
+                        "how the weights are held (auto: a bfloat16/float16 checkpoint stays 16-bit).")
 DeviceOpt = typer.Option(defaults.DEVICE, "--device", help="auto|cpu|cuda.")
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object on stdout (an error too: "
                        '{"error": {"message", "type", "exit_code"}}).')

@@ -37,7 +37,8 @@ def _model_table(est) -> Table:
             ("attention", f"{est.attention}, {est.num_kv_heads} KV head(s) x {est.head_dim}"
                           + (f", {est.kv_heads_per_rank} per GPU" if est.tensor_parallel_size > 1 else "")),
             ("layers", _layers_text(est)),
-            ("runs on", f"{est.device}, {est.dtype} (the engine's meaning of auto)"),
+            ("runs on", f"{est.device}, {est.dtype}" + (f" with {est.weight_dtype} weights" if est.weight_dtype != est.dtype
+                                                       else "") + " (the engine's meaning of auto)"),
             ("KV cache dtype", est.kv_cache_dtype),
             ("KV bytes per token", f"{output.fmt(est.bytes_per_token)} per GPU"
              + (f" ({output.fmt(est.bytes_per_token_model)} whole model)" if est.tensor_parallel_size > 1 else "")),

@@ -50,6 +50,7 @@ class ModelArch:
     checkpoint_dtype: str
     layer_windows: list[int | None]
     dtype: str = ""                   # what the model runs in; "" until resolved (then the checkpoint's)
+    weight_dtype: str = ""            # how its float weights are held (16-bit on the CPU: models/config.py)
     mla: MLA | None = None
     moe: MoE | None = None
     qkv_bias: bool = False
@@ -64,6 +65,8 @@ class ModelArch:
     def __post_init__(self) -> None:
         if not self.dtype:           # `auto` on a GPU: the checkpoint's dtype (models/config.py)
             self.dtype = resolve_dtype_name("auto", "cuda", self.checkpoint_dtype)
+        if not self.weight_dtype:
+            self.weight_dtype = self.dtype
 
     @property
     def attention(self) -> str:
@@ -145,7 +148,7 @@ def apply_overrides(arch: ModelArch, overrides: dict[str, Any]) -> ModelArch:
     if "num_layers" in given and d.get("layer_types"):
         d.pop("layer_types")      # re-derive the pattern for the new depth
     out = arch_from_config(d, arch.name, arch.source, arch.origin, arch.note)
-    out.dtype = arch.dtype
+    out.dtype, out.weight_dtype = arch.dtype, arch.weight_dtype
     if "sliding_window" in given:
         w = given["sliding_window"]
         slides = [x is not None for x in out.layer_windows]

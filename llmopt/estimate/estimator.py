@@ -17,7 +17,7 @@ from llmopt.estimate.presets import find_gpu
 from llmopt.units import GIB
 from llmopt.estimate.weights import WeightMemory, weight_memory
 from llmopt.estimate.whatif import WhatIf, what_ifs
-from llmopt.models.config import resolve_device_name, resolve_dtype_name
+from llmopt.models.config import resolve_device_name, resolve_dtype_name, resolve_weight_dtype_name
 from llmopt.validate import check_engine_limits, kv_cache_memory_problem
 
 
@@ -71,6 +71,7 @@ class KVEstimate:
     max_position_embeddings: int
     device: str                 # cpu | cuda: where the plan runs (what `auto` resolved to)
     dtype: str                  # the model's compute dtype there (what `--dtype auto` resolved to)
+    weight_dtype: str           # how its float weights are held (16-bit on the CPU for a 16-bit checkpoint)
     kv_cache_dtype: str
     tensor_parallel_size: int
     block_size: int
@@ -132,12 +133,15 @@ def estimate(arch: ModelArch, *, device: str | None = None, dtype: str = default
              naive: bool = False, hybrid: bool = True, what_if: bool = False) -> KVEstimate:
     """The whole plan. `device`/`dtype` resolve `auto` as the engine does (models/config.py):
     device auto is a GPU when one is planned for (gpu / gpu_memory_gib) or present here, else the
-    CPU; None plans for a GPU. dtype auto is float32 on the CPU, the checkpoint's dtype on a GPU;
-    a KV dtype of auto is the model's dtype. `what_if` re-runs the plan with the usual levers (fp8
+    CPU; None plans for a GPU. dtype auto computes in float32 on the CPU (a 16-bit checkpoint's
+    weights held 16-bit), in the checkpoint's dtype on a GPU; a KV dtype of auto is the compute
+    dtype. `what_if` re-runs the plan with the usual levers (fp8
     KV, quantized weights, 2x GPUs, the longest context that fits) when a memory budget is given."""
     dev = resolve_device_name(device or "cuda", gpu_planned=gpu is not None or gpu_memory_gib is not None,
                               must_exist=False)
-    arch = replace(arch, dtype=resolve_dtype_name(dtype, "cpu" if dev == "cpu" else "cuda", arch.checkpoint_dtype))
+    kind = "cpu" if dev == "cpu" else "cuda"
+    arch = replace(arch, dtype=resolve_dtype_name(dtype, kind, arch.checkpoint_dtype),
+                   weight_dtype=resolve_weight_dtype_name(dtype, kind, arch.checkpoint_dtype))
     levers = dict(device=dev, dtype=arch.dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size, max_model_len=max_model_len,
                   max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                   tensor_parallel_size=tensor_parallel_size, gpu=gpu, gpu_memory_gib=gpu_memory_gib,
@@ -166,7 +170,7 @@ def estimate(arch: ModelArch, *, device: str | None = None, dtype: str = default
         num_kv_heads=1 if arch.mla else arch.num_kv_heads,
         kv_heads_per_rank=1 if arch.mla else plan.kv_heads_per_rank,
         head_dim=layers[0].head_size, max_position_embeddings=arch.max_position_embeddings,
-        device=dev, dtype=arch.dtype, kv_cache_dtype=kv_dtype,
+        device=dev, dtype=arch.dtype, weight_dtype=arch.weight_dtype, kv_cache_dtype=kv_dtype,
         tensor_parallel_size=tp, block_size=block_size, max_model_len=max_len,
         max_num_batched_tokens=max_num_batched_tokens,
         bytes_per_token=_num(sum((x.token_bytes for x in layers), Fraction(0))),

@@ -10,14 +10,16 @@ in the base dtype, as AutoAWQ / GPTQ / llm-compressor checkpoints keep them):
   GEMM layout: qweight and qzeros packed 8 per int32, scales fp16).
 - a GGML type (q4_0, q4_k, q8_0, ...): every 2-D weight, embeddings included, at that type using
   gguf's GGML_QUANT_SIZES (elements / block size * bytes per block); norms stay float32.
-- auto: what the checkpoint really holds: a .gguf's or a safetensors folder's tensors as stored,
-  else the config's quantization_config, else the checkpoint dtype (float32 served as bfloat16).
+- auto: what the checkpoint really holds: a .gguf's or a quantized safetensors folder's tensors as
+  stored, a float folder's as the engine holds them (matrices in the weight dtype, vectors in the
+  compute dtype: models/config.py), else the config's quantization_config, else the weight dtype.
 
 On the CPU (device "cpu") the figure is what llmopt's engine keeps resident: grouped int4/int8
 codes with a float32 scale and a float32 scaled zero per group (the layout of
 llmopt/kernels/cpu_quant), and for quantized weights the head, or the tied embedding it shares,
 as int8 per row + a float32 scale per row (--lm-head-dtype auto); a quantized checkpoint's folder
-is then counted from its config, not its stored tensors. A GGUF file on the CPU is counted as the
+is then counted from its config, not its stored tensors. A 16-bit float checkpoint keeps its
+matrices 16-bit there (`--dtype auto`), its norms and biases float32. A GGUF file on the CPU is counted as the
 engine holds it (llmopt.ggml_types.held_bytes: its block types repacked with float32 group
 scales, other types dequantized to float32).
 """
@@ -61,7 +63,7 @@ def _auto_format(arch: ModelArch) -> tuple[str, int]:
         return "int4", int(q.get("group_size", q.get("q_group_size", defaults.QUANT_GROUP_SIZE)))
     if method:
         raise UserInputError(f"{arch.name}: quantization method {method!r} is not modelled; pass --weight-format")
-    return arch.serving_dtype if arch.serving_dtype in FLOAT_FORMATS else "bfloat16", 0
+    return arch.weight_dtype if arch.weight_dtype in FLOAT_FORMATS else "bfloat16", 0
 
 
 def _shard(p: Param, arch: ModelArch, tp: int) -> tuple[int, ...]:
@@ -105,8 +107,8 @@ def param_bytes(p: Param, shape: tuple[int, ...], fmt: str, group: int, base: in
         numel *= s
     if int8_head and len(shape) == 2 and p.group in ("head", "embed"):
         return numel + shape[0] * 4      # int8 per row + a float32 scale per row (layers/runtime.py Int8Head)
-    if fmt in FLOAT_FORMATS:
-        return numel * FLOAT_FORMATS[fmt]
+    if fmt in FLOAT_FORMATS:   # (the CPU engine computes in float32: norms and biases held so)
+        return numel * (4 if cpu and len(shape) == 1 else FLOAT_FORMATS[fmt])
     if fmt.upper() in ggml_type_names():
         return _ggml_bytes(shape, fmt.upper()) if len(shape) == 2 else numel * 4
     if p.is_linear:
@@ -116,6 +118,19 @@ def param_bytes(p: Param, shape: tuple[int, ...], fmt: str, group: int, base: in
 
 _GROUP_PATTERNS = (("embed_tokens", "embed"), ("token_embd", "embed"), ("lm_head", "head"), ("norm", "norm"),
                    ("experts", "experts"), ("ffn_", "mlp"), ("mlp", "mlp"), ("gate.", "router"))
+
+
+_SAFETENSORS_FLOATS = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8}
+_SAFETENSORS_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+def _as_held(t: TensorInfo, arch: ModelArch) -> TensorInfo:
+    """A float safetensors tensor as the engine holds it: matrices in the weight dtype, vectors
+    (norms, biases) in the compute dtype (models/config.py); others as stored."""
+    if t.dtype not in _SAFETENSORS_FLOATS:
+        return t
+    dtype = arch.weight_dtype if len(t.shape) >= 2 else arch.serving_dtype
+    return TensorInfo(t.name, t.shape, _SAFETENSORS_NAMES[dtype], t.numel * FLOAT_FORMATS[dtype])
 
 
 def _file_group(name: str) -> str:
@@ -150,6 +165,8 @@ def weight_memory(arch: ModelArch, fmt: str = "auto", group_size: int | None = N
         tensors = [t for t in arch.tensors if not (tied_head and t.name in ("lm_head.weight", "output.weight"))]
         if cpu and arch.source in ("gguf", "builtin") and tp == 1:   # a GGUF as the CPU engine holds it
             tensors = [TensorInfo(t.name, t.shape, t.dtype, held_bytes(t.dtype, t.shape)) for t in tensors]
+        elif arch.source not in ("gguf", "builtin") and not arch.quantization_config:
+            tensors = [_as_held(t, arch) for t in tensors]
         by: dict[str, int] = {}
         for t in tensors:
             by[_file_group(t.name)] = by.get(_file_group(t.name), 0) + t.nbytes

@@ -7,8 +7,8 @@
 //
 // Why: at batch 1 the Python layer costs ~100 small ops (~13 ms of a 23 ms int8 step on this CPU);
 // here the layer is one call, its linears are the tiles and panels of cpu_quant_tiles.h and
-// cpu_idot_tiles.h (float32, int8, int4, fp8 weights decoded in the loop; see `linear` for which
-// runs when) and the elementwise work runs in place on small buffers.
+// cpu_idot_tiles.h (float32, bfloat16, float16, int8, int4, fp8 weights decoded in the loop; see
+// `linear` for which runs when) and the elementwise work runs in place on small buffers.
 //
 // Arithmetic follows llmopt/models/llama.py in float32 (sums in another order: results agree within
 // float32 rounding, as tests/engine/test_cpu_decode.py checks against the Python path).
@@ -38,7 +38,10 @@ namespace {
 
 using namespace llmopt_cpu_tiles;
 
-enum Kind : int64_t { KF32 = 0, KW8 = 1, KW4 = 2, KF8 = 3 };
+enum Kind : int64_t { KF32 = 0, KW8 = 1, KW4 = 2, KF8 = 3, KBF16 = 4, KF16 = 5 };
+
+// float weights: float32, or 16-bit ones widened in the loop (scale 1, one group, no zero)
+inline bool is_float(int64_t kind) { return kind == KF32 || kind == KBF16 || kind == KF16; }
 const float ONE = 1.f;
 
 // e^x for 8 floats (range reduction by ln 2, degree-6 polynomial on [-ln2/2, ln2/2]; ~1 ulp)
@@ -120,8 +123,18 @@ void float_linear(Args a, int64_t kind, const uint8_t* w, std::vector<float>& xs
     switch (kind) {
         case KF32:
             if (panels) f32_panels(a, SrcF32{reinterpret_cast<const float*>(w)});
-            else if (a.M <= f32_stream_rows) f32_rows(a, reinterpret_cast<const float*>(w));
+            else if (a.M <= f32_stream_rows) f32_rows<F32>(a, w);
             else run(a, Fn8<F32>{w});
+            break;
+        case KBF16:
+            if (panels) f32_panels(a, SrcQ8<BF16>{w});
+            else if (a.M <= f32_stream_rows) f32_rows<BF16>(a, w);
+            else run(a, Fn8<BF16>{w});
+            break;
+        case KF16:
+            if (panels) f32_panels(a, SrcQ8<F16>{w});
+            else if (a.M <= f32_stream_rows) f32_rows<F16>(a, w);
+            else run(a, Fn8<F16>{w});
             break;
         case KW8:
             if (panels) f32_panels(a, SrcQ8<I8>{w});
@@ -150,7 +163,7 @@ void linear(const Lin& l, const float* x, int64_t M, float* y, int64_t ldy, bool
         xp = t.xp.data();
     }
     Args a{xp, M, l.K, l.N, l.gs, l.K / l.gs, &ONE, 0, nullptr, nullptr, y, ldy};
-    if (l.kind != KF32) {
+    if (!is_float(l.kind)) {
         a.s = l.s.data_ptr<float>();
         a.s_stride = l.s.numel() == 1 ? 0 : a.G;
     }
@@ -354,12 +367,12 @@ Cache make_cache(const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& b
 // it the caller vouches for [-127, 127] (the int8 head's codes).
 Lin make_lin(int64_t kind, const at::Tensor& w, const at::Tensor& s, const at::Tensor& sz, const at::Tensor& bias,
              const at::Tensor& perm, int64_t gs, bool scan) {
-    TORCH_CHECK(kind >= KF32 && kind <= KF8, "bad kind");
+    TORCH_CHECK(kind >= KF32 && kind <= KF16, "bad kind");
     TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(), "weight must be a contiguous 2-d CPU tensor");
     const int64_t N = w.size(0), K = kind == KW4 ? w.size(1) * 2 : w.size(1);
-    const at::ScalarType want[] = {at::kFloat, at::kChar, at::kByte, at::kByte};
+    const at::ScalarType want[] = {at::kFloat, at::kChar, at::kByte, at::kByte, at::kBFloat16, at::kHalf};
     TORCH_CHECK(w.scalar_type() == want[kind], "weight dtype does not match its kind");
-    if (kind == KF32 || kind == KF8) gs = K;
+    if (is_float(kind) || kind == KF8) gs = K;
     TORCH_CHECK(K % 8 == 0 && gs > 0 && gs % 8 == 0 && K % gs == 0, "K must be a multiple of 8 and of the group size");
     TORCH_CHECK(kind != KW4 || (K % 64 == 0 && (gs == 32 || gs % 64 == 0)), "int4 needs K % 64 == 0, group 32 or k*64");
     Lin l{kind, N, K, gs, w, {}, {}, {}, {}, false};
@@ -370,7 +383,7 @@ Lin make_lin(int64_t kind, const at::Tensor& w, const at::Tensor& s, const at::T
             for (int64_t i = 0; i < N * K && l.idot; ++i) l.idot = c[i] != -128;
         }
     }
-    if (kind != KF32) {
+    if (!is_float(kind)) {
         check_f32(s, "scales");
         TORCH_CHECK(s.numel() == N * (K / gs) || (kind != KW4 && s.numel() == 1) ||
                     (kind == KF8 && s.numel() == N), "scales must be [N, K / group_size] (or one)");
@@ -507,18 +520,22 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at:
     return o;
 }
 
-// y = x @ w^T for float32 x [M, K], w [N, K]: the float LM head of a decode step on both cores (the
-// aten GEMV at M = 1 runs on one thread)
+// y = x @ w^T for float32 x [M, K], w [N, K] float32, bfloat16 or float16 (widened in the loop,
+// float32 sums): the float LM head of a decode step on both cores (the aten GEMV at M = 1 runs on
+// one thread), and the 16-bit linears of llmopt/layers/modules16.py at any M
 at::Tensor f32_gemm(const at::Tensor& x, const at::Tensor& w) {
     check_f32(x, "x");
-    check_f32(w, "w");
+    const auto dt = w.scalar_type();
+    TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf) && w.is_contiguous() && w.device().is_cpu(),
+                "w must be a contiguous float32, bfloat16 or float16 CPU tensor");
     TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && w.size(1) % 8 == 0,
                 "x [M, K] and w [N, K] with K a multiple of 8");
     const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
     at::Tensor y = at::empty({M, N}, x.options());
     Args a{x.data_ptr<float>(), M, K, N, K, 1, &ONE, 0, nullptr, nullptr, y.data_ptr<float>(), N};
     std::vector<float> none;
-    float_linear(a, KF32, reinterpret_cast<const uint8_t*>(w.data_ptr<float>()), none);
+    float_linear(a, dt == at::kFloat ? KF32 : dt == at::kBFloat16 ? KBF16 : KF16,
+                 static_cast<const uint8_t*>(w.data_ptr()), none);
     return y;
 }
 

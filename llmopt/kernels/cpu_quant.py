@@ -1,5 +1,6 @@
 """CPU kernels for quantized weights (cpu_quant.cpp): GEMV/GEMM that decode int8, int4 (grouped
-nibble layout) and FP8 weights inside the loop, float32 activations and accumulation.
+nibble layout) and FP8 weights inside the loop (and widen bfloat16 / float16 ones: cpu_decode.cpp's
+f32_gemm), float32 activations and accumulation.
 
 The C++ file is compiled on first use with torch.utils.cpp_extension (g++, AVX2 + FMA, OpenMP over
 output rows), cached under TORCH_EXTENSIONS_DIR or CACHE_DIR/torch_extensions keyed by the source's
@@ -55,7 +56,7 @@ def available() -> bool:
         else:
             log.info("building the quantized CPU kernels (once, cached in %s)", build)
             cpp_extension.load(name=name, sources=[str(p) for p in SOURCES], build_directory=str(build),
-                               extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                               extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"],
                                is_python_module=False, verbose=False)
     except Exception as e:   # no compiler, no ninja, a read-only cache...
         first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
@@ -72,6 +73,7 @@ def _register_fakes() -> None:
     torch.library.register_fake("llmopt_cpu::w8_gemm")(lambda x, codes, s, sz, gs: out(x, codes.shape[0]))
     torch.library.register_fake("llmopt_cpu::w4_gemm")(lambda x, packed, s, sz, gs: out(x, packed.shape[0]))
     torch.library.register_fake("llmopt_cpu::f8_gemm")(lambda x, codes, s: out(x, codes.shape[0]))
+    torch.library.register_fake("llmopt_cpu::f32_gemm")(lambda x, w: out(x, w.shape[0]))
     torch.library.register_fake("llmopt_cpu::w8_rows")(
         lambda ids, codes, s: s.new_empty((ids.numel(), codes.shape[1])))
 

@@ -20,6 +20,10 @@ constexpr int64_t PF = 2;
 inline int64_t f32_stream_rows = 8;
 // M > 1: output rows per cache block (a multiple of 4; 32 float rows of 1536 columns are 192 KB, in L2)
 constexpr int64_t RB = 32;
+// 16-bit weights streamed a row at a time for one row of x: L2 prefetch this many bytes ahead (the
+// hardware prefetchers alone read 14-16 GB/s of them where float32 streams at 21-24; 4, 8, 12 and
+// 16 KB ahead measured 18, 19-20, 19-20, 20-21 GB/s on the SmolLM2 shapes: noise between the last)
+constexpr int64_t PF16 = 12288;
 
 inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -42,6 +46,22 @@ struct F32 {  // float weights (the fused decode layer's unquantized linears): s
     static constexpr int64_t B = 4;
     static inline __m256 at(const uint8_t* row, int64_t c) {
         return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + c);
+    }
+};
+
+// 16-bit float weights, widened exactly to float32 in the loop (f32 accumulation, as F32 sums)
+struct BF16 {   // bfloat16: the high half of a float32
+    static constexpr int64_t B = 2;
+    static inline __m256 at(const uint8_t* row, int64_t c) {
+        __m256i i = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * c)));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(i, 16));
+    }
+};
+
+struct F16 {   // IEEE half (F16C, which every AVX2 CPU has)
+    static constexpr int64_t B = 2;
+    static inline __m256 at(const uint8_t* row, int64_t c) {
+        return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * c)));
     }
 };
 
@@ -100,18 +120,21 @@ inline void zero(__m256 (&v)[NR][MT]) {
 // the hint measured no faster). One FMA chain per x row, as tile8 sums a float row (gs = K): the
 // same bits whichever path and however many rows of x (verified drafts get plain decoding's
 // logits); 2 or 4 chains a row measured no faster.
-// Float weights only: their scale is 1 (tile8's s * d adds nothing).
-template <int MT>
-inline void row_f32(const Args& a, const float* w, int64_t n, int64_t m0) {
+// Float weights only (F32, BF16, F16: D decodes 8 of them): their scale is 1 (tile8's s * d adds
+// nothing); a 16-bit row decodes to the float32 values a float32 copy would hold, so its sums are
+// the float32 copy's bit for bit.
+template <class D, int MT>
+inline void row_f32(const Args& a, const uint8_t* w, int64_t n, int64_t m0) {
     const int64_t K = a.K;
-    const float* r = w + n * K;
+    const uint8_t* r = w + n * K * D::B;
     const float* x = a.x + m0 * K;
     __m256 acc[MT];
     for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t c = 0; c < K; c += 8) {
-        if constexpr (MT > 1)
-            if ((c & 15) == 0) _mm_prefetch(reinterpret_cast<const char*>(r + 4 * K + c), _MM_HINT_T1);
-        __m256 wv = _mm256_loadu_ps(r + c);
+        if constexpr (MT > 1 || D::B == 2)   // (16-bit rows at one row of x: PF16 bytes ahead)
+            if (((c * D::B) & 63) == 0)
+                _mm_prefetch(reinterpret_cast<const char*>(r + (MT > 1 ? 4 * K * D::B : PF16) + c * D::B), _MM_HINT_T1);
+        __m256 wv = D::at(r, c);
         for (int i = 0; i < MT; ++i) acc[i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i * K + c), acc[i]);
     }
     for (int i = 0; i < MT; ++i) a.y[(m0 + i) * a.ldy + n] = hsum(acc[i]);
@@ -234,11 +257,13 @@ inline void split_rows(int64_t N, Body body) {
     }
 }
 
-// Float weights [N, K] for 1 to 8 rows of x: row_f32 over every output row (no rows: nothing)
-inline void f32_rows(const Args& a, const float* w) {
+// Float weights [N, K] (D: F32, BF16, F16) for 1 to 8 rows of x: row_f32 over every output row (no
+// rows: nothing)
+template <class D>
+inline void f32_rows(const Args& a, const uint8_t* w) {
     split_rows(a.N, [&](int64_t n0, int64_t n1) {
         auto each = [&](auto mt) {
-            for (int64_t n = n0; n < n1; ++n) row_f32<decltype(mt)::value>(a, w, n, 0);
+            for (int64_t n = n0; n < n1; ++n) row_f32<D, decltype(mt)::value>(a, w, n, 0);
         };
         switch (a.M) {
             case 1: each(std::integral_constant<int, 1>{}); break;
@@ -360,7 +385,7 @@ struct SrcF32 {   // float weights [N, K]
 
 // quantized weights decoded to floats, (code * s - sz) per group, row by row into tmp [16, FK]
 template <class D>
-struct SrcQ8 {   // int8 / fp8 codes [N, K]
+struct SrcQ8 {   // int8 / fp8 codes [N, K]; 16-bit floats too (scale 1, no zero: the values themselves)
     const uint8_t* w;
     void operator()(const Args& a, int64_t n0, int64_t nr, int64_t k0, int64_t kc, float* wp, float* tmp) const {
         for (int64_t r = 0; r < nr; ++r) {

@@ -1,6 +1,6 @@
 """One call for the Linears that read the same input (q/k/v, gate/up), made once after loading.
 
-Their weights are concatenated along the output dim (float weights and biases; or a quantized
+Their weights are concatenated along the output dim (float weights and biases, 16-bit ones too; or a quantized
 format's packed codes, scales and scale * zero rows, for the CPU kernels) and each module's
 tensors are replaced by views into the fused storage, so memory does not grow. `call_fused` runs
 the one GEMM (one kernel call instead of three or two) while the fused storage still backs every
@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from llmopt.layers.modules import PackedIntLinear
+from llmopt.layers.modules16 import Linear16
 from llmopt.layers.modules_w8a8 import W8Linear
 
 
@@ -63,6 +64,8 @@ def fuse(owner: nn.Module, names, floats: bool = True) -> Fused | None:
     lins = [getattr(owner, n) for n in names]
     if all(type(lin) is nn.Linear for lin in lins):
         run = _fuse_float(lins) if floats else None
+    elif all(type(lin) is Linear16 for lin in lins):   # 16-bit float weights: fused as float ones are
+        run = _fuse_16bit(lins) if floats else None
     else:
         run = fuse_quantized(lins)
     return None if run is None else Fused(names, lins, run)
@@ -106,6 +109,22 @@ def _fuse_float(lins):
     b = torch.cat([lin.bias.detach() for lin in lins]) if lins[0].bias is not None else None
     _point_at(lins, {"weight": w, "bias": b}, params=("weight", "bias"))
     return (w, b)
+
+
+def _fuse_16bit(lins) -> Linear16 | None:
+    first = lins[0]
+    if any(lin.weight.is_meta for lin in lins) or not _same(lins, "in_features") or \
+            len({(lin.weight.dtype, lin.bias is None) for lin in lins}) > 1:
+        return None
+    fused = Linear16(first.in_features, sum(lin.out_features for lin in lins), first.bias is not None,
+                     first.weight.dtype, device="meta")
+    cat = {"weight": torch.cat([lin.weight.detach() for lin in lins])}
+    if first.bias is not None:
+        cat["bias"] = torch.cat([lin.bias.detach() for lin in lins])
+    for name, t in cat.items():
+        setattr(fused, name, nn.Parameter(t, requires_grad=False))
+    _point_at(lins, cat, params=("weight", "bias"))
+    return fused
 
 
 def fuse_quantized(lins) -> nn.Module | None:

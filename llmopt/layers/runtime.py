@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 
+import torch
 import torch.nn as nn
 
 from llmopt.errors import ModelLoadError
@@ -20,6 +21,7 @@ from llmopt.layers.formats import format_of
 from llmopt.layers.fp8 import quantize_fp8
 from llmopt.layers.int8 import quantize_int8
 from llmopt.layers.modules import AWQLinear, CTPackedLinear, GPTQLinear
+from llmopt.layers.modules16 import Linear16
 from llmopt.layers.modules_w8a8 import Int8Embedding, Int8Head, W8Linear, int8_rows
 
 
@@ -173,10 +175,10 @@ def quantize_lm_head(model: nn.Module) -> bool:
     int8 table through Int8Embedding: no float copy of it stays); False when the head is already
     quantized."""
     head = model.lm_head
-    if type(head) is not nn.Linear:
+    if type(head) is not nn.Linear and type(head) is not Linear16:
         return False
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    dtype = head.weight.dtype
+    dtype = head.weight.dtype if type(head) is nn.Linear else torch.float32   # a 16-bit table computes in float32
     codes, scales = int8_rows(head.weight)
     new = Int8Head(codes.to(head.weight.device), scales.to(head.weight.device))
     model.lm_head = new

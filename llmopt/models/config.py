@@ -354,13 +354,33 @@ def resolve_device_name(device: str | None = "auto", *, gpu_planned: bool = Fals
 
 
 def resolve_dtype_name(dtype: str | None, device: str, checkpoint_dtype: str = "float32") -> str:
-    """The dtype the model runs in: `auto` is float32 on the CPU (no bf16 units there) and the
-    checkpoint's dtype on a GPU (bfloat16 when the checkpoint names none we run)."""
+    """The dtype the model computes in: float32 on the CPU (the C++ kernels accumulate in float32
+    and read a float32 KV cache; `--dtype` there says how the weights are held:
+    resolve_weight_dtype_name), the checkpoint's dtype on a GPU under `auto` (bfloat16 when the
+    checkpoint names none we run)."""
+    name = _dtype_choice(dtype)
+    if device == "cpu":
+        return "float32"
+    return canonical_dtype(checkpoint_dtype, "bfloat16") if name == "auto" else name
+
+
+def resolve_weight_dtype_name(dtype: str | None, device: str, checkpoint_dtype: str = "float32") -> str:
+    """The dtype the float weights are held in: on the CPU `auto` keeps a bfloat16 / float16
+    checkpoint 16-bit (llmopt/layers/modules16.py) and anything else float32, and a named dtype is
+    how they are held; on a GPU, the compute dtype."""
+    name = _dtype_choice(dtype)
+    if device != "cpu":
+        return resolve_dtype_name(dtype, device, checkpoint_dtype)
+    if name == "auto":
+        ckpt = canonical_dtype(checkpoint_dtype, "float32")
+        return ckpt if ckpt in ("bfloat16", "float16") else "float32"
+    return name
+
+
+def _dtype_choice(dtype: str | None) -> str:
     name = (dtype or "auto").strip().lower()
     if name == "auto":
-        if device == "cpu":
-            return "float32"
-        return canonical_dtype(checkpoint_dtype, "bfloat16")
+        return name
     out = canonical_dtype(name)
     if out is None:
         raise UserInputError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16")

@@ -260,24 +260,27 @@ class LlamaForCausalLM(nn.Module):
             if self.tp is not None:
                 tensor = self.tp.shard(name, tensor, self.config.quantization_config)
             keep_dtype = target.dtype if not target.is_floating_point() else dtype
-            if name in buffers and getattr(self.get_submodule(name.rpartition(".")[0]), "keep_checkpoint_dtype", False):
+            owner, _, attr = name.rpartition(".")
+            if attr in getattr(self.get_submodule(owner), "held_in_own_dtype", ()):
+                keep_dtype = target.dtype   # 16-bit weights on the CPU (llmopt.layers.modules16)
+            if name in buffers and getattr(self.get_submodule(owner), "keep_checkpoint_dtype", False):
                 keep_dtype = tensor.dtype   # quantized modules (llmopt.layers.modules): fp16 scales, fp8 codes as stored
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(target.shape)}")
             new = tensor.to(device=device, dtype=keep_dtype)
             _set_tensor(self, name, new, is_param=name in params)
             loaded.add(name)
-        if self.config.tie_word_embeddings and type(self.lm_head) is nn.Linear:   # (a GGUF table ties itself)
+        if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):   # (a GGUF table ties itself)
             self.lm_head.weight = self.model.embed_tokens.weight
             loaded.add("lm_head.weight")
         for module in self.modules():   # quantized modules check their buffers and prepare their kernels
             if hasattr(module, "finish_loading"):
                 module.finish_loading()
-        quantized = any(hasattr(m, "cpu_codes") for m in self.modules())
+        trim = any(hasattr(m, "cpu_codes") or getattr(m, "held_in_own_dtype", None) for m in self.modules())
         for layer in self.model.layers:
             layer.self_attn.fuse_qkv()
             layer.mlp.fuse_gate_up()
-            if quantized:   # (CPU repacked layers: their cpu_codes)
+            if trim:   # (CPU repacked layers: their cpu_codes; 16-bit ones, copied as read)
                 trim_heap()   # the layer's unfused tensors: freed holes the next layer's cannot reuse
         return loaded
 

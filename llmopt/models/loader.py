@@ -16,8 +16,10 @@ import torch
 from llmopt import defaults
 from llmopt.errors import ModelLoadError, UserInputError
 from llmopt.layers import runtime
+from llmopt.layers.modules16 import DTYPES16, convert_to_16bit
 from llmopt.layers.tp import fit_quantized_modules
-from llmopt.models.config import ModelConfig, builtin_gguf, resolve_device_name, resolve_dtype_name
+from llmopt.models.config import (ModelConfig, builtin_gguf, resolve_device_name, resolve_dtype_name,
+                                  resolve_weight_dtype_name)
 from llmopt.models import gguf_weights
 from llmopt.models.gguf_convert import cached_conversion
 from llmopt.models.llama import LlamaForCausalLM, rope_inv_freq
@@ -35,9 +37,14 @@ class LoadedModel:
     config: ModelConfig
     path: Path            # the checkpoint folder actually loaded
     source: str           # what the user named
-    dtype: torch.dtype
+    dtype: torch.dtype    # what it computes in (float32 on the CPU)
     device: torch.device
     gguf: Path | None = None   # the GGUF file the weights were read from
+    weight_dtype: torch.dtype | None = None   # how its float Linear and embedding weights are held
+
+    def __post_init__(self) -> None:
+        if self.weight_dtype is None:
+            self.weight_dtype = self.dtype
 
 
 @dataclass(frozen=True)
@@ -54,9 +61,15 @@ def resolve_device(device: str | None = "auto") -> torch.device:
 
 
 def resolve_dtype(dtype: str | None, device: torch.device, checkpoint_dtype: str = "float32") -> torch.dtype:
-    """`auto` is float32 on the CPU (no bf16 units here) and the checkpoint's dtype on a GPU
+    """What the model computes in: float32 on the CPU, `auto` the checkpoint's dtype on a GPU
     (models/config.py: resolve_dtype_name, which kv-estimate uses)."""
     return DTYPES[resolve_dtype_name(dtype, torch.device(device).type, checkpoint_dtype)]
+
+
+def resolve_weight_dtype(dtype: str | None, device: torch.device, checkpoint_dtype: str = "float32") -> torch.dtype:
+    """How float weights are held: on the CPU `auto` keeps a 16-bit checkpoint 16-bit
+    (models/config.py: resolve_weight_dtype_name, which kv-estimate uses)."""
+    return DTYPES[resolve_weight_dtype_name(dtype, torch.device(device).type, checkpoint_dtype)]
 
 
 def resolve(model: str | None, progress=None) -> Checkpoint:
@@ -151,15 +164,25 @@ def iter_safetensors(folder: Path, lazy: bool = False) -> Iterator[tuple[str, to
 
 def build_model(cfg: ModelConfig, folder: Path, dtype: torch.dtype, device: torch.device,
                 quantization: str | None = None, lm_head_dtype: str = defaults.LM_HEAD_DTYPE,
-                tp=None, gguf: Path | None = None) -> LlamaForCausalLM:
+                tp=None, gguf: Path | None = None, weight_dtype: torch.dtype | None = None) -> LlamaForCausalLM:
     """`quantization` int8|fp8: a float checkpoint's decoder Linears quantized per channel as they
     load; `lm_head_dtype` auto|float|int8 (layers/runtime.py: resolve_lm_head_dtype). `tp` (a
     llmopt.distributed.parallel.TPGroup): build and load this rank's shard only. `gguf`: the weights
     are that file's (run as stored on the CPU: gguf_weights.install; dequantized, one tensor at a
-    time, for --quantization and for a tensor-parallel rank, which shards float weights)."""
+    time, for --quantization and for a tensor-parallel rank, which shards float weights).
+    `weight_dtype` 16-bit on the CPU: an unquantized safetensors checkpoint's Linear and embedding
+    weights are held in it (llmopt/layers/modules16.py), the rest computes in `dtype`. Those are
+    kept as read, so each is copied out of a mapping of its own, closed before the next: tensors
+    left on one mapping of the whole file kept the pages of q/k/v resident after fusing copied them
+    (a 300M bfloat16 checkpoint peaked at 1.11x its weights and KV cache)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, tp)
-    if gguf is None:
+    sixteen = holds_16bit(cfg, device, dtype, weight_dtype, quantization, gguf)
+    if sixteen:
+        convert_to_16bit(model, weight_dtype)
+    if gguf is None and sixteen and tp is None:   # each tensor copied out of its own mapping (below)
+        weights = ((n, part[:]) for n, part in iter_safetensors(folder, lazy=True))
+    elif gguf is None:
         weights = iter_safetensors(folder, lazy=tp is not None)
     elif quantization or tp is not None:   # dequantized a tensor at a time (then quantized, or sharded)
         if tp is not None:
@@ -194,6 +217,13 @@ def build_model(cfg: ModelConfig, folder: Path, dtype: torch.dtype, device: torc
     return model.eval()
 
 
+def holds_16bit(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype | None,
+                quantization: str | None, gguf: Path | None) -> bool:
+    """Whether build_model holds the float weights 16-bit (the CPU, a float safetensors checkpoint)."""
+    return (weight_dtype is not None and weight_dtype != dtype and weight_dtype in DTYPES16 and device.type == "cpu"
+            and not quantization and not cfg.quantization_config and gguf is None)
+
+
 def load_tokenizer(folder: Path):
     from transformers import AutoTokenizer
     names = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -215,7 +245,9 @@ def load_model(model: str | None = None, dtype: str | None = "auto", device: str
     cfg = ModelConfig.from_path(ckpt.folder)
     dev = tp.device if tp is not None else resolve_device(device)
     dt = resolve_dtype(dtype, dev, cfg.torch_dtype)
+    wdt = resolve_weight_dtype(dtype, dev, cfg.torch_dtype)
     with torch.inference_mode(False), torch.no_grad():
-        m = build_model(cfg, ckpt.folder, dt, dev, quantization, lm_head_dtype, tp, ckpt.gguf)
+        m = build_model(cfg, ckpt.folder, dt, dev, quantization, lm_head_dtype, tp, ckpt.gguf, wdt)
     tok = load_tokenizer(ckpt.folder) if tokenizer else None
-    return LoadedModel(m, tok, cfg, ckpt.folder, model or defaults.DEFAULT_MODEL, dt, dev, ckpt.gguf)
+    held = wdt if holds_16bit(cfg, dev, dt, wdt, quantization, ckpt.gguf) else dt
+    return LoadedModel(m, tok, cfg, ckpt.folder, model or defaults.DEFAULT_MODEL, dt, dev, ckpt.gguf, held)

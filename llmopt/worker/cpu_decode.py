@@ -2,7 +2,7 @@
 
 A decode step of a few sequences (one new token each) spends most of its time between the GEMVs
 in Python: ~100 small ops per layer. `CpuDecode` holds one `torch.classes.llmopt_cpu.DecodeLayer`
-per layer, referencing (not copying) the layer's weights as loaded: float32 linears, the CPU
+per layer, referencing (not copying) the layer's weights as loaded: float32 or 16-bit linears, the CPU
 layouts of quantized modules (int8 / int4 codes with scales, fp8) and the fused q/k/v and gate/up
 storage (llmopt/layers/fuse.py). Embedding, the final norm and the head stay in Python (one call
 each). The runner uses it on the CPU, for a float32 model and KV cache, for steps of up to
@@ -25,7 +25,8 @@ from llmopt.kernels import cpu_quant
 
 log = logging.getLogger("llmopt.engine")
 
-KF32, KW8, KW4, KF8 = range(4)   # cpu_decode.cpp's Kind
+KF32, KW8, KW4, KF8, KBF16, KF16 = range(6)   # cpu_decode.cpp's Kind
+_FLOAT_KINDS = {torch.float32: KF32, torch.bfloat16: KBF16, torch.float16: KF16}
 _EMPTY = torch.empty(0)
 
 
@@ -37,16 +38,17 @@ def linear_spec(lin) -> tuple | None:
     """(kind, weight, scales, scale * zeros, bias, act-order perm, group size) of a linear the C++
     layer runs, or None."""
     from llmopt.layers.modules import PackedIntLinear   # deferred: start-up time (quantized modules)
+    from llmopt.layers.modules16 import Linear16   # deferred: start-up time
     from llmopt.layers.modules_w8a8 import W8Linear   # deferred: start-up time
-    if isinstance(lin, tuple):   # fused float weights (w, b)
+    if isinstance(lin, tuple):   # fused float weights (w, b): float32, or 16-bit (Linear16)
         w, b = lin
-        if w.dtype != torch.float32 or w.is_meta:
+        if w.dtype not in _FLOAT_KINDS or w.is_meta:
             return None
-        return (KF32, w.detach().contiguous(), _EMPTY, _EMPTY, _f32(b), _EMPTY, w.shape[1])
+        return (_FLOAT_KINDS[w.dtype], w.detach().contiguous(), _EMPTY, _EMPTY, _f32(b), _EMPTY, w.shape[1])
     if lin._forward_hooks or lin._forward_pre_hooks:
         return None
     bias = _f32(lin.bias)
-    if type(lin) is nn.Linear:
+    if type(lin) is nn.Linear or type(lin) is Linear16:
         return linear_spec((lin.weight, lin.bias))
     if isinstance(lin, PackedIntLinear) and lin._cpu is not None:
         kind, gs = lin._cpu
@@ -101,8 +103,9 @@ class CpuDecode:
         head = model.lm_head   # the int8 head (quantized models): integer tiles too, its codes in [-127, 127]
         self.int8_head = type(head) is Int8Head and not head._forward_hooks and \
             bool(head.codes.min() > -128) and head.in_features % 32 == 0
-        self.float_head = type(head) is nn.Linear and head.bias is None and not head._forward_hooks and \
-            head.weight.dtype == torch.float32 and head.weight.is_contiguous()   # both cores: aten's M = 1 GEMV uses one
+        from llmopt.layers.modules16 import Linear16   # deferred: start-up time
+        self.float_head = type(head) in (nn.Linear, Linear16) and head.bias is None and not head._forward_hooks and \
+            head.weight.dtype in _FLOAT_KINDS and head.weight.is_contiguous()   # both cores: aten's M = 1 GEMV uses one
         self.int8_activations = defaults.CPU_DECODE_INT8_ACTIVATIONS
         from llmopt.models.gguf_weights import runs_quantized   # deferred: start-up time (model code)
         if not defaults.GGUF_INT8_ACTIVATIONS and runs_quantized(model):

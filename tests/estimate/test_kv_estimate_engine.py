@@ -36,8 +36,9 @@ def _engine(folder, dtype="auto", device="cpu", kv="auto", block_size=16, memory
     return LLMEngine(args, loaded=loaded).kv_cache_info(), loaded
 
 
-# engine (model dtype, kv_cache_dtype) -> the estimator's KV dtype
-CASES = [("float32", "auto", "float32"), ("bfloat16", "auto", "bfloat16"), ("float32", "fp8", "fp8"),
+# engine (--dtype, kv_cache_dtype) -> the estimator's KV dtype (on the CPU bfloat16 names the weights:
+# the model computes in float32, and its KV cache of auto is float32)
+CASES = [("float32", "auto", "float32"), ("bfloat16", "auto", "float32"), ("float32", "fp8", "fp8"),
          ("float32", "fp8_e4m3", "fp8_e4m3"), ("float32", "fp8_e5m2", "fp8_e5m2"), ("float32", "int8", "int8")]
 
 

@@ -115,3 +115,22 @@ def test_float_rows_streamed_or_tiled_give_the_same_bits(ops, k):
             ops.tiles_config(-1, 0, 0, 9)
     finally:
         ops.tiles_config(-1, 0, 0, defaults.CPU_F32_STREAM_MAX_ROWS)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_weights_multiply_as_their_float32_copy(ops, dtype):
+    """bfloat16 / float16 weights widened inside the loop: for 1, 3, 16 and 64 rows of x (the row
+    streamer, the tiles, the panels) and odd widths, the same bits as the float32 copy of the same
+    values, and within float32 rounding of a float64 product."""
+    g = torch.Generator().manual_seed(16)
+    for n, k in ((1, 8), (7, 40), (193, 200), (64, 576), (40, 1544)):
+        w = torch.randn(n, k, generator=g).to(dtype)
+        for m in (1, 3, 16, 64):
+            x = torch.randn(m, k, generator=g)
+            y = ops.f32_gemm(x, w)
+            assert torch.equal(y, ops.f32_gemm(x, w.float())), (n, k, m)
+            ref = x.double() @ w.double().t()
+            bound = 1e-6 * (x.double().abs() @ w.double().abs().t()) + 1e-7
+            assert bool(((y.double() - ref).abs() <= bound).all()), (n, k, m)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        ops.f32_gemm(torch.randn(1, 8), torch.zeros(2, 8, dtype=torch.int8))
