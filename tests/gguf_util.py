@@ -121,10 +121,13 @@ def write_random_gguf(path, c, qtype: str) -> int:
     return total
 
 
-def write_tiny_gguf(path, hf, qtype: str | None = None):
+def write_tiny_gguf(path, hf, qtype: str | None = None, extra: dict | None = None):
+    """`hf` as a GGUF (2-D weights as `qtype` blocks, else float); `extra`: more tensors by GGUF name."""
     import gguf
     c = hf.config
     w = _metadata(path, c)
+    for name, a in (extra or {}).items():
+        w.add_tensor(name, a)
     for i, (name, t) in enumerate(hf.state_dict().items()):
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue

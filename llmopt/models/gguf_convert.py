@@ -13,15 +13,18 @@ import shutil
 import time
 from pathlib import Path
 
+import numpy as np
+
 
 from llmopt.errors import ModelLoadError, UserInputError
 from llmopt.fsutil import (MARKER, apply_umask, clean_stale, file_sha256, replace_folder, temp_path, write_atomic,
                            write_marker)
 from llmopt.models.config import gguf_hf_config
 from llmopt.models.gguf_file import read_header
-from llmopt.models.gguf_weights import iter_float_weights
+from llmopt.models.gguf_weights import ROPE_FREQS, iter_float_weights
 
-CONVERTER_VERSION = 4   # 3: keyed by the GGUF's content, manifest in llmopt.json; 4: no weights (run as stored)
+CONVERTER_VERSION = 5   # 3: keyed by the GGUF's content, manifest in llmopt.json; 4: no weights (run as stored);
+                        # 5: rope_freqs.weight's factors in the config (Llama 3.x files)
 
 def gguf_config(path: Path) -> dict:
     """The config.json of the converted folder: models/config.py's gguf_hf_config, the mapping
@@ -30,7 +33,15 @@ def gguf_config(path: Path) -> dict:
     arch = h.meta.get("general.architecture")
     if arch != "llama":
         raise ModelLoadError(f"GGUF architecture {arch!r} is not supported: llmopt reads llama-architecture GGUF files")
-    return gguf_hf_config(h.meta, [(t.name, t.shape) for t in h.tensors])
+    d = gguf_hf_config(h.meta, [(t.name, t.shape) for t in h.tensors])
+    freqs = next((t for t in h.tensors if t.name == ROPE_FREQS), None)
+    if freqs is not None:   # Llama 3.x: llama.cpp's converter stores the llama3 scaling as factors
+        if freqs.type_name != "F32" or freqs.shape != (d["head_dim"] // 2,):
+            raise ModelLoadError(f"{path.name}: {ROPE_FREQS} must be F32 [{d['head_dim'] // 2}], "
+                                 f"not {freqs.type_name} {list(freqs.shape)}")
+        raw = np.memmap(path, dtype=np.float32, mode="r", offset=h.data_offset + freqs.offset, shape=freqs.shape)
+        d["rope_scaling"] = {"rope_type": "freq_factors", "factors": [float(x) for x in raw]}
+    return d
 
 
 # -- the conversion cache ----------------------------------------------------------------------------

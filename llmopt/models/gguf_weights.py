@@ -28,6 +28,7 @@ from llmopt.models.gguf_file import GGUFTensor, read_header
 
 log = logging.getLogger("llmopt.models")
 FLOAT_TYPES = ("F32", "F16", "BF16")
+ROPE_FREQS = "rope_freqs.weight"   # Llama 3.x's RoPE factors: read into the config (gguf_convert), not a weight
 
 _TENSOR_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -124,7 +125,8 @@ def iter_float_weights(path: Path, cfg) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float32 tensor) pairs of a GGUF file, dequantized one at a time."""
     f = GGUFFile(path)
     for t in f.tensors:
-        yield hf_name(t.name), dequantized(f, t, cfg)
+        if t.name != ROPE_FREQS:
+            yield hf_name(t.name), dequantized(f, t, cfg)
 
 
 class FloatTensors:
@@ -133,7 +135,7 @@ class FloatTensors:
     def __init__(self, path: Path, cfg) -> None:
         self.cfg = cfg
         self.file = GGUFFile(path)
-        self._by_name = {hf_name(t.name): t for t in self.file.tensors}
+        self._by_name = {hf_name(t.name): t for t in self.file.tensors if t.name != ROPE_FREQS}
 
     def names(self) -> list[str]:
         return list(self._by_name)
@@ -160,6 +162,8 @@ def install(model: nn.Module, path: Path, cfg, dtype: torch.dtype,
     tied = "output.weight" not in {t.name for t in f.tensors}
     fallback: dict[str, int] = {}
     for t in f.tensors:
+        if t.name == ROPE_FREQS:
+            continue
         name, kind = hf_name(t.name), t.type_name
         target = name.removesuffix(".weight")
         runs = device.type == "cpu" and kind in RUN_TYPES and len(t.shape) == 2 and name.endswith(".weight")

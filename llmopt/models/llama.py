@@ -39,7 +39,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies for RoPE, with the `linear` and `llama3` scalings."""
+    """Inverse frequencies for RoPE, with the `linear` and `llama3` scalings (`freq_factors`: a GGUF's
+    rope_freqs.weight, the llama3 scaling as llama.cpp stores it: each frequency divided by its factor)."""
     d = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     s = cfg.rope_scaling
@@ -47,6 +48,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         return inv
     if s["rope_type"] == "linear":
         return inv / s["factor"]
+    if s["rope_type"] == "freq_factors":
+        return inv / torch.tensor(s["factors"], dtype=torch.float32)
     # llama3: low frequencies divided by `factor`, high kept, a smooth ramp between.
     factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
     old = s["original_max_position_embeddings"]

@@ -7,7 +7,9 @@ default model loads with under 150 MB of weights and answers as its float copy d
 from __future__ import annotations
 
 import logging
+import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -122,3 +124,62 @@ def test_the_default_model_perplexity_equals_its_float_copy(smollm2_float):
         lm = load_model(model)
         got.append(run_ppl(lm, plan_ppl(lm.tokenizer, 2048, wiki, "llamacpp", limit=1024), batch_size=2).ppl)
     assert abs(got[0] / got[1] - 1) <= 0.01
+
+
+def llama_cpp_rope_factors(s: dict, head_dim: int, base: float = 10000.0) -> np.ndarray:
+    """rope_freqs.weight as llama.cpp's convert_hf_to_gguf.py computes it for rope_type llama3 (in
+    float64 here): 1 for short wavelengths, `factor` for long ones, a smooth ramp between."""
+    freqs = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    old, lo, hi, factor = s["original_max_position_embeddings"], s["low_freq_factor"], s["high_freq_factor"], s["factor"]
+    out = []
+    for f in freqs:
+        wavelen = 2 * math.pi / f
+        if wavelen < old / hi:
+            out.append(1.0)
+        elif wavelen > old / lo:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - lo) / (hi - lo)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def test_a_llama3_file_runs_its_rope_freqs_and_the_export_keeps_them(tmp_path, monkeypatch):
+    """Llama 3.x GGUF files carry the llama3 RoPE scaling as rope_freqs.weight, one factor per
+    frequency: the model's logits over 200 positions (past the scaling's original 64) equal
+    transformers' with that rope_scaling, not the unscaled model's; `quantize --format gguf` from the
+    file writes the same factors back, and from a Hugging Face llama3 folder the ones llama.cpp's
+    converter would."""
+    from llmopt.models.attention import DenseCausalAttention
+    from llmopt.quant.config import QuantConfig
+    from llmopt.quant.pipeline import quantize_model
+    import gguf
+    monkeypatch.setattr(defaults, "CACHE_DIR", tmp_path / "cache")
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(LlamaConfig(**CFG, rope_scaling=scaling)).eval()
+    factors = llama_cpp_rope_factors(scaling, CFG["head_dim"])
+    assert 1.0 < factors.max() and factors.min() == 1.0
+    path = tmp_path / "llama3.gguf"
+    write_tiny_gguf(path, hf, None, extra={"rope_freqs.weight": factors})
+    lm = load_model(str(path), dtype="float32", device="cpu", tokenizer=False).model
+    ids = torch.randint(0, 95, (1, 200), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(200)
+    with torch.no_grad():
+        got = lm.compute_logits(lm(ids, pos, DenseCausalAttention()))[0]
+        want = hf(ids).logits[0]
+        plain = AutoModelForCausalLM.from_config(LlamaConfig(**CFG)).eval()
+        plain.load_state_dict(hf.state_dict())
+        unscaled = plain(ids).logits[0]
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), float((got - want).abs().max())
+    assert float((got - unscaled).abs().max()) > 1e-2
+    out = tmp_path / "export.gguf"
+    quantize_model(str(path), out, QuantConfig(method="rtn", format="gguf", group_size=32, seq_len=128))
+    t = {t.name: t for t in gguf.GGUFReader(str(out)).tensors}["rope_freqs.weight"]
+    assert t.tensor_type.name == "F32" and np.allclose(np.asarray(t.data), factors, rtol=1e-6)
+    folder = tmp_path / "hf-llama3"
+    hf.save_pretrained(folder)
+    from llmopt.quant.formats.gguf import rope_freq_factors
+    from llmopt.models.config import ModelConfig
+    assert np.allclose(rope_freq_factors(ModelConfig.from_path(folder)), factors, rtol=1e-6)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -25,11 +26,11 @@ from llmopt.errors import UserInputError
 from llmopt.fsutil import apply_umask, temp_path
 from llmopt.layers.formats.ggml import BLOCKS
 from llmopt.layers.types import IntQuantized
-from llmopt.models.gguf_weights import gguf_name, permute_rope
+from llmopt.models.gguf_weights import ROPE_FREQS, gguf_name, permute_rope
 
 SCALE_DTYPE = torch.float16
 TYPES = {(4, False): "Q4_1", (4, True): "Q4_0", (8, True): "Q8_0"}
-FILE_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7}   # llama.cpp's LLAMA_FTYPE_MOSTLY_*
+FILE_TYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7}   # llama.cpp's LLAMA_FTYPE_MOSTLY_* (F16: a float work folder)
 
 
 def check(bits: int, sym: bool, group_size: int | None, act_order: str) -> str:
@@ -128,6 +129,14 @@ def _hf_metadata(writer, folder: Path, cfg, kind: str) -> None:
     gguf.SpecialVocab(folder, load_merges=model == "gpt2", n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
 
 
+def rope_freq_factors(cfg) -> np.ndarray:
+    """llama.cpp's rope_freqs.weight: the factor dividing each RoPE frequency (the default ones over
+    the scaled ones: llama3's ramp, or a GGUF source's own factors)."""
+    from llmopt.models.llama import rope_inv_freq   # deferred: start-up time (model code)
+    plain = rope_inv_freq(replace(cfg, rope_scaling=None))
+    return (plain / rope_inv_freq(cfg)).numpy().astype(np.float32)
+
+
 def write_file(work: Path, output: Path, cfg, source_folder: Path, source_gguf: Path | None, kind: str) -> None:
     """Assemble `output` from the work folder's safetensors shards (its weight map), streaming one
     tensor at a time into `.NAME.tmp<PID>` beside it, renamed into place when complete."""
@@ -152,6 +161,9 @@ def write_file(work: Path, output: Path, cfg, source_folder: Path, source_gguf: 
             a = permute_rope(a, cfg.num_key_value_heads)
         return np.ascontiguousarray(a), qtype
 
+    extra = {}
+    if cfg.rope_scaling and cfg.rope_scaling["rope_type"] in ("llama3", "freq_factors"):
+        extra[ROPE_FREQS] = rope_freq_factors(cfg)   # as llama.cpp's converter writes Llama 3.x
     tmp = temp_path(output)
     writer = gguf.GGUFWriter(str(tmp), "llama")
     try:
@@ -162,11 +174,15 @@ def write_file(work: Path, output: Path, cfg, source_folder: Path, source_gguf: 
         for name in order:
             a, qtype = array(name)
             writer.add_tensor_info(gguf_name(name), a.shape, a.dtype, a.nbytes, raw_dtype=qtype)
+        for name, a in extra.items():
+            writer.add_tensor_info(name, a.shape, a.dtype, a.nbytes)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for name in order:
             writer.write_tensor_data(array(name)[0])
+        for a in extra.values():
+            writer.write_tensor_data(a)
         writer.close()
         apply_umask(tmp)
         os.replace(tmp, output)
