@@ -6,16 +6,19 @@ from __future__ import annotations
 RUN_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
 GROUP = {t: 16 if t == "Q6_K" else 32 for t in RUN_TYPES}
+FLOAT16_TYPES = ("F16", "BF16")   # matrices of these run as stored too (llmopt.layers.modules16)
 
 
 def held_bytes(type_name: str, shape: tuple[int, ...], float_bytes: int = 4) -> int:
     """The bytes the CPU engine holds for a GGUF tensor (GGMLLinear's buffers): 4-bit codes packed
     two a byte where the width is a multiple of 64, else a byte a code, and float32 scales and
-    scaled zeros per group (none for Q8_0); a tensor of another type, or not 2-D, dequantized to
-    `float_bytes` an element."""
+    scaled zeros per group (none for Q8_0); an F16 / BF16 matrix as stored; a tensor of another
+    type, or not 2-D, dequantized to `float_bytes` an element."""
     numel = 1
     for d in shape:
         numel *= d
+    if type_name in FLOAT16_TYPES and len(shape) == 2:
+        return numel * 2
     if type_name not in RUN_TYPES or len(shape) != 2:
         return numel * float_bytes
     rows, cols = shape

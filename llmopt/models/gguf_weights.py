@@ -3,7 +3,8 @@
 - `install`: on the CPU, each Linear (and the token table) whose tensor is one of the block formats
   the kernels multiply (llmopt.layers.formats.ggml: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
   Q6_K) becomes a GGMLLinear / GGMLEmbedding built from the memory-mapped blocks, a tensor at a
-  time; every other tensor comes out dequantized (float32, one at a time) for `load_weights` to
+  time, and each F16 / BF16 matrix a Linear16 / Embedding16 holding it as stored (whatever
+  `--dtype`: a GGUF runs as stored); every other tensor comes out dequantized (float32, one at a time) for `load_weights` to
   cast to the model's dtype, with one log line naming the quantized types that took that path.
 - `iter_float_weights` / `FloatTensors`: the same tensors dequantized, by Hugging Face name, for
   the readers that want floats (quantize's input, the self-draft).
@@ -21,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from llmopt.errors import ModelLoadError
-from llmopt.ggml_types import RUN_TYPES
+from llmopt.ggml_types import FLOAT16_TYPES, RUN_TYPES
 from llmopt.layers.runtime import trim_heap
 from llmopt.layers.formats.ggml import decode
 from llmopt.models.gguf_file import GGUFTensor, read_header
@@ -158,6 +159,7 @@ def install(model: nn.Module, path: Path, cfg, dtype: torch.dtype,
     """Swap the model's (meta) Linears and token table for GGML modules where the tensor's type
     runs on the CPU kernels; yields the other tensors as (name, float32 tensor) for load_weights."""
     from llmopt.layers.modules_ggml import GGMLEmbedding, GGMLLinear   # deferred: start-up time
+    from llmopt.layers.modules16 import Embedding16, Linear16   # deferred: start-up time
     f = GGUFFile(path)
     tied = "output.weight" not in {t.name for t in f.tensors}
     fallback: dict[str, int] = {}
@@ -178,6 +180,17 @@ def install(model: nn.Module, path: Path, cfg, dtype: torch.dtype,
             model.set_submodule(target, GGMLLinear(_grouped(f, t, cfg), kind))
             trim_heap()   # the tensor's decoding temporaries, before the next tensor's
             continue
+        if device.type == "cpu" and kind in FLOAT16_TYPES and len(t.shape) == 2 and name.endswith(".weight") and \
+                (target == "model.embed_tokens" or type(model.get_submodule(target)) is nn.Linear):
+            dt = _TORCH_FLOATS[kind]   # a 16-bit holder on meta, filled by load_weights as stored
+            if target == "model.embed_tokens":
+                model.model.embed_tokens = Embedding16(t.shape[0], t.shape[1], dt, device="meta")
+            else:
+                model.set_submodule(target, Linear16(t.shape[1], t.shape[0], False, dt, device="meta"))
+            if target == "model.embed_tokens" and tied:
+                model.lm_head = Linear16(t.shape[1], t.shape[0], False, dt, device="meta")
+            yield name, _float16(f, t, cfg)
+            continue
         if kind not in FLOAT_TYPES:
             fallback[kind] = fallback.get(kind, 0) + 1
         yield name, dequantized(f, t, cfg)
@@ -185,6 +198,13 @@ def install(model: nn.Module, path: Path, cfg, dtype: torch.dtype,
         what = ", ".join(f"{k} ({n} tensors)" for k, n in sorted(fallback.items()))
         where = "the CPU kernels run " + ", ".join(RUN_TYPES) if device.type == "cpu" else f"on {device.type}"
         log.info(f"GGUF {path.name}: {what} dequantized to {str(dtype).replace('torch.', '')} ({where})")
+
+
+def _float16(f: GGUFFile, t: GGUFTensor, cfg) -> torch.Tensor:
+    """An F16 / BF16 matrix as stored (a copy: the map is read-only), q/k rows in rotate-half order."""
+    w = torch.from_numpy(np.array(f.raw(t))).view(_TORCH_FLOATS[t.type_name]).reshape(t.shape)
+    heads = _rope_heads(t.name, cfg)
+    return unpermute_rope(w, heads).contiguous() if heads else w
 
 
 def runs_quantized(model: nn.Module) -> bool:

@@ -264,9 +264,10 @@ class LlamaForCausalLM(nn.Module):
                 tensor = self.tp.shard(name, tensor, self.config.quantization_config)
             keep_dtype = target.dtype if not target.is_floating_point() else dtype
             owner, _, attr = name.rpartition(".")
-            if attr in getattr(self.get_submodule(owner), "held_in_own_dtype", ()):
-                keep_dtype = target.dtype   # 16-bit weights on the CPU (llmopt.layers.modules16)
-            if name in buffers and getattr(self.get_submodule(owner), "keep_checkpoint_dtype", False):
+            module = self.get_submodule(owner)   # (now: a GGUF's install swaps modules as it streams)
+            if attr in getattr(module, "held_in_own_dtype", ()):
+                keep_dtype = getattr(module, attr).dtype   # 16-bit weights on the CPU (llmopt.layers.modules16)
+            if name in buffers and getattr(module, "keep_checkpoint_dtype", False):
                 keep_dtype = tensor.dtype   # quantized modules (llmopt.layers.modules): fp16 scales, fp8 codes as stored
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(target.shape)}")

@@ -172,15 +172,16 @@ def build_model(cfg: ModelConfig, folder: Path, dtype: torch.dtype, device: torc
     time, for --quantization and for a tensor-parallel rank, which shards float weights).
     `weight_dtype` 16-bit on the CPU: an unquantized safetensors checkpoint's Linear and embedding
     weights are held in it (llmopt/layers/modules16.py), the rest computes in `dtype`. Those are
-    kept as read, so each is copied out of a mapping of its own, closed before the next: tensors
-    left on one mapping of the whole file kept the pages of q/k/v resident after fusing copied them
-    (a 300M bfloat16 checkpoint peaked at 1.11x its weights and KV cache)."""
+    kept as read, each on a mapping of its own (a safetensors slice), which goes with its tensor:
+    on one mapping of the whole file, q/k/v's pages stayed resident after fusing copied them (a
+    300M bfloat16 checkpoint peaked at 1.11x its weights and KV cache; 1.02x so). The weights are
+    then file pages, read on first use and shared with the page cache, as llama.cpp maps a GGUF."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, tp)
     sixteen = holds_16bit(cfg, device, dtype, weight_dtype, quantization, gguf)
     if sixteen:
         convert_to_16bit(model, weight_dtype)
-    if gguf is None and sixteen and tp is None:   # each tensor copied out of its own mapping (below)
+    if gguf is None and sixteen and tp is None:   # each tensor on a mapping of its own (above)
         weights = ((n, part[:]) for n, part in iter_safetensors(folder, lazy=True))
     elif gguf is None:
         weights = iter_safetensors(folder, lazy=tp is not None)
@@ -246,6 +247,9 @@ def load_model(model: str | None = None, dtype: str | None = "auto", device: str
     dev = tp.device if tp is not None else resolve_device(device)
     dt = resolve_dtype(dtype, dev, cfg.torch_dtype)
     wdt = resolve_weight_dtype(dtype, dev, cfg.torch_dtype)
+    if ckpt.gguf is not None and dev.type == "cpu" and (dtype or "auto") != "auto":
+        log.info(f"--dtype {dtype}: a GGUF's tensors run as stored on the CPU (its F16/BF16 matrices "
+                 "16-bit), computing in float32")
     with torch.inference_mode(False), torch.no_grad():
         m = build_model(cfg, ckpt.folder, dt, dev, quantization, lm_head_dtype, tp, ckpt.gguf, wdt)
     tok = load_tokenizer(ckpt.folder) if tokenizer else None

@@ -183,3 +183,25 @@ def test_a_llama3_file_runs_its_rope_freqs_and_the_export_keeps_them(tmp_path, m
     from llmopt.quant.formats.gguf import rope_freq_factors
     from llmopt.models.config import ModelConfig
     assert np.allclose(rope_freq_factors(ModelConfig.from_path(folder)), factors, rtol=1e-6)
+
+
+@pytest.mark.parametrize("qtype,tied", [("F16", False), ("BF16", True)])
+def test_16bit_matrices_run_as_stored(tmp_path, monkeypatch, qtype, tied):
+    """An F16 / BF16 GGUF holds its matrices 16-bit (the file's bytes, which kv-estimate counts),
+    whatever --dtype, and generates exactly as its dequantized float32 copy."""
+    from llmopt.estimate.weights import weight_memory
+    from llmopt.estimate import resolve_model_arch
+    from llmopt.layers.modules16 import Embedding16, Linear16
+    monkeypatch.setattr(defaults, "CPU_DECODE_INT8_ACTIVATIONS", False)   # (no integer linears: either way)
+    path = _gguf(tmp_path, monkeypatch, qtype, tied=tied)
+    dt = {"F16": torch.float16, "BF16": torch.bfloat16}[qtype]
+    m = load_model(str(path), dtype="float32", device="cpu", tokenizer=False).model
+    linears = [mod for mod in m.modules() if isinstance(mod, nn.Linear)]
+    assert linears and all(type(mod) is Linear16 and mod.weight.dtype == dt for mod in linears)
+    assert type(m.model.embed_tokens) is Embedding16 and (m.lm_head.weight is m.model.embed_tokens.weight) == tied
+    held = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in [*m.parameters(), *m.buffers()]
+                                                       if t is not m.inv_freq}.values())
+    assert held == weight_memory(resolve_model_arch(str(path)), device="cpu").bytes_total
+    float_copy = convert_gguf(path, tmp_path / "float", weights=True)
+    prompts = mixed_prompts(3, CFG["vocab_size"] - 2, lo=3, hi=20, seed=1)
+    assert _greedy(str(path), prompts) == _greedy(str(float_copy), prompts)
