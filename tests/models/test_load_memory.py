@@ -26,7 +26,9 @@ SHAPE = SimpleNamespace(vocab_size=97, hidden_size=1024, intermediate_size=4096,
                         num_attention_heads=16, num_key_value_heads=4, head_dim=64, max_position_embeddings=2048,
                         rms_norm_eps=1e-5)
 
-CHILD = r"""
+# PRELUDE: the children's imports; MEASURE: the C++ library and torch's lazy imports of a first meta
+# init loaded (code, not weights), then the high-water mark starts again from there
+PRELUDE = r"""
 import json, sys, torch
 from llmopt.kernels import cpu_quant
 from llmopt.models.loader import load_model, load_tokenizer, resolve
@@ -37,12 +39,18 @@ def status(key):
             return int(line.split()[1]) * 1024
 
 path = sys.argv[1]
-load_tokenizer(resolve(path).folder)           # the config and tokenizer cached: not the weights
+"""
+MEASURE = r"""
 cpu_quant.ops()
-with torch.device("meta"):                     # torch's lazy imports of a first meta init
+with torch.device("meta"):
     torch.nn.Embedding(2, 2)
-open("/proc/self/clear_refs", "w").write("5")  # the high-water mark starts again from here
+open("/proc/self/clear_refs", "w").write("5")
 before = status("VmRSS")
+"""
+
+CHILD = PRELUDE + r"""
+load_tokenizer(resolve(path).folder)           # the config and tokenizer cached: not the weights
+""" + MEASURE + r"""
 m = load_model(path, "float32", "cpu", tokenizer=False).model
 held = sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()]) - m.inv_freq.nbytes
 print(json.dumps({"peak_rise": status("VmHWM") - before, "held": held}))
@@ -76,25 +84,11 @@ def test_a_300m_q4_0_file_loads_with_one_copy_of_its_weights(tmp_path):
     assert got["peak_rise"] <= 1.1 * got["held"], got
 
 
-CHILD_BF16 = r"""
-import json, sys, torch
+CHILD_BF16 = PRELUDE + r"""
 from llmopt.core.sampling_params import SamplingParams
 from llmopt.engine.args import EngineArgs
 from llmopt.engine.engine import LLMEngine
-from llmopt.kernels import cpu_quant
-from llmopt.models.loader import load_model
-
-def status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-
-path = sys.argv[1]
-cpu_quant.ops()
-with torch.device("meta"):                     # torch's lazy imports of a first meta init
-    torch.nn.Embedding(2, 2)
-open("/proc/self/clear_refs", "w").write("5")  # the high-water mark starts again from here
-before = status("VmRSS")
+""" + MEASURE + r"""
 loaded = load_model(path, "auto", "cpu", tokenizer=False)
 engine = LLMEngine(EngineArgs(model=path, kv_cache_memory=64 << 20, max_model_len=1024, detokenize=False),
                    loaded=loaded)
