@@ -29,12 +29,15 @@ ROOT = Path(__file__).resolve().parents[1]
 LLMOPT_CHILD = r"""
 import json, sys, time
 path, threads, int8 = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "int8"
+dtype = sys.argv[4] if len(sys.argv) > 4 else "float32"   # a folder's --dtype (auto: 16-bit stays 16-bit)
+kv_bytes = int(sys.argv[5]) if len(sys.argv) > 5 else 64 << 20
 import torch
 torch.set_num_threads(threads)
 from llmopt import SamplingParams, defaults
 defaults.GGUF_INT8_ACTIVATIONS = int8
 from llmopt.engine.args import EngineArgs
 from llmopt.engine.engine import LLMEngine
+from llmopt.errors import ModelLoadError
 from llmopt.models.loader import load_tokenizer, resolve
 
 def rss():
@@ -42,20 +45,23 @@ def rss():
         if line.startswith("VmRSS"):
             return int(line.split()[1]) * 1024
 
-tok = load_tokenizer(resolve(path).folder)
+try:
+    tok = load_tokenizer(resolve(path).folder)
+except ModelLoadError:                            # a synthetic checkpoint: token ids only
+    tok = None
 from llmopt.kernels import cpu_quant
 from llmopt.models.loader import load_model
 cpu_quant.ops()                                   # the C++ library: code, not weights
 with torch.device("meta"):                        # torch's lazy imports of a first meta init (dynamo, triton)
     torch.nn.Embedding(2, 2)
 before, t0 = rss(), time.perf_counter()
-loaded = load_model(path, "float32", "cpu", tokenizer=False)
+loaded = load_model(path, dtype, "cpu", tokenizer=False)
 load_s, rise = time.perf_counter() - t0, rss() - before
 loaded.tokenizer = tok
 m = loaded.model
 held = sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
-engine = LLMEngine(EngineArgs(model=path, dtype="float32", device="cpu", max_model_len=1024, detokenize=False,
-                              enable_prefix_caching=False, max_num_batched_tokens=512, kv_cache_memory=64 << 20),
+engine = LLMEngine(EngineArgs(model=path, dtype=dtype, device="cpu", max_model_len=1024, detokenize=False,
+                              enable_prefix_caching=False, max_num_batched_tokens=512, kv_cache_memory=kv_bytes),
                    loaded=loaded)
 
 def run(prompt, n):
@@ -98,11 +104,13 @@ def llama_bench(binary: Path, model: Path, threads: int) -> dict:
     return {"system": "llama-bench", **get, "peak_rss": peak}
 
 
-def llmopt(model: Path, threads: int, acts: str) -> dict:
+def llmopt(model: Path, threads: int, acts: str, dtype: str = "float32", label: str | None = None,
+           kv_bytes: int = 64 << 20) -> dict:
+    """llmopt's run on a .gguf file or a checkpoint folder (`dtype`: its --dtype; a KV cache of kv_bytes)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    out, peak = timed([sys.executable, "-c", LLMOPT_CHILD, str(model), str(threads), acts], env)
+    out, peak = timed([sys.executable, "-c", LLMOPT_CHILD, str(model), str(threads), acts, dtype, str(kv_bytes)], env)
     r = json.loads(out.strip().splitlines()[-1])
-    return {"system": f"llmopt ({acts} activations)", "pp512": statistics.median(r.pop("pp512")),
+    return {"system": label or f"llmopt ({acts} activations)", "pp512": statistics.median(r.pop("pp512")),
             "tg128": statistics.median(r.pop("tg128")),
             **r, "peak_rss": peak}
 
