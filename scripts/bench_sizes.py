@@ -150,10 +150,13 @@ def main() -> None:
             f16 = synthetic(work / "synthetic-1.7b-f16")
             gg, q4 = f16_gguf(f16, work / "synthetic-1.7b-F16.gguf"), q4_1_export(f16, work / "synthetic-1.7b-Q4_1.gguf")
             runs = [("llama-bench F16 GGUF", lambda gg=gg: llama_bench(Path(a.llama_bench), gg, a.threads)),
-                    ("llmopt f16 folder, --dtype auto", lambda f16=f16: llmopt(f16, a.threads, "float", "auto", kv_bytes=KV_1_5B)),
+                    ("llmopt f16 folder, --dtype auto",
+                     lambda f16=f16: llmopt(f16, a.threads, "float", "auto", kv_bytes=KV_1_5B)),
                     ("llama-bench Q4_1 export", lambda q4=q4: llama_bench(Path(a.llama_bench), q4, a.threads)),
-                    ("llmopt Q4_1 export (float activations)", lambda q4=q4: llmopt(q4, a.threads, "float", kv_bytes=KV_1_5B)),
-                    ("llmopt Q4_1 export (int8 activations)", lambda q4=q4: llmopt(q4, a.threads, "int8", kv_bytes=KV_1_5B))]
+                    ("llmopt Q4_1 export (float activations)",
+                     lambda q4=q4: llmopt(q4, a.threads, "float", kv_bytes=KV_1_5B)),
+                    ("llmopt Q4_1 export (int8 activations)",
+                     lambda q4=q4: llmopt(q4, a.threads, "int8", kv_bytes=KV_1_5B))]
         else:
             raise SystemExit(f"unknown model {model!r}: default or 1.5b")
         plans.append((model, runs))
