@@ -100,8 +100,12 @@ def _cpu_ops():
 def _cpp_decode(q, key_cache, seq_lens, kv_dtype) -> bool:
     """One query per sequence (q rows == sequences), float32 on the CPU, and the C++ kernels built:
     llmopt_cpu.decode_attention reads the paged cache in place (the reference gathers each block)."""
-    return (q.shape[0] == seq_lens.shape[0] and q.dtype == key_cache.dtype == torch.float32 and kv_dtype == "auto"
-            and not q.is_cuda and q.is_contiguous() and _cpu_ops() is not None)
+    return (q.shape[0] == seq_lens.shape[0] and q.dtype == torch.float32 and key_cache.dtype in CPP_KV_DTYPES
+            and kv_dtype in ("auto", *reference.FLOAT_KV) and not q.is_cuda and q.is_contiguous()
+            and _cpu_ops() is not None)
+
+
+CPP_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # the caches cpu_decode.cpp reads and writes
 
 
 class PagedStep:

@@ -12,7 +12,8 @@
 //
 // Arithmetic follows llmopt/models/llama.py in float32 (sums in another order: results agree within
 // float32 rounding, as tests/engine/test_cpu_decode.py checks against the Python path).
-// Cache layout: [num_blocks, block_size, num_kv_heads, head_dim] float32, slot = block * bs + offset.
+// Cache layout: [num_blocks, block_size, num_kv_heads, head_dim] float32, bfloat16 or float16 (read
+// widened, written rounded to nearest even), slot = block * bs + offset.
 #include <torch/custom_class.h>
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
@@ -214,26 +215,42 @@ void linears(const std::vector<Lin>& g, const float* x, int64_t M, float* y, boo
     }
 }
 
-// the cache lines of n rows of D floats, `stride` floats apart
+// the cache lines of n rows of `bytes` bytes, `stride` bytes apart
 template <_mm_hint HINT>
-inline void prefetch_rows(const float* p, int64_t n, int64_t stride, int64_t D) {
+inline void prefetch_rows(const uint8_t* p, int64_t n, int64_t stride, int64_t bytes) {
     for (int64_t j = 0; j < n; ++j)
-        for (int64_t d = 0; d < D; d += 16) _mm_prefetch(reinterpret_cast<const char*>(p + j * stride + d), HINT);
+        for (int64_t d = 0; d < bytes; d += 64) _mm_prefetch(reinterpret_cast<const char*>(p + j * stride + d), HINT);
 }
 
+// The paged cache: float32, bfloat16 or float16 elements (dt), read widened to float32 (attention)
+// and written rounded to nearest even (write_slot), as torch casts.
 struct Cache {
-    const float* k; const float* v; int64_t nb, bs;
+    uint8_t* k; uint8_t* v; int64_t nb, bs;
+    at::ScalarType dt;
     const int32_t* bt; int64_t W;   // block tables [M, W]
     const int32_t* lens;            // context lengths [M], the new token included
 };
 
+// dot(q, row) for n elements of a cache row (E: F32, BF16, F16)
+template <class E>
+inline float dot_row(const float* q, const uint8_t* r, int64_t n) {
+    __m256 s = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), E::at(r, i), s);
+    float t = hsum(s);
+    for (; i < n; ++i) t += q[i] * E::one(r, i);
+    return t;
+}
+
 // o[m, hq] = softmax(q k^T * scale) v over the context of row m (its last token is the query), with
 // the keys of the last `window` positions only when window > 0. q rows have stride ldq, o rows Hq * D.
 // One task per (row, kv head): its `group` query heads share each K/V row's loads; keys are walked
-// block by block (no division per key).
-void attention(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv, int64_t D, const Cache& c,
+// block by block (no division per key). E: the cache's element type.
+template <class E>
+void attention_t(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv, int64_t D, const Cache& c,
                float scale, int64_t window, float* o) {
-    const int64_t group = Hq / Hkv, row = Hkv * D;   // floats between consecutive slots
+    const int64_t group = Hq / Hkv, row = Hkv * D;   // elements between consecutive slots
+    const int64_t rb = row * E::B, hb = D * E::B;     // bytes between slots, of one head's row
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < M * Hkv; ++t) {
         const int64_t m = t / Hkv, hk = t % Hkv;
@@ -244,30 +261,31 @@ void attention(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv, 
         for (int64_t g = 0; g < group; ++g) mx[g] = -INFINITY;
         for (int64_t b = lo / c.bs; b * c.bs < L; ++b) {   // scores, block by block
             const int64_t j0 = std::max(lo, b * c.bs), j1 = std::min(L, (b + 1) * c.bs);
-            const float* kb = c.k + ((int64_t)table[b] * c.bs) * row + hk * D;
+            const uint8_t* kb = c.k + (((int64_t)table[b] * c.bs) * row + hk * D) * E::B;
             // the prefetchers do not follow the table: keys two blocks ahead into L1, this block's
             // values into L2 for the p @ V pass (first block: its keys too)
             if (b == lo / c.bs) {
-                prefetch_rows<_MM_HINT_T0>(kb, c.bs, row, D);
-                if ((b + 1) * c.bs < L) prefetch_rows<_MM_HINT_T0>(c.k + ((int64_t)table[b + 1] * c.bs) * row + hk * D, c.bs, row, D);
+                prefetch_rows<_MM_HINT_T0>(kb, c.bs, rb, hb);
+                if ((b + 1) * c.bs < L)
+                    prefetch_rows<_MM_HINT_T0>(c.k + (((int64_t)table[b + 1] * c.bs) * row + hk * D) * E::B, c.bs, rb, hb);
             }
             if ((b + 2) * c.bs < L)
-                prefetch_rows<_MM_HINT_T0>(c.k + ((int64_t)table[b + 2] * c.bs) * row + hk * D, c.bs, row, D);
-            prefetch_rows<_MM_HINT_T1>(c.v + ((int64_t)table[b] * c.bs) * row + hk * D, c.bs, row, D);
+                prefetch_rows<_MM_HINT_T0>(c.k + (((int64_t)table[b + 2] * c.bs) * row + hk * D) * E::B, c.bs, rb, hb);
+            prefetch_rows<_MM_HINT_T1>(c.v + (((int64_t)table[b] * c.bs) * row + hk * D) * E::B, c.bs, rb, hb);
             for (int64_t g = 0; g < group; ++g) {
                 const float* qg = q + m * ldq + (hk * group + g) * D;
                 float* pg = p.data() + g * (n + 8) - lo;   // pg[j], j in [lo, L)
                 int64_t j = j0;
                 if (D % 8 == 0)
                     for (; j + 4 <= j1; j += 4) {   // 4 keys at once: one 4-way horizontal sum, not four
-                        const float* k0 = kb + (j - b * c.bs) * row;
+                        const uint8_t* k0 = kb + (j - b * c.bs) * rb;
                         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
                         for (int64_t d = 0; d < D; d += 8) {
                             const __m256 qv = _mm256_loadu_ps(qg + d);
-                            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
-                            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + row + d), a1);
-                            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * row + d), a2);
-                            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * row + d), a3);
+                            a0 = _mm256_fmadd_ps(qv, E::at(k0, d), a0);
+                            a1 = _mm256_fmadd_ps(qv, E::at(k0 + rb, d), a1);
+                            a2 = _mm256_fmadd_ps(qv, E::at(k0 + 2 * rb, d), a2);
+                            a3 = _mm256_fmadd_ps(qv, E::at(k0 + 3 * rb, d), a3);
                         }
                         const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
                         const __m128 sc = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)),
@@ -276,7 +294,7 @@ void attention(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv, 
                         mx[g] = std::max(mx[g], std::max(std::max(pg[j], pg[j + 1]), std::max(pg[j + 2], pg[j + 3])));
                     }
                 for (; j < j1; ++j) {
-                    pg[j] = dot(qg, kb + (j - b * c.bs) * row, D) * scale;
+                    pg[j] = dot_row<E>(qg, kb + (j - b * c.bs) * rb, D) * scale;
                     mx[g] = std::max(mx[g], pg[j]);
                 }
             }
@@ -308,14 +326,14 @@ void attention(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv, 
                 for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
                 for (int64_t b = lo / c.bs; b * c.bs < L; ++b) {
                     const int64_t j0 = std::max(lo, b * c.bs), j1 = std::min(L, (b + 1) * c.bs);
-                    const float* vb = c.v + ((int64_t)table[b] * c.bs) * row + hk * D + d0;
+                    const uint8_t* vb = c.v + (((int64_t)table[b] * c.bs) * row + hk * D + d0) * E::B;
                     for (int64_t j = j0; j < j1; ++j) {
                         const __m256 w = _mm256_set1_ps(pg[j]);
-                        const float* vv = vb + (j - b * c.bs) * row;
+                        const uint8_t* vv = vb + (j - b * c.bs) * rb;
                         if (w8 == 8)
-                            for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + 8 * i), acc[i]);
+                            for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(w, E::at(vv, 8 * i), acc[i]);
                         else
-                            for (int i = 0; i < w8; ++i) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + 8 * i), acc[i]);
+                            for (int i = 0; i < w8; ++i) acc[i] = _mm256_fmadd_ps(w, E::at(vv, 8 * i), acc[i]);
                     }
                 }
                 const __m256 iv = _mm256_set1_ps(inv[g]);
@@ -325,14 +343,30 @@ void attention(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv, 
                 std::fill(out, out + D, 0.f);
                 for (int64_t b = lo / c.bs; b * c.bs < L; ++b) {
                     const int64_t j0 = std::max(lo, b * c.bs), j1 = std::min(L, (b + 1) * c.bs);
-                    const float* vb = c.v + ((int64_t)table[b] * c.bs) * row + hk * D;
+                    const uint8_t* vb = c.v + (((int64_t)table[b] * c.bs) * row + hk * D) * E::B;
                     for (int64_t j = j0; j < j1; ++j)
-                        for (int64_t d = 0; d < D; ++d) out[d] += pg[j] * vb[(j - b * c.bs) * row + d];
+                        for (int64_t d = 0; d < D; ++d) out[d] += pg[j] * E::one(vb + (j - b * c.bs) * rb, d);
                 }
                 for (int64_t d = 0; d < D; ++d) out[d] *= inv[g];
             }
         }
     }
+}
+
+void attention(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv, int64_t D, const Cache& c,
+               float scale, int64_t window, float* o) {
+    if (c.dt == at::kBFloat16) attention_t<BF16>(q, ldq, M, Hq, Hkv, D, c, scale, window, o);
+    else if (c.dt == at::kHalf) attention_t<F16>(q, ldq, M, Hq, Hkv, D, c, scale, window, o);
+    else attention_t<F32>(q, ldq, M, Hq, Hkv, D, c, scale, window, o);
+}
+
+// rows k, v of n floats into the cache at `slot`, in its element type
+void write_slot(const Cache& c, int64_t slot, const float* k, const float* v, int64_t n) {
+    const int64_t B = c.dt == at::kFloat ? 4 : 2;
+    uint8_t *kd = c.k + slot * n * B, *vd = c.v + slot * n * B;
+    if (c.dt == at::kBFloat16) { BF16::put(k, kd, n); BF16::put(v, vd, n); }
+    else if (c.dt == at::kHalf) { F16::put(k, kd, n); F16::put(v, vd, n); }
+    else { F32::put(k, kd, n); F32::put(v, vd, n); }
 }
 
 void check_f32(const at::Tensor& t, const char* what) {
@@ -343,16 +377,18 @@ void check_f32(const at::Tensor& t, const char* what) {
 // checks the cache, tables and lengths for M decode rows; every block a row reads must exist
 Cache make_cache(const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& bt, const at::Tensor& lens,
                  int64_t M, int64_t Hkv, int64_t D) {
-    check_f32(kc, "key_cache");
-    check_f32(vc, "value_cache");
+    const auto dt = kc.scalar_type();
+    TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf) && vc.scalar_type() == dt &&
+                kc.is_contiguous() && vc.is_contiguous() && kc.device().is_cpu() && vc.device().is_cpu(),
+                "key_cache and value_cache must be contiguous CPU tensors of one dtype: float32, bfloat16 or float16");
     TORCH_CHECK(kc.dim() == 4 && kc.sizes() == vc.sizes() && kc.size(2) == Hkv && kc.size(3) == D,
                 "caches must be [num_blocks, block_size, ", Hkv, ", ", D, "]");
     TORCH_CHECK(bt.scalar_type() == at::kInt && bt.is_contiguous() && bt.dim() == 2 && bt.size(0) == M,
                 "block_tables must be contiguous int32 [", M, ", W]");
     TORCH_CHECK(lens.scalar_type() == at::kInt && lens.is_contiguous() && lens.numel() == M,
                 "seq_lens must be contiguous int32 [", M, "]");
-    Cache c{kc.data_ptr<float>(), vc.data_ptr<float>(), kc.size(0), kc.size(1), bt.data_ptr<int32_t>(), bt.size(1),
-            lens.data_ptr<int32_t>()};
+    Cache c{static_cast<uint8_t*>(kc.data_ptr()), static_cast<uint8_t*>(vc.data_ptr()), kc.size(0), kc.size(1), dt,
+            bt.data_ptr<int32_t>(), bt.size(1), lens.data_ptr<int32_t>()};
     for (int64_t m = 0; m < M; ++m) {
         const int64_t L = c.lens[m], used = (L + c.bs - 1) / c.bs;
         TORCH_CHECK(L >= 1 && used <= c.W, "sequence ", m, ": length ", L, " does not fit its block table");
@@ -467,8 +503,6 @@ struct DecodeLayer : torch::CustomClassHolder {
 
         rms_norm(xs, ln1.data_ptr<float>(), M, H, (float)eps, h.data());
         linears(groups[0], h.data(), M, qkv.data(), int8_act, t);
-        float* kdst = const_cast<float*>(c.k);
-        float* vdst = const_cast<float*>(c.v);
         for (int64_t m = 0; m < M; ++m) {
             float *q = qkv.data() + m * NQ, *k = q + Hq * D, *v = k + Hkv * D;
             if (qn.defined()) {
@@ -479,8 +513,7 @@ struct DecodeLayer : torch::CustomClassHolder {
             rope(k, Hkv, D, cp + m * D, sp + m * D);
             if (sl[m] >= 0) {
                 TORCH_CHECK(sl[m] < c.nb * c.bs, "slot out of range");
-                std::copy(k, k + Hkv * D, kdst + sl[m] * Hkv * D);
-                std::copy(v, v + Hkv * D, vdst + sl[m] * Hkv * D);
+                write_slot(c, sl[m], k, v, Hkv * D);
             }
         }
         attention(qkv.data(), NQ, M, Hq, Hkv, D, c, (float)scale, window, att.data());
@@ -507,7 +540,7 @@ struct DecodeLayer : torch::CustomClassHolder {
 };
 
 // Attention alone, for batched decode steps in the Python layer (reference.paged_attention):
-// q [M, Hq, D] -> o [M, Hq, D], one query per sequence, over the float32 paged cache.
+// q [M, Hq, D] -> o [M, Hq, D], one query per sequence, over the paged cache (float32, bfloat16, float16).
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& bt,
                             const at::Tensor& lens, double scale, int64_t window) {
     check_f32(q, "q");

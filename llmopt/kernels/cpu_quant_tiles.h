@@ -4,6 +4,7 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 #ifdef _OPENMP
@@ -47,6 +48,10 @@ struct F32 {  // float weights (the fused decode layer's unquantized linears): s
     static inline __m256 at(const uint8_t* row, int64_t c) {
         return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + c);
     }
+    static inline float one(const uint8_t* row, int64_t c) { return reinterpret_cast<const float*>(row)[c]; }
+    static inline void put(const float* x, uint8_t* row, int64_t n) {   // (the KV cache's writes)
+        std::copy(x, x + n, reinterpret_cast<float*>(row));
+    }
 };
 
 // 16-bit float weights, widened exactly to float32 in the loop (f32 accumulation, as F32 sums)
@@ -56,12 +61,32 @@ struct BF16 {   // bfloat16: the high half of a float32
         __m256i i = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * c)));
         return _mm256_castsi256_ps(_mm256_slli_epi32(i, 16));
     }
+    static inline float one(const uint8_t* row, int64_t c) {
+        uint32_t u = uint32_t(reinterpret_cast<const uint16_t*>(row)[c]) << 16;
+        float f;
+        std::memcpy(&f, &u, 4);
+        return f;
+    }
+    // float32 -> bfloat16, rounded to nearest even as torch rounds finite values
+    static inline void put(const float* x, uint8_t* row, int64_t n) {
+        uint16_t* o = reinterpret_cast<uint16_t*>(row);
+        for (int64_t i = 0; i < n; ++i) {
+            uint32_t u;
+            std::memcpy(&u, x + i, 4);
+            o[i] = uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+        }
+    }
 };
 
 struct F16 {   // IEEE half (F16C, which every AVX2 CPU has)
     static constexpr int64_t B = 2;
     static inline __m256 at(const uint8_t* row, int64_t c) {
         return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * c)));
+    }
+    static inline float one(const uint8_t* row, int64_t c) { return _cvtsh_ss(reinterpret_cast<const uint16_t*>(row)[c]); }
+    static inline void put(const float* x, uint8_t* row, int64_t n) {   // rounded to nearest even
+        uint16_t* o = reinterpret_cast<uint16_t*>(row);
+        for (int64_t i = 0; i < n; ++i) o[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
     }
 };
 

@@ -3,9 +3,10 @@ and rotary embedding. It is the CPU default and the oracle the Triton kernels ar
 
 Layout (docs/design.md, "Paged KV cache"): per layer `key_cache`/`value_cache` of shape
 [num_blocks, block_size, num_kv_heads, head_dim]; a token's slot is `block_id * block_size + offset`.
-KV dtypes: `auto` (model dtype), `fp8`/`fp8_e4m3`, `fp8_e5m2` (per-tensor scales, stored =
-clamp(x / scale, ±max) cast to fp8) and `int8` (symmetric per (token, kv head), scale = absmax / 127
-kept in `k_scale_cache`/`v_scale_cache` of shape [num_blocks, block_size, num_kv_heads]).
+KV dtypes: `auto` (model dtype), `float32`/`bfloat16`/`float16` (rows cast, read widened),
+`fp8`/`fp8_e4m3`, `fp8_e5m2` (per-tensor scales, stored = clamp(x / scale, ±max) cast to fp8) and
+`int8` (symmetric per (token, kv head), scale = absmax / 127 kept in `k_scale_cache`/`v_scale_cache`
+of shape [num_blocks, block_size, num_kv_heads]).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch.nn.functional as F
 
 from llmopt.errors import UserInputError
 
-KV_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+FLOAT_KV = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}   # stored as cast
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 INT8_MAX = 127.0
 
@@ -24,6 +26,8 @@ def kv_cache_torch_dtype(kv_dtype: str, model_dtype: torch.dtype) -> torch.dtype
     """The torch dtype of the cache tensors for a `--kv-cache-dtype` value."""
     if kv_dtype == "auto":
         return model_dtype
+    if kv_dtype in FLOAT_KV:
+        return FLOAT_KV[kv_dtype]
     if kv_dtype in ("fp8", "fp8_e4m3"):
         return torch.float8_e4m3fn
     if kv_dtype == "fp8_e5m2":

@@ -5,7 +5,8 @@ in Python: ~100 small ops per layer. `CpuDecode` holds one `torch.classes.llmopt
 per layer, referencing (not copying) the layer's weights as loaded: float32 or 16-bit linears, the CPU
 layouts of quantized modules (int8 / int4 codes with scales, fp8) and the fused q/k/v and gate/up
 storage (llmopt/layers/fuse.py). Embedding, the final norm and the head stay in Python (one call
-each). The runner uses it on the CPU, for a float32 model and KV cache, for steps of up to
+each). The runner uses it on the CPU, for a float32 model and a float32 / bfloat16 / float16 KV cache
+(read widened in attention, written rounded to nearest even), for steps of up to
 CPU_DECODE_MAX_ROWS tokens: decode steps, speculative decoding's verification steps and prefill
 chunks, each token a row that attends over its own prefix (prefill measured 1.1-2.0x faster than
 the Python layers for prompts of 256 to 4,000 tokens, docs/benchmarks.md); models it cannot take
@@ -127,8 +128,9 @@ class CpuDecode:
         why = None
         if runner.device.type != "cpu" or runner.dtype != torch.float32 or runner.backend != "torch":
             why = "needs a float32 model on the CPU with the torch backend"
-        elif runner.kv_dtype != "auto" or runner.tp is not None or not isinstance(model, LlamaForCausalLM):
-            why = "needs an unquantized KV cache, no tensor parallelism and a Llama-family model"
+        elif runner.kv_dtype not in ("auto", "float32", "bfloat16", "float16") or runner.tp is not None or \
+                not isinstance(model, LlamaForCausalLM):
+            why = "needs a float32 / bfloat16 / float16 KV cache, no tensor parallelism and a Llama-family model"
         elif cpu_quant.ops() is None or not hasattr(torch.classes.llmopt_cpu, "DecodeLayer"):
             why = "the C++ kernels are not available"
         if why is None:

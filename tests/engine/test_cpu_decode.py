@@ -248,3 +248,60 @@ def test_cpu_decode_off_where_it_does_not_apply(tiny_llama, monkeypatch):
     assert _engine(tiny_llama, kv_cache_dtype="int8").runner.cpu_decode is None
     assert _engine(tiny_llama).runner.cpu_decode is not None
     assert defaults.CPU_DECODE_MAX_ROWS >= 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window,d", [(-1, 72), (5, 16), (-1, 6)])
+def test_decode_attention_reads_a_16bit_cache(window, d, dtype):
+    """A bfloat16 / float16 cache read widened: float64 attention over the same (dequantized) values."""
+    from llmopt.kernels import reference
+    g = torch.Generator().manual_seed(5)
+    nb, bs, hkv, hq = 12, 4, 2, 6
+    kc, vc = (torch.randn(nb, bs, hkv, d, generator=g).to(dtype) for _ in range(2))
+    tables = torch.tensor([[3, 7, 1, 0], [5, 0, 0, 0], [2, 4, 6, 8]], dtype=torch.int32)
+    lens = torch.tensor([11, 1, 16], dtype=torch.int32)
+    q = torch.randn(3, hq, d, generator=g)
+    got = torch.ops.llmopt_cpu.decode_attention(q, kc, vc, tables, lens, 0.25, window)
+    want = reference.paged_attention(q.double(), kc.double(), vc.double(), tables, lens,
+                                     torch.arange(4, dtype=torch.int32), 0.25, None if window < 0 else window,
+                                     "auto", 1.0, 1.0)
+    assert float((got.double() - want).abs().max()) <= 1e-5
+    with pytest.raises(RuntimeError, match="one dtype"):
+        torch.ops.llmopt_cpu.decode_attention(q, kc, vc.float(), tables, lens, 0.25, window)
+
+
+@pytest.mark.parametrize("kv", ["bfloat16", "float16"])
+@pytest.mark.parametrize("tiny", [dict(), dict(model_type="mistral", sliding_window=8)], ids=["llama", "mistral-window"])
+def test_cpu_decode_writes_and_reads_a_16bit_cache_as_the_python_layers(tiny_factory, kv, tiny):
+    """The C++ layers round K/V into the 16-bit cache as torch casts them (to nearest even) and read
+    them back widened: the Python layers' logits on the same cache, within float32 rounding."""
+    engine = _engine(tiny_factory(weight_std=0.2, **tiny), kv_cache_dtype=kv)
+    assert engine.runner.cpu_decode is not None
+    assert engine.runner.key_caches[0].dtype == getattr(torch, kv)
+    got, want = _decode_logits(engine.runner, int8_act=False)
+    assert _rel(got, want) <= 1e-5
+
+
+@pytest.mark.parametrize("kv", ["bfloat16", "float16"])
+def test_a_16bit_cache_generates_as_float32_within_its_rounding(tiny_factory, kv):
+    from engine_helpers import mixed_prompts
+    from llmopt.core.sampling_params import SamplingParams
+    path = tiny_factory(weight_std=0.2, model_type="qwen2")
+    prompts = mixed_prompts(4, 96, lo=3, hi=20, seed=4)
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    outs = {}
+    for name in ("float32", kv):
+        engine = _engine(path, kv_cache_dtype=name)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, sp)
+        done = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    done[o.request_id] = o.outputs[0]
+        outs[name] = [done[f"r{i}"] for i in range(len(prompts))]
+    eps = {"bfloat16": 2 ** -8, "float16": 2 ** -11}[kv]
+    for a, b in zip(outs["float32"], outs[kv]):
+        assert a.token_ids == b.token_ids
+        diff = max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs))
+        assert diff <= 200 * eps, diff   # K/V rounded at eps relative: logits move by a few eps

@@ -38,7 +38,8 @@ def _engine(folder, dtype="auto", device="cpu", kv="auto", block_size=16, memory
 
 # engine (--dtype, kv_cache_dtype) -> the estimator's KV dtype (on the CPU bfloat16 names the weights:
 # the model computes in float32, and its KV cache of auto is float32)
-CASES = [("float32", "auto", "float32"), ("bfloat16", "auto", "float32"), ("float32", "fp8", "fp8"),
+CASES = [("float32", "auto", "float32"), ("bfloat16", "auto", "float32"), ("float32", "bfloat16", "bfloat16"),
+         ("float32", "float16", "float16"), ("float32", "fp8", "fp8"),
          ("float32", "fp8_e4m3", "fp8_e4m3"), ("float32", "fp8_e5m2", "fp8_e5m2"), ("float32", "int8", "int8")]
 
 

@@ -53,6 +53,7 @@ def _check(specs, hq, hkv, d, block_size, window, knobs=None, **kw):
     (2, 2, 16, "int8", None),
     (6, 2, 1, "fp8_e5m2", None),
     (4, 1, 16, "fp8_e4m3", 9),
+    (4, 2, 16, "bfloat16", None),   # a 16-bit cache under a float32 model: rows cast, read widened
 ])
 def test_varlen_prefill_extend_attention(hq, hkv, block_size, kv_dtype, window):
     _check(MIXED, hq, hkv, 16, block_size, window, kv_dtype=kv_dtype, seed=hq + block_size, k_scale=0.5, v_scale=2.0)
@@ -63,6 +64,7 @@ def test_varlen_prefill_extend_attention(hq, hkv, block_size, kv_dtype, window):
     (6, 2, 1, "fp8", 7, 3),
     (2, 2, 16, "auto", None, 2),
     (3, 1, 16, "fp8_e5m2", None, 1),
+    (4, 2, 16, "float16", 6, 2),
 ])
 def test_decode_attention(hq, hkv, block_size, kv_dtype, window, splits):
     _check(DECODE, hq, hkv, 16, block_size, window, {"num_splits": splits}, kv_dtype=kv_dtype, seed=hq * 7 + splits,
@@ -74,7 +76,7 @@ def test_bfloat16_and_head_dim_not_a_power_of_two():
     _check(DECODE[:3], 6, 2, 24, 16, 4, {"num_splits": 2}, dtype=torch.bfloat16, seed=6)
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "fp8_e5m2", "int8"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "fp8_e5m2", "int8", "bfloat16", "float16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_kv_matches_reference_bytes(kv_dtype, dtype):
     a = empty_cache(5, 4, 3, 8, kv_dtype, dtype, "cpu")
