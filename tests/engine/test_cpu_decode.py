@@ -215,11 +215,12 @@ def test_idot_refuses_int8_code_minus_128():
 
 @pytest.mark.parametrize("window", [-1, 5])
 @pytest.mark.parametrize("d", [6, 16, 72])   # the plain loops, 4-key sums, 64 + 8 columns in registers
-def test_decode_attention_op_equals_the_reference(window, d):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])   # the cache's, read widened
+def test_decode_attention_op_equals_the_reference(window, d, dtype):
     from llmopt.kernels import reference
     g = torch.Generator().manual_seed(3)
     nb, bs, hkv, hq = 12, 4, 2, 6
-    kc, vc = torch.randn(nb, bs, hkv, d, generator=g), torch.randn(nb, bs, hkv, d, generator=g)
+    kc, vc = (torch.randn(nb, bs, hkv, d, generator=g).to(dtype) for _ in range(2))
     tables = torch.tensor([[3, 7, 1, 0], [5, 0, 0, 0], [2, 4, 6, 8]], dtype=torch.int32)
     lens = torch.tensor([11, 1, 16], dtype=torch.int32)
     q = torch.randn(3, hq, d, generator=g)
@@ -230,6 +231,8 @@ def test_decode_attention_op_equals_the_reference(window, d):
     assert float((got.double() - want).abs().max()) <= 1e-5
     with pytest.raises(RuntimeError, match="block id out of range"):
         torch.ops.llmopt_cpu.decode_attention(q, kc, vc, tables + 20, lens, 0.25, window)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        torch.ops.llmopt_cpu.decode_attention(q, kc, vc.double(), tables, lens, 0.25, window)
 
 
 def test_engine_greedy_matches_transformers_through_the_cpp_step(tiny_factory):
@@ -248,26 +251,6 @@ def test_cpu_decode_off_where_it_does_not_apply(tiny_llama, monkeypatch):
     assert _engine(tiny_llama, kv_cache_dtype="int8").runner.cpu_decode is None
     assert _engine(tiny_llama).runner.cpu_decode is not None
     assert defaults.CPU_DECODE_MAX_ROWS >= 1
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("window,d", [(-1, 72), (5, 16), (-1, 6)])
-def test_decode_attention_reads_a_16bit_cache(window, d, dtype):
-    """A bfloat16 / float16 cache read widened: float64 attention over the same (dequantized) values."""
-    from llmopt.kernels import reference
-    g = torch.Generator().manual_seed(5)
-    nb, bs, hkv, hq = 12, 4, 2, 6
-    kc, vc = (torch.randn(nb, bs, hkv, d, generator=g).to(dtype) for _ in range(2))
-    tables = torch.tensor([[3, 7, 1, 0], [5, 0, 0, 0], [2, 4, 6, 8]], dtype=torch.int32)
-    lens = torch.tensor([11, 1, 16], dtype=torch.int32)
-    q = torch.randn(3, hq, d, generator=g)
-    got = torch.ops.llmopt_cpu.decode_attention(q, kc, vc, tables, lens, 0.25, window)
-    want = reference.paged_attention(q.double(), kc.double(), vc.double(), tables, lens,
-                                     torch.arange(4, dtype=torch.int32), 0.25, None if window < 0 else window,
-                                     "auto", 1.0, 1.0)
-    assert float((got.double() - want).abs().max()) <= 1e-5
-    with pytest.raises(RuntimeError, match="one dtype"):
-        torch.ops.llmopt_cpu.decode_attention(q, kc, vc.float(), tables, lens, 0.25, window)
 
 
 @pytest.mark.parametrize("kv", ["bfloat16", "float16"])
