@@ -140,8 +140,12 @@ def estimate(arch: ModelArch, *, device: str | None = None, dtype: str = default
     dev = resolve_device_name(device or "cuda", gpu_planned=gpu is not None or gpu_memory_gib is not None,
                               must_exist=False)
     kind = "cpu" if dev == "cpu" else "cuda"
-    arch = replace(arch, dtype=resolve_dtype_name(dtype, kind, arch.checkpoint_dtype),
-                   weight_dtype=resolve_weight_dtype_name(dtype, kind, arch.checkpoint_dtype))
+    compute = resolve_dtype_name(dtype, kind, arch.checkpoint_dtype)
+    # 16-bit float weights: a float safetensors checkpoint's (the loader's holds_16bit); a quantized
+    # one keeps its float tensors in the compute dtype, a GGUF its own types
+    as_stored = arch.quantization_config or arch.source in ("gguf", "builtin")
+    arch = replace(arch, dtype=compute,
+                   weight_dtype=compute if as_stored else resolve_weight_dtype_name(dtype, kind, arch.checkpoint_dtype))
     levers = dict(device=dev, dtype=arch.dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size, max_model_len=max_model_len,
                   max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                   tensor_parallel_size=tensor_parallel_size, gpu=gpu, gpu_memory_gib=gpu_memory_gib,

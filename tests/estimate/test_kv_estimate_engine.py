@@ -91,3 +91,14 @@ def test_gpu_plans_use_the_checkpoint_dtype(tiny_bf16):
     cpu = estimate(arch, device="cpu", kv_cache_memory=1 << 20)
     assert (cpu.dtype, cpu.kv_cache_dtype) == ("float32", "float32")
     assert cpu.paged.num_blocks == est.paged.num_blocks // 2
+
+
+def test_only_float_checkpoints_plan_16bit_weights_on_the_cpu(tiny_bf16):
+    """A quantized checkpoint's float tensors and a GGUF's follow the engine (not the checkpoint's
+    16-bit dtype), so kv-estimate does not report 16-bit weights for them."""
+    from dataclasses import replace
+    arch = resolve_model_arch(str(tiny_bf16))
+    assert estimate(arch, device="cpu", kv_cache_memory=1 << 20).weight_dtype == "bfloat16"
+    awq = replace(arch, quantization_config={"quant_method": "awq", "bits": 4, "group_size": 32})
+    assert estimate(awq, device="cpu", kv_cache_memory=1 << 20).weight_dtype == "float32"
+    assert estimate(resolve_model_arch(None), device="cpu", kv_cache_memory=1 << 20).weight_dtype == "float32"
