@@ -58,16 +58,18 @@ class Embedding16(nn.Embedding):
         return super().forward(ids).float()
 
 
+def holder_16bit(mod: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """The 16-bit holder of a float nn.Linear or nn.Embedding (same shapes and device, unfilled)."""
+    if type(mod) is nn.Embedding:
+        return Embedding16(mod.num_embeddings, mod.embedding_dim, dtype, device=mod.weight.device)
+    return Linear16(mod.in_features, mod.out_features, mod.bias is not None, dtype, device=mod.weight.device)
+
+
 def convert_to_16bit(model: nn.Module, dtype: torch.dtype) -> int:
     """Before loading (on the meta device): every float nn.Linear and nn.Embedding of `model`
     becomes its 16-bit holder (a tied head keeps sharing the embedding's table); how many."""
-    swaps = []
-    for name, mod in model.named_modules():
-        if type(mod) is nn.Linear:
-            swaps.append((name, Linear16(mod.in_features, mod.out_features, mod.bias is not None, dtype,
-                                         device=mod.weight.device)))
-        elif type(mod) is nn.Embedding:
-            swaps.append((name, Embedding16(mod.num_embeddings, mod.embedding_dim, dtype, device=mod.weight.device)))
+    swaps = [(name, holder_16bit(mod, dtype)) for name, mod in model.named_modules()
+             if type(mod) in (nn.Linear, nn.Embedding)]
     for name, new in swaps:
         model.set_submodule(name, new)
     config = getattr(model, "config", None)

@@ -87,7 +87,8 @@ class GGUFFile:
 
     @property
     def tensors(self) -> list[GGUFTensor]:
-        return self.header.tensors
+        """The weights (rope_freqs.weight is the config's: gguf_convert)."""
+        return [t for t in self.header.tensors if t.name != ROPE_FREQS]
 
     def raw(self, t: GGUFTensor) -> np.ndarray:
         """uint8 [rows, bytes a row] (rows: every dimension but the innermost)."""
@@ -126,8 +127,7 @@ def iter_float_weights(path: Path, cfg) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float32 tensor) pairs of a GGUF file, dequantized one at a time."""
     f = GGUFFile(path)
     for t in f.tensors:
-        if t.name != ROPE_FREQS:
-            yield hf_name(t.name), dequantized(f, t, cfg)
+        yield hf_name(t.name), dequantized(f, t, cfg)
 
 
 class FloatTensors:
@@ -136,7 +136,7 @@ class FloatTensors:
     def __init__(self, path: Path, cfg) -> None:
         self.cfg = cfg
         self.file = GGUFFile(path)
-        self._by_name = {hf_name(t.name): t for t in self.file.tensors if t.name != ROPE_FREQS}
+        self._by_name = {hf_name(t.name): t for t in self.file.tensors}
 
     def names(self) -> list[str]:
         return list(self._by_name)
@@ -159,13 +159,11 @@ def install(model: nn.Module, path: Path, cfg, dtype: torch.dtype,
     """Swap the model's (meta) Linears and token table for GGML modules where the tensor's type
     runs on the CPU kernels; yields the other tensors as (name, float32 tensor) for load_weights."""
     from llmopt.layers.modules_ggml import GGMLEmbedding, GGMLLinear   # deferred: start-up time
-    from llmopt.layers.modules16 import Embedding16, Linear16   # deferred: start-up time
+    from llmopt.layers.modules16 import holder_16bit   # deferred: start-up time
     f = GGUFFile(path)
     tied = "output.weight" not in {t.name for t in f.tensors}
     fallback: dict[str, int] = {}
     for t in f.tensors:
-        if t.name == ROPE_FREQS:
-            continue
         name, kind = hf_name(t.name), t.type_name
         target = name.removesuffix(".weight")
         runs = device.type == "cpu" and kind in RUN_TYPES and len(t.shape) == 2 and name.endswith(".weight")
@@ -183,12 +181,8 @@ def install(model: nn.Module, path: Path, cfg, dtype: torch.dtype,
         if device.type == "cpu" and kind in FLOAT16_TYPES and len(t.shape) == 2 and name.endswith(".weight") and \
                 (target == "model.embed_tokens" or type(model.get_submodule(target)) is nn.Linear):
             dt = _TORCH_FLOATS[kind]   # a 16-bit holder on meta, filled by load_weights as stored
-            if target == "model.embed_tokens":
-                model.model.embed_tokens = Embedding16(t.shape[0], t.shape[1], dt, device="meta")
-            else:
-                model.set_submodule(target, Linear16(t.shape[1], t.shape[0], False, dt, device="meta"))
-            if target == "model.embed_tokens" and tied:
-                model.lm_head = Linear16(t.shape[1], t.shape[0], False, dt, device="meta")
+            for held in [target] + (["lm_head"] if target == "model.embed_tokens" and tied else []):
+                model.set_submodule(held, holder_16bit(model.get_submodule(held), dt))
             yield name, _float16(f, t, cfg)
             continue
         if kind not in FLOAT_TYPES:
