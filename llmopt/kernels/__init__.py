@@ -81,9 +81,11 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
     """Varlen causal (optionally sliding-window) GQA attention over the paged cache. plan: a callable
     giving the reference's `decode_plan(...)` for this call, made once per step by the caller (only
     the reference path asks for it)."""
-    if backend == "torch" and _cpp_decode(q, key_cache, seq_lens, kv_dtype):   # a decode-only step on the CPU:
-        return _cpu_ops().decode_attention(q, key_cache, value_cache, block_tables.int().contiguous(),   # the cache
-                                           seq_lens.int().contiguous(), scale, -1 if window is None else window)  # in place
+    if backend == "torch" and _cpp_decode(q, key_cache, seq_lens):   # a decode-only step on the CPU: the cache
+        reference._check_int8_scales(kv_dtype, k_scale_cache, v_scale_cache)   # read in place
+        return _cpu_ops().decode_attention(q, key_cache, value_cache, block_tables.int().contiguous(),
+                                           seq_lens.int().contiguous(), scale, -1 if window is None else window,
+                                           float(k_scale), float(v_scale), k_scale_cache, v_scale_cache)
     impl = _impl(backend, q, "triton_attention")
     args = (q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window, kv_dtype, k_scale,
             v_scale, k_scale_cache, v_scale_cache)
@@ -97,15 +99,16 @@ def _cpu_ops():
     return cpu_quant.ops()
 
 
-def _cpp_decode(q, key_cache, seq_lens, kv_dtype) -> bool:
+def _cpp_decode(q, key_cache, seq_lens) -> bool:
     """One query per sequence (q rows == sequences), float32 on the CPU, and the C++ kernels built:
     llmopt_cpu.decode_attention reads the paged cache in place (the reference gathers each block)."""
     return (q.shape[0] == seq_lens.shape[0] and q.dtype == torch.float32 and key_cache.dtype in CPP_KV_DTYPES
-            and kv_dtype in ("auto", *reference.FLOAT_KV) and not q.is_cuda and q.is_contiguous()
+            and not q.is_cuda and q.is_contiguous()
             and _cpu_ops() is not None)
 
 
-CPP_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # the caches cpu_decode.cpp reads and writes
+# the caches cpu_decode.cpp reads and writes: every KV_DTYPES one
+CPP_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
 
 
 class PagedStep:

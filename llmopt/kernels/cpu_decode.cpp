@@ -12,8 +12,9 @@
 //
 // Arithmetic follows llmopt/models/llama.py in float32 (sums in another order: results agree within
 // float32 rounding, as tests/engine/test_cpu_decode.py checks against the Python path).
-// Cache layout: [num_blocks, block_size, num_kv_heads, head_dim] float32, bfloat16 or float16 (read
-// widened, written rounded to nearest even), slot = block * bs + offset.
+// Cache layout: [num_blocks, block_size, num_kv_heads, head_dim], slot = block * bs + offset; float32,
+// bfloat16 or float16 (read widened, written rounded to nearest even), fp8 e4m3fn / e5m2 (one scale a
+// tensor) or int8 (a scale per slot and head), written as llmopt/kernels/reference.py quantizes.
 #include <torch/custom_class.h>
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
@@ -222,13 +223,67 @@ inline void prefetch_rows(const uint8_t* p, int64_t n, int64_t stride, int64_t b
         for (int64_t d = 0; d < bytes; d += 64) _mm_prefetch(reinterpret_cast<const char*>(p + j * stride + d), HINT);
 }
 
-// The paged cache: float32, bfloat16 or float16 elements (dt), read widened to float32 (attention)
-// and written rounded to nearest even (write_slot), as torch casts.
+// The paged cache: float32, bfloat16 or float16 elements read widened to float32 and written rounded
+// to nearest even, as torch casts; fp8 (e4m3fn, e5m2) codes of x / scale with one scale per tensor
+// (ks, vs); int8 codes of x / s with s = absmax / 127 per (slot, kv head) in ksc / vsc
+// [num_blocks * block_size, Hkv] (llmopt/kernels/reference.py quantize_kv, bit for bit).
 struct Cache {
     uint8_t* k; uint8_t* v; int64_t nb, bs;
     at::ScalarType dt;
+    float ks, vs;                   // fp8: per-tensor scales (1 for the other dtypes)
+    float* ksc; float* vsc;         // int8: per-(slot, head) scales, else null
     const int32_t* bt; int64_t W;   // block tables [M, W]
     const int32_t* lens;            // context lengths [M], the new token included
+};
+
+// float32 magnitude a (finite, at most the format's largest) -> the fp8 code, rounded to nearest even
+// as c10 converts: below the smallest normal in subnormal steps (a * 2^-step is exact), else the
+// float32 bits rounded to the mantissa's width and rebiased (a carry moves into the exponent)
+template <int MB, int BIAS, uint32_t MAXC>
+inline uint8_t fp8_code(float x) {
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    const uint32_t sign = (u >> 24) & 0x80u;
+    u &= 0x7FFFFFFFu;
+    float a;
+    std::memcpy(&a, &u, 4);
+    uint32_t code;
+    if (a < std::ldexp(1.f, 1 - BIAS))
+        code = (uint32_t)std::nearbyint(a * std::ldexp(1.f, BIAS - 1 + MB));
+    else
+        code = std::min(MAXC, ((u + ((1u << (23 - MB - 1)) - 1) + ((u >> (23 - MB)) & 1u)) >> (23 - MB)) -
+                                  (uint32_t(127 - BIAS) << MB));
+    return uint8_t(sign | code);
+}
+
+struct E4M3 {   // float8_e4m3fn: the weights' decoder; one code as an f16 (its bits moved up: value * 2^-8)
+    static constexpr int64_t B = 1;
+    static constexpr float MAX = 448.f;
+    static inline __m256 at(const uint8_t* r, int64_t c) { return F8::at(r, c); }
+    static inline float one(const uint8_t* r, int64_t c) {
+        const uint32_t b = r[c];
+        return _cvtsh_ss(uint16_t(((b & 0x80u) << 8) | ((b & 0x7Fu) << 7))) * 256.f;
+    }
+    static inline uint8_t code(float x) { return fp8_code<3, 7, 0x7E>(x); }
+};
+
+struct E5M2 {   // float8_e5m2: the high byte of an f16
+    static constexpr int64_t B = 1;
+    static constexpr float MAX = 57344.f;
+    static inline __m256 at(const uint8_t* r, int64_t c) {
+        __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + c)));
+        return _mm256_cvtph_ps(_mm_slli_epi16(b, 8));
+    }
+    static inline float one(const uint8_t* r, int64_t c) { return _cvtsh_ss(uint16_t(uint32_t(r[c]) << 8)); }
+    static inline uint8_t code(float x) { return fp8_code<2, 15, 0x7B>(x); }
+};
+
+struct I8 {   // int8 codes, their scale applied by the caller
+    static constexpr int64_t B = 1;
+    static inline __m256 at(const uint8_t* r, int64_t c) {
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + c))));
+    }
+    static inline float one(const uint8_t* r, int64_t c) { return float(reinterpret_cast<const int8_t*>(r)[c]); }
 };
 
 // dot(q, row) for n elements of a cache row (E: F32, BF16, F16)
@@ -245,12 +300,14 @@ inline float dot_row(const float* q, const uint8_t* r, int64_t n) {
 // o[m, hq] = softmax(q k^T * scale) v over the context of row m (its last token is the query), with
 // the keys of the last `window` positions only when window > 0. q rows have stride ldq, o rows Hq * D.
 // One task per (row, kv head): its `group` query heads share each K/V row's loads; keys are walked
-// block by block (no division per key). E: the cache's element type.
+// block by block (no division per key). E: the cache's element type; its codes' factors (the fp8
+// scale, an int8 row's scale) multiply the scores and the softmax weights, not the rows.
 template <class E>
 void attention_t(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv, int64_t D, const Cache& c,
                float scale, int64_t window, float* o) {
     const int64_t group = Hq / Hkv, row = Hkv * D;   // elements between consecutive slots
     const int64_t rb = row * E::B, hb = D * E::B;     // bytes between slots, of one head's row
+    const float kscale = scale * c.ks, vscale = c.vs;  // (exact for the float caches: ks = vs = 1)
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < M * Hkv; ++t) {
         const int64_t m = t / Hkv, hk = t % Hkv;
@@ -272,6 +329,7 @@ void attention_t(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv
             if ((b + 2) * c.bs < L)
                 prefetch_rows<_MM_HINT_T0>(c.k + (((int64_t)table[b + 2] * c.bs) * row + hk * D) * E::B, c.bs, rb, hb);
             prefetch_rows<_MM_HINT_T1>(c.v + (((int64_t)table[b] * c.bs) * row + hk * D) * E::B, c.bs, rb, hb);
+            const float* kf = c.ksc ? c.ksc + ((int64_t)table[b] * c.bs - b * c.bs) * Hkv + hk : nullptr;  // kf[j * Hkv]
             for (int64_t g = 0; g < group; ++g) {
                 const float* qg = q + m * ldq + (hk * group + g) * D;
                 float* pg = p.data() + g * (n + 8) - lo;   // pg[j], j in [lo, L)
@@ -288,13 +346,16 @@ void attention_t(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv
                             a3 = _mm256_fmadd_ps(qv, E::at(k0 + 3 * rb, d), a3);
                         }
                         const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-                        const __m128 sc = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)),
-                                                     _mm_set1_ps(scale));
+                        __m128 sc = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)),
+                                               _mm_set1_ps(kscale));
+                        if (kf) sc = _mm_mul_ps(sc, _mm_setr_ps(kf[j * Hkv], kf[(j + 1) * Hkv], kf[(j + 2) * Hkv],
+                                                                 kf[(j + 3) * Hkv]));
                         _mm_storeu_ps(pg + j, sc);
                         mx[g] = std::max(mx[g], std::max(std::max(pg[j], pg[j + 1]), std::max(pg[j + 2], pg[j + 3])));
                     }
                 for (; j < j1; ++j) {
-                    pg[j] = dot_row<E>(qg, kb + (j - b * c.bs) * rb, D) * scale;
+                    pg[j] = dot_row<E>(qg, kb + (j - b * c.bs) * rb, D) * kscale;
+                    if (kf) pg[j] *= kf[j * Hkv];
                     mx[g] = std::max(mx[g], pg[j]);
                 }
             }
@@ -314,7 +375,7 @@ void attention_t(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv
                 pg[i] = std::exp(pg[i] - mx[g]);
                 sum += pg[i];
             }
-            inv[g] = 1.f / sum;
+            inv[g] = 1.f / sum * vscale;
         }
         for (int64_t g = 0; g < group; ++g) {   // p @ V: 64 columns of one head in registers over all keys
             float* out = o + (m * Hq + hk * group + g) * D;
@@ -327,8 +388,9 @@ void attention_t(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv
                 for (int64_t b = lo / c.bs; b * c.bs < L; ++b) {
                     const int64_t j0 = std::max(lo, b * c.bs), j1 = std::min(L, (b + 1) * c.bs);
                     const uint8_t* vb = c.v + (((int64_t)table[b] * c.bs) * row + hk * D + d0) * E::B;
+                    const float* vf = c.vsc ? c.vsc + ((int64_t)table[b] * c.bs - b * c.bs) * Hkv + hk : nullptr;
                     for (int64_t j = j0; j < j1; ++j) {
-                        const __m256 w = _mm256_set1_ps(pg[j]);
+                        const __m256 w = _mm256_set1_ps(vf ? pg[j] * vf[j * Hkv] : pg[j]);
                         const uint8_t* vv = vb + (j - b * c.bs) * rb;
                         if (w8 == 8)
                             for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(w, E::at(vv, 8 * i), acc[i]);
@@ -344,8 +406,11 @@ void attention_t(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv
                 for (int64_t b = lo / c.bs; b * c.bs < L; ++b) {
                     const int64_t j0 = std::max(lo, b * c.bs), j1 = std::min(L, (b + 1) * c.bs);
                     const uint8_t* vb = c.v + (((int64_t)table[b] * c.bs) * row + hk * D) * E::B;
-                    for (int64_t j = j0; j < j1; ++j)
-                        for (int64_t d = 0; d < D; ++d) out[d] += pg[j] * E::one(vb + (j - b * c.bs) * rb, d);
+                    const float* vf = c.vsc ? c.vsc + ((int64_t)table[b] * c.bs - b * c.bs) * Hkv + hk : nullptr;
+                    for (int64_t j = j0; j < j1; ++j) {
+                        const float w = vf ? pg[j] * vf[j * Hkv] : pg[j];
+                        for (int64_t d = 0; d < D; ++d) out[d] += w * E::one(vb + (j - b * c.bs) * rb, d);
+                    }
                 }
                 for (int64_t d = 0; d < D; ++d) out[d] *= inv[g];
             }
@@ -357,16 +422,43 @@ void attention(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv, 
                float scale, int64_t window, float* o) {
     if (c.dt == at::kBFloat16) attention_t<BF16>(q, ldq, M, Hq, Hkv, D, c, scale, window, o);
     else if (c.dt == at::kHalf) attention_t<F16>(q, ldq, M, Hq, Hkv, D, c, scale, window, o);
+    else if (c.dt == at::kFloat8_e4m3fn) attention_t<E4M3>(q, ldq, M, Hq, Hkv, D, c, scale, window, o);
+    else if (c.dt == at::kFloat8_e5m2) attention_t<E5M2>(q, ldq, M, Hq, Hkv, D, c, scale, window, o);
+    else if (c.dt == at::kChar) attention_t<I8>(q, ldq, M, Hq, Hkv, D, c, scale, window, o);
     else attention_t<F32>(q, ldq, M, Hq, Hkv, D, c, scale, window, o);
 }
 
-// rows k, v of n floats into the cache at `slot`, in its element type
-void write_slot(const Cache& c, int64_t slot, const float* k, const float* v, int64_t n) {
-    const int64_t B = c.dt == at::kFloat ? 4 : 2;
+// x / scale clamped to the format's range, as fp8 codes
+template <class E>
+void put_fp8(const float* x, uint8_t* o, int64_t n, float scale) {
+    for (int64_t i = 0; i < n; ++i) o[i] = E::code(std::min(E::MAX, std::max(-E::MAX, x[i] / scale)));
+}
+
+// int8 codes of Hkv heads of D values, their scales s = absmax / 127 into sc[0, Hkv)
+void put_int8(const float* x, uint8_t* o, float* sc, int64_t Hkv, int64_t D) {
+    for (int64_t h = 0; h < Hkv; ++h) {
+        const float* xh = x + h * D;
+        float amax = 0.f;
+        for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(xh[d]));
+        const float s = amax / 127.f, div = std::max(s, 1e-30f);
+        sc[h] = s;
+        for (int64_t d = 0; d < D; ++d)
+            o[h * D + d] = uint8_t(int8_t(std::min(127.f, std::max(-127.f, std::nearbyint(xh[d] / div)))));
+    }
+}
+
+// rows k, v of Hkv heads of D floats into the cache at `slot`, in its element type
+void write_slot(const Cache& c, int64_t slot, const float* k, const float* v, int64_t Hkv, int64_t D) {
+    const int64_t n = Hkv * D, B = c.dt == at::kFloat ? 4 : c.dt == at::kBFloat16 || c.dt == at::kHalf ? 2 : 1;
     uint8_t *kd = c.k + slot * n * B, *vd = c.v + slot * n * B;
-    if (c.dt == at::kBFloat16) { BF16::put(k, kd, n); BF16::put(v, vd, n); }
-    else if (c.dt == at::kHalf) { F16::put(k, kd, n); F16::put(v, vd, n); }
-    else { F32::put(k, kd, n); F32::put(v, vd, n); }
+    switch (c.dt) {
+        case at::kBFloat16: BF16::put(k, kd, n); BF16::put(v, vd, n); break;
+        case at::kHalf: F16::put(k, kd, n); F16::put(v, vd, n); break;
+        case at::kFloat8_e4m3fn: put_fp8<E4M3>(k, kd, n, c.ks); put_fp8<E4M3>(v, vd, n, c.vs); break;
+        case at::kFloat8_e5m2: put_fp8<E5M2>(k, kd, n, c.ks); put_fp8<E5M2>(v, vd, n, c.vs); break;
+        case at::kChar: put_int8(k, kd, c.ksc + slot * Hkv, Hkv, D); put_int8(v, vd, c.vsc + slot * Hkv, Hkv, D); break;
+        default: F32::put(k, kd, n); F32::put(v, vd, n);
+    }
 }
 
 void check_f32(const at::Tensor& t, const char* what) {
@@ -374,21 +466,37 @@ void check_f32(const at::Tensor& t, const char* what) {
                 what, " must be a contiguous float32 CPU tensor");
 }
 
-// checks the cache, tables and lengths for M decode rows; every block a row reads must exist
-Cache make_cache(const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& bt, const at::Tensor& lens,
-                 int64_t M, int64_t Hkv, int64_t D) {
+// checks the cache (and its scales), tables and lengths for M decode rows; every block a row reads
+// must exist. ks, vs: an fp8 cache's scales; ksc, vsc: an int8 cache's [num_blocks, block_size, Hkv]
+Cache make_cache(const at::Tensor& kc, const at::Tensor& vc, double ks, double vs, const at::Tensor& ksc,
+                 const at::Tensor& vsc, const at::Tensor& bt, const at::Tensor& lens, int64_t M, int64_t Hkv,
+                 int64_t D) {
     const auto dt = kc.scalar_type();
-    TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf) && vc.scalar_type() == dt &&
+    TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf || dt == at::kFloat8_e4m3fn ||
+                 dt == at::kFloat8_e5m2 || dt == at::kChar) && vc.scalar_type() == dt &&
                 kc.is_contiguous() && vc.is_contiguous() && kc.device().is_cpu() && vc.device().is_cpu(),
-                "key_cache and value_cache must be contiguous CPU tensors of one dtype: float32, bfloat16 or float16");
+                "key_cache and value_cache must be contiguous CPU tensors of one dtype: float32, bfloat16, float16, "
+                "float8_e4m3fn, float8_e5m2 or int8");
     TORCH_CHECK(kc.dim() == 4 && kc.sizes() == vc.sizes() && kc.size(2) == Hkv && kc.size(3) == D,
                 "caches must be [num_blocks, block_size, ", Hkv, ", ", D, "]");
     TORCH_CHECK(bt.scalar_type() == at::kInt && bt.is_contiguous() && bt.dim() == 2 && bt.size(0) == M,
                 "block_tables must be contiguous int32 [", M, ", W]");
     TORCH_CHECK(lens.scalar_type() == at::kInt && lens.is_contiguous() && lens.numel() == M,
                 "seq_lens must be contiguous int32 [", M, "]");
+    const bool fp8 = dt == at::kFloat8_e4m3fn || dt == at::kFloat8_e5m2;
+    TORCH_CHECK(!fp8 || (std::isfinite(ks) && std::isfinite(vs) && ks > 0 && vs > 0), "fp8 scales must be positive");
+    float *kp = nullptr, *vp = nullptr;
+    if (dt == at::kChar) {
+        for (const at::Tensor* t : {&ksc, &vsc})
+            TORCH_CHECK(t->defined() && t->scalar_type() == at::kFloat && t->is_contiguous() && t->device().is_cpu() &&
+                        t->numel() == kc.size(0) * kc.size(1) * Hkv,
+                        "an int8 cache needs float32 scale caches [num_blocks, block_size, ", Hkv, "]");
+        kp = ksc.data_ptr<float>();
+        vp = vsc.data_ptr<float>();
+    }
     Cache c{static_cast<uint8_t*>(kc.data_ptr()), static_cast<uint8_t*>(vc.data_ptr()), kc.size(0), kc.size(1), dt,
-            bt.data_ptr<int32_t>(), bt.size(1), lens.data_ptr<int32_t>()};
+            fp8 ? (float)ks : 1.f, fp8 ? (float)vs : 1.f, kp, vp, bt.data_ptr<int32_t>(), bt.size(1),
+            lens.data_ptr<int32_t>()};
     for (int64_t m = 0; m < M; ++m) {
         const int64_t L = c.lens[m], used = (L + c.bs - 1) / c.bs;
         TORCH_CHECK(L >= 1 && used <= c.W, "sequence ", m, ": length ", L, " does not fit its block table");
@@ -484,8 +592,9 @@ struct DecodeLayer : torch::CustomClassHolder {
 
     // x [M, H]: the residual stream, updated in place; row m decodes one sequence at cos/sin[m]'s
     // position, its K/V written at slots[m] (negative: not written) before attending.
+    // ks, vs: an fp8 cache's scales; ksc, vsc: an int8 cache's scale caches (else empty)
     void forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor kc, at::Tensor vc, at::Tensor bt,
-                 at::Tensor lens, at::Tensor slots) {
+                 at::Tensor lens, at::Tensor slots, double ks, double vs, at::Tensor ksc, at::Tensor vsc) {
         const int64_t M = x.size(0), NQ = (Hq + 2 * Hkv) * D;
         check_f32(x, "x");
         check_f32(cos, "cos");
@@ -494,7 +603,7 @@ struct DecodeLayer : torch::CustomClassHolder {
         TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == M, "slots must be int64 [M]");
         TORCH_CHECK(width(groups[0]) == NQ && width(groups[1]) == H && width(groups[2]) == 2 * I &&
                     width(groups[3]) == H, "the layer's linears are incomplete");
-        Cache c = make_cache(kc, vc, bt, lens, M, Hkv, D);
+        Cache c = make_cache(kc, vc, ks, vs, ksc, vsc, bt, lens, M, Hkv, D);
         float* xs = x.data_ptr<float>();
         const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
         const int64_t* sl = slots.data_ptr<int64_t>();
@@ -513,7 +622,7 @@ struct DecodeLayer : torch::CustomClassHolder {
             rope(k, Hkv, D, cp + m * D, sp + m * D);
             if (sl[m] >= 0) {
                 TORCH_CHECK(sl[m] < c.nb * c.bs, "slot out of range");
-                write_slot(c, sl[m], k, v, Hkv * D);
+                write_slot(c, sl[m], k, v, Hkv, D);
             }
         }
         attention(qkv.data(), NQ, M, Hq, Hkv, D, c, (float)scale, window, att.data());
@@ -540,17 +649,40 @@ struct DecodeLayer : torch::CustomClassHolder {
 };
 
 // Attention alone, for batched decode steps in the Python layer (reference.paged_attention):
-// q [M, Hq, D] -> o [M, Hq, D], one query per sequence, over the paged cache (float32, bfloat16, float16).
+// q [M, Hq, D] -> o [M, Hq, D], one query per sequence, over the paged cache (any dtype make_cache takes).
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& bt,
-                            const at::Tensor& lens, double scale, int64_t window) {
+                            const at::Tensor& lens, double scale, int64_t window, double ks, double vs,
+                            const std::optional<at::Tensor>& ksc, const std::optional<at::Tensor>& vsc) {
     check_f32(q, "q");
     TORCH_CHECK(q.dim() == 3 && kc.dim() == 4 && q.size(1) % kc.size(2) == 0 && q.size(1) / kc.size(2) <= 64,
                 "q must be [M, Hq, D] (at most 64 query heads per KV head)");
     const int64_t M = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = kc.size(2);
-    Cache c = make_cache(kc, vc, bt, lens, M, Hkv, D);
+    const at::Tensor none;
+    Cache c = make_cache(kc, vc, ks, vs, ksc ? *ksc : none, vsc ? *vsc : none, bt, lens, M, Hkv, D);
     at::Tensor o = at::empty({M, Hq, D}, q.options());
     attention(q.data_ptr<float>(), Hq * D, M, Hq, Hkv, D, c, (float)scale, window, o.data_ptr<float>());
     return o;
+}
+
+// The decode layer's K/V write alone: k, v [N, Hkv, D] float32 at slots [N] (negative: skipped), as
+// forward writes them (tests check it against reference.write_kv, byte for byte)
+void write_kv(const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& slots, double ks, double vs, const std::optional<at::Tensor>& ksc,
+              const std::optional<at::Tensor>& vsc) {
+    check_f32(k, "k");
+    check_f32(v, "v");
+    TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes(), "k and v must be [N, Hkv, D]");
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == k.size(0),
+                "slots must be int64 [N]");
+    const int64_t N = k.size(0), Hkv = k.size(1), D = k.size(2);
+    const at::Tensor none, bt = at::empty({0, 0}, slots.options().dtype(at::kInt)), lens = at::empty({0}, bt.options());
+    Cache c = make_cache(kc, vc, ks, vs, ksc ? *ksc : none, vsc ? *vsc : none, bt, lens, 0, Hkv, D);
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    for (int64_t i = 0; i < N; ++i) {
+        if (sl[i] < 0) continue;
+        TORCH_CHECK(sl[i] < c.nb * c.bs, "slot out of range");
+        write_slot(c, sl[i], k.data_ptr<float>() + i * Hkv * D, v.data_ptr<float>() + i * Hkv * D, Hkv, D);
+    }
 }
 
 // y = x @ w^T for float32 x [M, K], w [N, K] float32, bfloat16 or float16 (widened in the loop,
@@ -613,8 +745,12 @@ int64_t tiles_config(int64_t isa, int64_t panel, int64_t f32_panel, int64_t f32_
 TORCH_LIBRARY_FRAGMENT(llmopt_cpu, m) {
     m.def("tiles_config(int isa=-1, int panel=0, int f32_panel=0, int f32_stream=-1) -> int", TORCH_FN(tiles_config));   // no tensors: a catch-all kernel
     m.def("decode_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
-          "float scale, int window) -> Tensor");
+          "float scale, int window, float k_scale=1.0, float v_scale=1.0, Tensor? k_scale_cache=None, "
+          "Tensor? v_scale_cache=None) -> Tensor");
     m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
+    m.def("write_kv(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor k, Tensor v, Tensor slots, float k_scale=1.0, "
+          "float v_scale=1.0, Tensor(c!)? k_scale_cache=None, Tensor(d!)? v_scale_cache=None) -> ()");
+    m.impl("write_kv", c10::DispatchKey::CPU, TORCH_FN(write_kv));
     m.def("idot_gemm(Tensor x, Tensor codes, Tensor scales, Tensor szeros, int gs, int kind, bool checked=False) -> Tensor");
     m.impl("idot_gemm", c10::DispatchKey::CPU, TORCH_FN(idot_gemm));
     m.def("f32_gemm(Tensor x, Tensor w) -> Tensor");

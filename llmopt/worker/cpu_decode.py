@@ -5,8 +5,9 @@ in Python: ~100 small ops per layer. `CpuDecode` holds one `torch.classes.llmopt
 per layer, referencing (not copying) the layer's weights as loaded: float32 or 16-bit linears, the CPU
 layouts of quantized modules (int8 / int4 codes with scales, fp8) and the fused q/k/v and gate/up
 storage (llmopt/layers/fuse.py). Embedding, the final norm and the head stay in Python (one call
-each). The runner uses it on the CPU, for a float32 model and a float32 / bfloat16 / float16 KV cache
-(read widened in attention, written rounded to nearest even), for steps of up to
+each). The runner uses it on the CPU, for a float32 model and any KV cache dtype (16-bit rows read
+widened and written rounded to nearest even, fp8 and int8 ones quantized as the reference path
+quantizes them and dequantized inside attention), for steps of up to
 CPU_DECODE_MAX_ROWS tokens: decode steps, speculative decoding's verification steps and prefill
 chunks, each token a row that attends over its own prefix (prefill measured 1.1-2.0x faster than
 the Python layers for prompts of 256 to 4,000 tokens, docs/benchmarks.md); models it cannot take
@@ -121,16 +122,15 @@ class CpuDecode:
     @classmethod
     def build(cls, runner) -> "CpuDecode | None":
         """The C++ decode step for the runner's model, or None (and why, in the debug log) where it
-        does not apply: not the CPU, not float32, a quantized KV cache, tensor parallel, no C++
+        does not apply: not the CPU, not float32, tensor parallel, no C++
         kernels, or a layer whose modules it does not know (or that carry hooks)."""
         from llmopt.models.llama import LlamaForCausalLM   # deferred: start-up time (model code)
         model = runner.model
         why = None
         if runner.device.type != "cpu" or runner.dtype != torch.float32 or runner.backend != "torch":
             why = "needs a float32 model on the CPU with the torch backend"
-        elif runner.kv_dtype not in ("auto", "float32", "bfloat16", "float16") or runner.tp is not None or \
-                not isinstance(model, LlamaForCausalLM):
-            why = "needs a float32 / bfloat16 / float16 KV cache, no tensor parallelism and a Llama-family model"
+        elif runner.tp is not None or not isinstance(model, LlamaForCausalLM):
+            why = "needs no tensor parallelism and a Llama-family model"
         elif cpu_quant.ops() is None or not hasattr(torch.classes.llmopt_cpu, "DecodeLayer"):
             why = "the C++ kernels are not available"
         if why is None:
@@ -151,9 +151,11 @@ class CpuDecode:
                                seq_lens=(positions + 1).to(torch.int32), slot_mapping=attn.slot_mapping)
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, attn, key_caches, value_caches,
-            logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+            logit_rows: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+            k_scale_caches: list | None = None, v_scale_caches: list | None = None) -> torch.Tensor:
         """Float32 logits [len(logit_rows) or len(ids), vocab] of a step of token rows: row t attends
-        over attn.block_tables[t] up to attn.seq_lens[t] (its own position included)."""
+        over attn.block_tables[t] up to attn.seq_lens[t] (its own position included). k_scale, v_scale:
+        an fp8 cache's scales; k/v_scale_caches: an int8 cache's, one tensor a layer."""
         from llmopt.models.llama import rope_cos_sin   # deferred: start-up time (model code)
         m = self.model
         x = m.embed(ids).contiguous()   # a new tensor: the layers update it in place
@@ -164,7 +166,8 @@ class CpuDecode:
             if capture is not None and i in capture:
                 aux.append(x.clone())
             layer.forward(x, cos, sin, key_caches[i], value_caches[i], attn.block_tables, attn.seq_lens,
-                          attn.slot_mapping)
+                          attn.slot_mapping, k_scale, v_scale, k_scale_caches[i] if k_scale_caches else _EMPTY,
+                          v_scale_caches[i] if v_scale_caches else _EMPTY)
         h = m.model.norm(x)
         if capture is not None:
             m.captured = (h, aux)

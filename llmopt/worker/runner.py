@@ -242,7 +242,8 @@ class ModelRunner:
             # its sequence's block table and its own context length (the step's K/V all written first)
             every = all(s.num_logits == len(s.token_ids) for s in sched)
             return f.run(ids, positions, a if decode else f.rows_context(a, seq_idx, positions),
-                         self.key_caches, self.value_caches, None if every else logit_rows), {}
+                         self.key_caches, self.value_caches, None if every else logit_rows, self.k_scale, self.v_scale,
+                         self.k_scale_caches, self.v_scale_caches), {}
         hidden = self.model(ids, positions.to(dev, non_blocking=True), a)
         return self.model.compute_logits(hidden[logit_rows.to(dev)]).float(), self._score(hidden, scoring)
 

@@ -213,26 +213,84 @@ def test_idot_refuses_int8_code_minus_128():
         torch.ops.llmopt_cpu.idot_gemm(torch.randn(1, 64), codes, torch.ones(8, 1), torch.empty(0), 64, 1)
 
 
+def _filled_cache(kv: str, nb: int, bs: int, hkv: int, d: int, g, k_scale=1.0, v_scale=1.0):
+    """A paged cache of `kv` with every slot written by the reference path: (k, v, k scales, v scales)."""
+    from llmopt.kernels import reference
+    dt = reference.kv_cache_torch_dtype(kv, torch.float32)
+    kc, vc = torch.zeros(nb, bs, hkv, d, dtype=dt), torch.zeros(nb, bs, hkv, d, dtype=dt)
+    ksc, vsc = (torch.zeros(nb, bs, hkv), torch.zeros(nb, bs, hkv)) if kv == "int8" else (None, None)
+    k, v = (torch.randn(nb * bs, hkv, d, generator=g) * 3 for _ in range(2))
+    reference.write_kv(kc, vc, k, v, torch.arange(nb * bs), kv, k_scale, v_scale, ksc, vsc)
+    return kc, vc, ksc, vsc
+
+
+KV_SCALES = {"fp8_e4m3": (0.5, 0.25), "fp8_e5m2": (2.0, 0.5)}   # fp8 caches with scales other than 1
+
+
 @pytest.mark.parametrize("window", [-1, 5])
 @pytest.mark.parametrize("d", [6, 16, 72])   # the plain loops, 4-key sums, 64 + 8 columns in registers
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])   # the cache's, read widened
-def test_decode_attention_op_equals_the_reference(window, d, dtype):
+@pytest.mark.parametrize("kv", ["float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8"])
+def test_decode_attention_op_equals_the_reference(window, d, kv):
+    """The op over every cache dtype against float64 attention over the dequantized cache."""
     from llmopt.kernels import reference
     g = torch.Generator().manual_seed(3)
     nb, bs, hkv, hq = 12, 4, 2, 6
-    kc, vc = (torch.randn(nb, bs, hkv, d, generator=g).to(dtype) for _ in range(2))
+    ks, vs = KV_SCALES.get(kv, (1.0, 1.0))
+    kc, vc, ksc, vsc = _filled_cache(kv, nb, bs, hkv, d, g, ks, vs)
     tables = torch.tensor([[3, 7, 1, 0], [5, 0, 0, 0], [2, 4, 6, 8]], dtype=torch.int32)
     lens = torch.tensor([11, 1, 16], dtype=torch.int32)
     q = torch.randn(3, hq, d, generator=g)
-    got = torch.ops.llmopt_cpu.decode_attention(q, kc, vc, tables, lens, 0.25, window)
-    want = reference.paged_attention(q.double(), kc.double(), vc.double(), tables, lens,
-                                     torch.arange(4, dtype=torch.int32), 0.25, None if window < 0 else window,
-                                     "auto", 1.0, 1.0)
+    got = torch.ops.llmopt_cpu.decode_attention(q, kc, vc, tables, lens, 0.25, window, ks, vs, ksc, vsc)
+    want = reference.paged_attention(q.double(), kc, vc, tables, lens, torch.arange(4, dtype=torch.int32), 0.25,
+                                     None if window < 0 else window, kv, ks, vs, ksc, vsc)
     assert float((got.double() - want).abs().max()) <= 1e-5
     with pytest.raises(RuntimeError, match="block id out of range"):
-        torch.ops.llmopt_cpu.decode_attention(q, kc, vc, tables + 20, lens, 0.25, window)
+        torch.ops.llmopt_cpu.decode_attention(q, kc, vc, tables + 20, lens, 0.25, window, ks, vs, ksc, vsc)
     with pytest.raises(RuntimeError, match="one dtype"):
         torch.ops.llmopt_cpu.decode_attention(q, kc, vc.double(), tables, lens, 0.25, window)
+    if kv == "int8":
+        with pytest.raises(RuntimeError, match="scale caches"):
+            torch.ops.llmopt_cpu.decode_attention(q, kc, vc, tables, lens, 0.25, window)
+
+
+def _fp8_grid(dt: torch.dtype) -> torch.Tensor:
+    """Every finite value of an fp8 format, the midpoints between neighbours (the ties) and the
+    floats just beside each midpoint."""
+    vals = torch.arange(256, dtype=torch.uint8).view(dt).float()
+    vals = vals[vals.isfinite()].unique()
+    mids = (vals[1:] + vals[:-1]) / 2
+    return torch.cat([vals, mids, mids.nextafter(torch.tensor(1e9)), mids.nextafter(torch.tensor(-1e9))])
+
+
+@pytest.mark.parametrize("kv", ["float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8"])
+def test_cpp_kv_write_equals_the_reference_byte_for_byte(kv):
+    """The decode layer's K/V write (rounding, fp8 ties and subnormals, clamping past the format's
+    range, int8 scales of zero rows, skipped slots) stores the bytes reference.write_kv stores."""
+    from llmopt.kernels import reference
+    g = torch.Generator().manual_seed(1)
+    nb, bs, hkv, d = 8, 32, 2, 40
+    n = nb * bs
+    k = torch.randn(n, hkv, d, generator=g) * torch.exp2(torch.randint(-20, 18, (n, hkv, d), generator=g).float())
+    v = torch.randn(n, hkv, d, generator=g)
+    dt = reference.kv_cache_torch_dtype(kv, torch.float32)
+    if dt.itemsize == 1 and dt != torch.int8:
+        grid = _fp8_grid(dt)
+        v.view(-1)[:grid.numel()] = grid[torch.randperm(grid.numel(), generator=g)] * KV_SCALES[kv][1]
+    k[0, 0], k[1, 1, :5] = 0.0, -0.0
+    slots = torch.randperm(n, generator=g)
+    slots[3] = -1
+    ks, vs = KV_SCALES.get(kv, (1.0, 1.0))
+    caches = []
+    for write in (reference.write_kv, None):
+        kc, vc = torch.zeros(nb, bs, hkv, d, dtype=dt), torch.zeros(nb, bs, hkv, d, dtype=dt)
+        ksc, vsc = (torch.zeros(nb, bs, hkv), torch.zeros(nb, bs, hkv)) if kv == "int8" else (None, None)
+        if write is None:
+            torch.ops.llmopt_cpu.write_kv(kc, vc, k, v, slots, ks, vs, ksc, vsc)
+        else:
+            write(kc, vc, k, v, slots, kv, ks, vs, ksc, vsc)
+        caches.append([t.view(torch.uint8) for t in (kc, vc, ksc, vsc) if t is not None])
+    for want, got in zip(*caches):
+        assert torch.equal(got, want)
 
 
 def test_engine_greedy_matches_transformers_through_the_cpp_step(tiny_factory):
@@ -247,22 +305,27 @@ def test_engine_greedy_matches_transformers_through_the_cpp_step(tiny_factory):
     assert got == hf_greedy(hf_model(path), prompts, 12)
 
 
-def test_cpu_decode_off_where_it_does_not_apply(tiny_llama, monkeypatch):
-    assert _engine(tiny_llama, kv_cache_dtype="int8").runner.cpu_decode is None
-    assert _engine(tiny_llama).runner.cpu_decode is not None
+def test_cpu_decode_off_where_it_does_not_apply(tiny_llama):
+    from llmopt.worker.cpu_decode import CpuDecode
+    engine = _engine(tiny_llama)
+    assert engine.runner.cpu_decode is not None
+    engine.runner.model.model.layers[1].mlp.down_proj.register_forward_hook(lambda *a: None)   # it would skip it
+    assert CpuDecode.build(engine.runner) is None
     assert defaults.CPU_DECODE_MAX_ROWS >= 1
 
 
-@pytest.mark.parametrize("kv", ["bfloat16", "float16"])
+@pytest.mark.parametrize("kv", ["bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8"])
 @pytest.mark.parametrize("tiny", [dict(), dict(model_type="mistral", sliding_window=8)], ids=["llama", "mistral-window"])
-def test_cpu_decode_writes_and_reads_a_16bit_cache_as_the_python_layers(tiny_factory, kv, tiny):
-    """The C++ layers round K/V into the 16-bit cache as torch casts them (to nearest even) and read
-    them back widened: the Python layers' logits on the same cache, within float32 rounding."""
+def test_cpu_decode_writes_and_reads_a_quantized_cache_as_the_python_layers(tiny_factory, kv, tiny):
+    """The C++ layers store K/V as the reference path does and read them back dequantized: the
+    Python layers' logits on the same cache, within float32 rounding (16-bit caches) or a code's
+    rounding step (fp8, int8: K/V computed in another order can round to a neighbouring code)."""
     engine = _engine(tiny_factory(weight_std=0.2, **tiny), kv_cache_dtype=kv)
     assert engine.runner.cpu_decode is not None
-    assert engine.runner.key_caches[0].dtype == getattr(torch, kv)
+    from llmopt.kernels import reference
+    assert engine.runner.key_caches[0].dtype == reference.kv_cache_torch_dtype(kv, torch.float32)
     got, want = _decode_logits(engine.runner, int8_act=False)
-    assert _rel(got, want) <= 1e-5
+    assert _rel(got, want) <= (1e-5 if kv in reference.FLOAT_KV else 1e-3)
 
 
 @pytest.mark.parametrize("kv", ["bfloat16", "float16"])
