@@ -30,6 +30,7 @@ from llmopt import defaults
 from llmopt.distributed.plan import TPPlan, tp_plan
 from llmopt.errors import UserInputError
 from llmopt.estimate.arch import ModelArch
+from llmopt.models.config import auto_kv_dtype_name
 
 FLOAT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
 ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
@@ -45,7 +46,8 @@ def canonical_kv_dtype(name: str, arch: ModelArch) -> str:
     key = name.strip().lower()
     key = ALIASES.get(key, key)
     if key == "auto":
-        return arch.serving_dtype if arch.serving_dtype in FLOAT_BYTES else "bfloat16"
+        auto = auto_kv_dtype_name(arch.serving_dtype, arch.weight_dtype)
+        return auto if auto in FLOAT_BYTES else "bfloat16"
     if key not in KV_DTYPES:
         raise UserInputError(f"unknown --kv-cache-dtype {name!r}: use one of {', '.join(KV_DTYPES)}")
     return key

@@ -377,6 +377,13 @@ def resolve_weight_dtype_name(dtype: str | None, device: str, checkpoint_dtype: 
     return name
 
 
+def auto_kv_dtype_name(compute: str, weights: str) -> str:
+    """What a KV-cache dtype of `auto` means: the dtype of a model's 16-bit float weights (on the CPU,
+    where it computes in float32, a bfloat16 / float16 checkpoint's cache stays 16-bit, as vLLM's
+    CPU backend keeps it: half the bytes a step streams, docs/benchmarks.md), else the compute dtype."""
+    return weights if weights in ("bfloat16", "float16") else compute
+
+
 def _dtype_choice(dtype: str | None) -> str:
     name = (dtype or "auto").strip().lower()
     if name == "auto":

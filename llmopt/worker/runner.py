@@ -18,6 +18,7 @@ from llmopt import defaults, kernels
 from llmopt.core.scheduler import SchedulerOutput
 from llmopt.errors import LLMOptError, UserInputError
 from llmopt.models.attention import DenseCausalAttention
+from llmopt.models.config import auto_kv_dtype_name
 from llmopt.models.loader import LoadedModel
 from llmopt.models.logprobs import ScoredTokens, score_tokens
 
@@ -88,6 +89,8 @@ class ModelRunner:
         self.backend = kernels.resolve_backend(attention_backend, self.device)  # "torch" or "triton"
         if kv_cache_dtype not in kernels.KV_DTYPES:
             raise UserInputError(f"unknown KV-cache dtype {kv_cache_dtype!r}; choose one of {', '.join(kernels.KV_DTYPES)}")
+        if kv_cache_dtype == "auto":
+            kv_cache_dtype = auto_kv_dtype_name(*(str(t).removeprefix("torch.") for t in (self.dtype, loaded.weight_dtype)))
         self.kv_dtype = kv_cache_dtype
         self.k_scale = self.v_scale = 1.0
         self.scale = self.cfg.head_dim ** -0.5

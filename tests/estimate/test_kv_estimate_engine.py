@@ -37,8 +37,8 @@ def _engine(folder, dtype="auto", device="cpu", kv="auto", block_size=16, memory
 
 
 # engine (--dtype, kv_cache_dtype) -> the estimator's KV dtype (on the CPU bfloat16 names the weights:
-# the model computes in float32, and its KV cache of auto is float32)
-CASES = [("float32", "auto", "float32"), ("bfloat16", "auto", "float32"), ("float32", "bfloat16", "bfloat16"),
+# the model computes in float32, and its KV cache of auto is the weights' bfloat16)
+CASES = [("float32", "auto", "float32"), ("bfloat16", "auto", "bfloat16"), ("float32", "bfloat16", "bfloat16"),
          ("float32", "float16", "float16"), ("float32", "fp8", "fp8"),
          ("float32", "fp8_e4m3", "fp8_e4m3"), ("float32", "fp8_e5m2", "fp8_e5m2"), ("float32", "int8", "int8")]
 
@@ -84,13 +84,18 @@ def test_cli_device_and_dtype_resolve_auto_as_the_engine(tiny_bf16, cli, flags, 
 
 
 def test_gpu_plans_use_the_checkpoint_dtype(tiny_bf16):
-    """--gpu / --gpu-memory plan for a GPU: auto is the checkpoint's dtype there (the engine's rule)."""
+    """--gpu / --gpu-memory plan for a GPU: auto is the checkpoint's dtype there (the engine's rule);
+    on the CPU the model computes in float32 and its cache of auto stays the weights' bfloat16,
+    float32 when the weights are widened."""
     arch = resolve_model_arch(str(tiny_bf16))
     est = estimate(arch, device="auto", gpu_memory_gib=1.0, kv_cache_memory=1 << 20)
     assert (est.device, est.dtype, est.kv_cache_dtype) == ("cuda", "bfloat16", "bfloat16")
     cpu = estimate(arch, device="cpu", kv_cache_memory=1 << 20)
-    assert (cpu.dtype, cpu.kv_cache_dtype) == ("float32", "float32")
-    assert cpu.paged.num_blocks == est.paged.num_blocks // 2
+    assert (cpu.dtype, cpu.weight_dtype, cpu.kv_cache_dtype) == ("float32", "bfloat16", "bfloat16")
+    assert cpu.paged.num_blocks == est.paged.num_blocks
+    wide = estimate(arch, device="cpu", dtype="float32", kv_cache_memory=1 << 20)
+    assert (wide.dtype, wide.weight_dtype, wide.kv_cache_dtype) == ("float32", "float32", "float32")
+    assert wide.paged.num_blocks == est.paged.num_blocks // 2
 
 
 def test_only_float_checkpoints_plan_16bit_weights_on_the_cpu(tiny_bf16):

@@ -53,15 +53,19 @@ def test_weights_are_held_16bit_and_the_plan_says_so(ckpt16):
 
 def test_decodes_bit_for_bit_as_its_float32_copy(ckpt16):
     """Greedy tokens and their logprobs through the engine's C++ decode step (prefill rows and
-    decode rows) equal those of the float32 copy exactly; the Python layers (the model's own
-    forward, as eval-ppl runs it) agree with transformers within float32 rounding."""
+    decode rows) equal those of the float32 copy exactly, on a float32 KV cache (`auto` holds the
+    cache in the weights' 16-bit dtype); the Python layers (the model's own forward, as eval-ppl
+    runs it) agree with transformers within float32 rounding."""
     dtype, path = ckpt16
     prompts = [[3, 17, 42, 9], list(range(5, 205))]
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
     outs = []
     for flag in ("auto", "float32"):
         loaded = load_model(str(path), flag, "cpu", tokenizer=False)
-        llm = LLM(str(path), loaded=loaded, kv_cache_memory=4 << 20, max_model_len=512, detokenize=False)
+        kw = dict(kv_cache_memory=4 << 20, max_model_len=512, detokenize=False)
+        auto = LLM(str(path), loaded=loaded, **kw).engine.executor
+        assert auto.key_caches[0].dtype == (dtype if flag == "auto" else torch.float32)
+        llm = LLM(str(path), loaded=loaded, kv_cache_dtype="float32", **kw)
         assert llm.engine.executor.cpu_decode is not None
         outs.append([(o.outputs[0].token_ids, [(d.logprob, sorted(d.top.items())) for d in o.outputs[0].logprobs])
                      for o in llm.generate(prompts, sp)])
