@@ -25,6 +25,8 @@ def _table(r):
     rows += [("window", r.window)] + ([("stride", r.stride)] if r.stride else [])
     rows += [("windows", r.windows), ("tokens/s", r.tokens_per_s), ("seconds", r.seconds),
              ("dtype", r.dtype), ("device", r.device)]
+    if r.kv_cache_dtype:
+        rows.append(("KV cache dtype", r.kv_cache_dtype))
     tables = [output.kv_table("eval-ppl", rows)]
     if r.kl:
         k = r.kl
@@ -66,6 +68,10 @@ def eval_ppl(
                                    "against this model (same tokenizer), in the same pass."),
     quantization: str = common.QuantizationOpt,
     lm_head_dtype: str = common.LmHeadDtypeOpt,
+    kv_cache_dtype: str = typer.Option(None, "--kv-cache-dtype", help="Score through the engine's paged KV cache "
+                                       "in this dtype (auto, float32, bfloat16, float16, fp8, fp8_e4m3, "
+                                       "fp8_e5m2, int8); default: dense attention, no cache. With --base-model "
+                                       "the same model: the cache's KL divergence."),
     json_out: bool = common.JsonOpt,
     out_file: str = typer.Option(None, "--output", "-o", help="Also write the JSON result to this file."),
     quiet: bool = common.QuietOpt,
@@ -78,12 +84,15 @@ def eval_ppl(
 
     if out_file:   # refused before any scoring: a folder, a missing folder, the dataset or a model file itself
         check_output_file(out_file, [dataset, model, base_model])
+    if kv_cache_dtype is not None:   # refused before loading anything
+        from llmopt.kernels import kv_cache_torch_dtype
+        kv_cache_torch_dtype(kv_cache_dtype, None)
     data = load_text_dataset(dataset, text_field)
     lm = load_model(model, dtype, device, quantization=quantization, lm_head_dtype=lm_head_dtype)
     base = load_model(base_model, dtype, device) if base_model else None
     plan = plan_ppl(lm.tokenizer, lm.config.max_position_embeddings, data, method, ctx=ctx,
                     max_length=max_length, stride=stride, limit=limit)
     with output.progress(f"eval-ppl {method}", len(plan.windows), enabled=not quiet) as advance:
-        result = run_ppl(lm, plan, batch_size, base=base, progress=advance)
+        result = run_ppl(lm, plan, batch_size, base=base, progress=advance, kv_cache_dtype=kv_cache_dtype)
     output.emit(result, as_json=json_out, table=_table, output=out_file)
 

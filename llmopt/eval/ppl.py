@@ -15,7 +15,7 @@ import torch
 from llmopt import defaults
 from llmopt.errors import DataError, UserInputError
 from llmopt.eval.data import TextDataset, wikitext_detokenize, word_count
-from llmopt.eval.score import score_windows
+from llmopt.eval.score import PagedScoring, score_windows
 from llmopt.eval.windows import (Window, chunk_windows, llamacpp_windows, rolling_windows,
                                  sliding_windows)
 
@@ -57,6 +57,7 @@ class PplResult:
     byte_perplexity: float | None = None
     words: int | None = None
     kl: KLResult | None = None
+    kv_cache_dtype: str | None = None      # scored through the engine's paged cache of this dtype
 
 
 @dataclass
@@ -169,14 +170,18 @@ def check_same_vocab(lm, base) -> None:
         raise UserInputError("--base-model uses a different tokenizer vocabulary: KL divergence needs the same tokenizer")
 
 
-def run_ppl(lm, plan: PplPlan, batch_size: int = defaults.PPL_BATCH_SIZE, base=None, progress=None) -> PplResult:
+def run_ppl(lm, plan: PplPlan, batch_size: int = defaults.PPL_BATCH_SIZE, base=None, progress=None,
+            kv_cache_dtype: str | None = None) -> PplResult:
+    """kv_cache_dtype: score through the engine's runner, its paged KV cache in this dtype (each
+    position attends over the cached K/V of the window so far); None: dense attention, no cache."""
     if batch_size < 1:
         raise UserInputError(f"--batch-size must be at least 1 (got {batch_size})")
     if base is not None:
         check_same_vocab(lm, base)
+    paged = PagedScoring(lm, kv_cache_dtype, plan.windows, batch_size) if kv_cache_dtype is not None else None
     t0 = time.perf_counter()
     s = score_windows(lm.model, plan.windows, batch_size, lm.device,
-                      base=base.model if base is not None else None, progress=progress)
+                      base=base.model if base is not None else None, progress=progress, paged=paged)
     seconds = time.perf_counter() - t0
     nll, count = sum(s.window_nll), sum(s.window_count)
     res = PplResult(
@@ -184,7 +189,8 @@ def run_ppl(lm, plan: PplPlan, batch_size: int = defaults.PPL_BATCH_SIZE, base=N
         mean_nll=nll / count, scored_tokens=count, bits_per_byte=float("nan"),
         tokens_per_s=s.input_tokens / seconds if seconds > 0 else float("inf"), seconds=seconds,
         input_tokens=s.input_tokens, windows=len(plan.windows), window=plan.window, stride=plan.stride,
-        batch_size=batch_size, dtype=str(lm.dtype).replace("torch.", ""), device=str(lm.device), scored_bytes=0)
+        batch_size=batch_size, dtype=str(lm.dtype).replace("torch.", ""), device=str(lm.device), scored_bytes=0,
+        kv_cache_dtype=paged.kv_dtype if paged is not None else None)
     if plan.method == "rolling":
         words, nbytes = sum(plan.doc_words), sum(plan.doc_bytes)
         res.documents, res.words, res.scored_bytes = len(plan.doc_words), words, nbytes

@@ -2,7 +2,11 @@
 the first scored position on), logits only for the scored positions, computed
 `defaults.LOSS_CHUNK_TOKENS` rows at a time (a chunked cross-entropy: never a full float32
 [tokens, vocab] logits tensor for a window). Optionally the same rows through a base model, for KL
-divergence and top-1 agreement in the same pass."""
+divergence and top-1 agreement in the same pass.
+
+With a `PagedScoring` the windows run through the engine's runner instead, as prompts of one step:
+their K/V written into its paged cache of the asked dtype and read back from it by every later
+position (the C++ decode layers on the CPU), the logits of the scored positions returned."""
 
 from __future__ import annotations
 
@@ -48,26 +52,75 @@ def _hidden_rows(model, wins: list[Window], device) -> tuple[torch.Tensor, torch
 
 
 def _log_probs(model, h: torch.Tensor) -> torch.Tensor:
-    logits = model.compute_logits(h).float()
+    return _normalized(model.compute_logits(h).float())
+
+
+def _normalized(logits: torch.Tensor) -> torch.Tensor:
     return logits - torch.logsumexp(logits, dim=-1, keepdim=True)
+
+
+class PagedScoring:
+    """Windows scored through a ModelRunner (`llmopt/worker/runner.py`) whose KV cache holds
+    `kv_cache_dtype`: one step a batch, each window a prompt in blocks of its own."""
+
+    def __init__(self, loaded, kv_cache_dtype: str, windows: Sequence[Window], batch_size: int,
+                 block_size: int = defaults.BLOCK_SIZE) -> None:
+        from llmopt import kernels
+        from llmopt.worker.runner import ModelRunner   # deferred: start-up time (the engine's runner)
+        longest = max(len(w.ids) for w in windows)
+        self.block_size = block_size
+        blocks = max(1, batch_size) * -(-longest // block_size)
+        cfg = loaded.config
+        per_block = cfg.num_hidden_layers * kernels.kv_block_bytes(block_size, cfg.num_key_value_heads,
+                                                                   cfg.head_dim, kv_cache_dtype, torch.float32)
+        self.runner = ModelRunner(loaded, block_size, kv_cache_dtype, kv_cache_memory=blocks * per_block,
+                                  max_num_batched_tokens=max(1, batch_size) * longest)
+        self.kv_dtype = self.runner.kv_dtype   # auto resolved
+
+    def logits(self, wins: list[Window]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float32 logits of the windows' scored positions [rows, vocab] and their targets."""
+        from llmopt.core.scheduler import ScheduledRequest, SchedulerOutput
+        sched, first = [], 0
+        for i, w in enumerate(wins):
+            n = -(-len(w.ids) // self.block_size)
+            sched.append(ScheduledRequest(f"w{i}", w.ids.tolist(), 0, list(range(first, first + n)),
+                                          len(w.ids) - w.start))
+            first += n
+        logits = self.runner.execute(SchedulerOutput(sched))
+        rows, off = [], 0
+        for w in wins:   # each window's rows start at its first scored position
+            rows.append(torch.arange(off, off + len(w.targets)))
+            off += len(w.ids) - w.start
+        return logits[torch.cat(rows)], torch.cat([w.targets for w in wins])
 
 
 def score_windows(model, windows: Sequence[Window], batch_size: int, device: torch.device,
                   base=None, progress: Callable[[int], None] | None = None,
-                  chunk: int = defaults.LOSS_CHUNK_TOKENS) -> Scores:
+                  chunk: int = defaults.LOSS_CHUNK_TOKENS, paged: PagedScoring | None = None) -> Scores:
     s = Scores(window_nll=[0.0] * len(windows), window_count=[0] * len(windows))
     with torch.inference_mode():
         for idx in batches(windows, max(1, batch_size)):
             wins = [windows[i] for i in idx]
-            h, tgt = _hidden_rows(model, wins, device)
+            if paged is not None:
+                logits, tgt = paged.logits(wins)
+                tgt = tgt.to(logits.device)
+            else:
+                h, tgt = _hidden_rows(model, wins, device)
             hb = _hidden_rows(base, wins, device)[0] if base is not None else None
             nll = torch.empty(len(tgt), dtype=torch.float32, device=device)
             for a in range(0, len(tgt), chunk):
                 t = tgt[a:a + chunk, None]
-                if hb is None:
+                if paged is not None:
+                    lp = _normalized(logits[a:a + chunk])
+                elif hb is None:
                     nll[a:a + chunk] = -score_tokens(model, h[a:a + chunk], t[:, 0], ranks=False, chunk=chunk).logprobs
                     continue
-                lp, lq = _log_probs(model, h[a:a + chunk]), _log_probs(base, hb[a:a + chunk])
+                else:
+                    lp = _log_probs(model, h[a:a + chunk])
+                if hb is None:
+                    nll[a:a + chunk] = -lp.gather(-1, t)[:, 0]
+                    continue
+                lq = _log_probs(base, hb[a:a + chunk])
                 nll[a:a + chunk] = -lp.gather(-1, t)[:, 0]
                 s.base_nll += float(-lq.gather(-1, t)[:, 0].double().sum())
                 s.kl.append((lq.exp() * (lq - lp)).sum(-1).cpu())

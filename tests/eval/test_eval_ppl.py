@@ -243,6 +243,53 @@ def test_kl_against_another_model(tiny, wiki, tiny_factory):
     assert _rel(r.kl.base_ppl, gptq_chunks(base_hf, enc, 128)) <= REL
 
 
+def _fake_quantized(kv: str, x: torch.Tensor) -> torch.Tensor:
+    """K or V [B, Hkv, T, D] as a cache of `kv` holds it, written from the formats' definitions:
+    16-bit and fp8 casts (fp8 clamped to the format's largest value, scale 1), int8 codes of
+    round(x / s) with s = absmax / 127 per token and head."""
+    if kv == "int8":
+        s = x.abs().amax(-1, keepdim=True) / 127
+        return torch.round(x / s.clamp_min(1e-30)).clamp(-127, 127) * s
+    dt = {"bfloat16": torch.bfloat16, "float16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn,
+          "fp8_e5m2": torch.float8_e5m2}[kv]
+    if dt in (torch.float8_e4m3fn, torch.float8_e5m2):
+        x = x.clamp(-torch.finfo(dt).max, torch.finfo(dt).max)
+    return x.to(dt).float()
+
+
+@pytest.mark.parametrize("kv", ["bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8"])
+def test_kv_cache_dtype_scores_as_transformers_over_that_cache(tiny, wiki, kv):
+    """--kv-cache-dtype: the windows run through the engine's paged cache of that dtype; the
+    perplexity equals transformers' with its K/V quantized as that cache stores them, and the KL
+    divergence against the same model without a cache is the cache's own (positive, small)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    folder, hf, lm = tiny
+
+    def attention(module, q, k, v, mask, **kw):
+        return sdpa_attention_forward(module, q, _fake_quantized(kv, k), _fake_quantized(kv, v), mask, **kw)
+
+    AttentionInterface.register("llmopt_test_kv", attention)
+    want_hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="llmopt_test_kv")
+    plan = plan_ppl(lm.tokenizer, 1024, wiki, "llamacpp", limit=LIMIT)
+    r = run_ppl(lm, plan, batch_size=2, base=lm, kv_cache_dtype=kv)
+    assert r.kv_cache_dtype == kv
+    want = llamacpp_reference(want_hf.eval(), _ids(lm.tokenizer, wiki.text)[0], 512)
+    assert _rel(r.ppl, want) <= REL
+    assert _rel(r.kl.base_ppl, llamacpp_reference(hf, _ids(lm.tokenizer, wiki.text)[0], 512)) <= REL
+    assert 0 < r.kl.kld_mean < 0.05 and r.kl.top1_agreement > 0.5   # (near-uniform: a random model)
+    with pytest.raises(UserInputError, match="unknown KV-cache dtype"):
+        run_ppl(lm, plan, batch_size=2, kv_cache_dtype="int3")
+
+
+def test_float32_kv_cache_scores_as_no_cache(tiny, wiki):
+    folder, hf, lm = tiny
+    plan = plan_ppl(lm.tokenizer, 1024, wiki, "llamacpp", limit=LIMIT)
+    r = run_ppl(lm, plan, batch_size=3, base=lm, kv_cache_dtype="float32")
+    assert _rel(r.ppl, run_ppl(lm, plan, batch_size=2).ppl) <= 1e-6
+    assert abs(r.kl.kld_mean) < 1e-6 and r.kl.top1_agreement == 1.0
+
+
 # --- data -------------------------------------------------------------------------------------
 
 def test_text_file_crlf_and_wikitext_documents(tmp_path):
@@ -319,13 +366,17 @@ def test_cli_json_and_output_file(tiny, tmp_path):
     obj = json.loads(res.stdout)
     assert obj["method"] == "chunks" and obj["scored_tokens"] == 3 * 127 and obj["ppl"] > 1
     assert obj["kl"]["top1_agreement"] == 1.0 and abs(obj["kl"]["kld_mean"]) < 1e-6
-    assert json.loads(out.read_text()) == obj
+    assert json.loads(out.read_text()) == obj and obj["kv_cache_dtype"] is None
+    res = _cli(["eval-ppl", "--model", str(folder), "--dataset", str(WIKI), "--method", "chunks", "--ctx", "128",
+                "--limit", "400", "--kv-cache-dtype", "int8", "--quiet"])
+    assert res.exit_code == 0 and re.search(r"KV cache dtype\s+.*int8", res.stdout), res.output
 
 
 @pytest.mark.parametrize("args,fragment", [
     (["--model", "/no/such/model"], "not found"),
     (["--dataset", "/no/such/file.txt"], "not found"),
     (["--method", "bogus"], "unknown method"),
+    (["--kv-cache-dtype", "int3"], "unknown KV-cache dtype"),
 ])
 def test_cli_bad_input_one_line(tiny, args, fragment):
     folder, hf, lm = tiny
