@@ -15,7 +15,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from llmopt import defaults
+from llmopt import defaults, kernels
+from llmopt.core.scheduler import ScheduledRequest, SchedulerOutput
 from llmopt.eval.windows import Window
 from llmopt.models.logprobs import score_tokens
 from llmopt.models.attention import DenseCausalAttention
@@ -65,7 +66,6 @@ class PagedScoring:
 
     def __init__(self, loaded, kv_cache_dtype: str, windows: Sequence[Window], batch_size: int,
                  block_size: int = defaults.BLOCK_SIZE) -> None:
-        from llmopt import kernels
         from llmopt.worker.runner import ModelRunner   # deferred: start-up time (the engine's runner)
         longest = max(len(w.ids) for w in windows)
         self.block_size = block_size
@@ -79,7 +79,6 @@ class PagedScoring:
 
     def logits(self, wins: list[Window]) -> tuple[torch.Tensor, torch.Tensor]:
         """Float32 logits of the windows' scored positions [rows, vocab] and their targets."""
-        from llmopt.core.scheduler import ScheduledRequest, SchedulerOutput
         sched, first = [], 0
         for i, w in enumerate(wins):
             n = -(-len(w.ids) // self.block_size)
