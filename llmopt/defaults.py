@@ -48,8 +48,10 @@ LM_HEAD_DTYPE = "auto"           # auto: int8 head for quantized models on the C
 ENFORCE_EAGER = True
 # CPU steps of up to this many tokens run one C++ call per layer (worker/cpu_decode.py)
 CPU_DECODE_MAX_ROWS = MAX_NUM_BATCHED_TOKENS
-# with AVX-512 VNNI, int8-activation linears of this many rows or more run as panels (cpu_idot_tiles.h)
-CPU_IDOT_PANEL_MIN_ROWS = 17
+# with AVX-512 VNNI, int8-activation linears of this many rows or more run as panels (cpu_idot_tiles.h;
+# the same bits as the tiles): the engine's decode steps of 3 / 4 / 5 sequences ran 290 / 340 / 312
+# tok/s through the tiles against 230 / 280 / 312 through the panels (docs/benchmarks.md)
+CPU_IDOT_PANEL_MIN_ROWS = 5
 # the C++ layer's float linears: float panels from this many rows (beat MKL there), else the float tile
 CPU_F32_PANEL_MIN_ROWS = 32
 # float linears of 1 to this many rows (at most 8) read each weight row once, front to back

@@ -99,7 +99,7 @@ bool cpu_has_vnni() {
 
 // the linears' kernel choices, set from llmopt/defaults.py when the library loads (tiles_config)
 bool use_vnni = cpu_has_vnni();   // the integer kernels: AVX-512 VNNI where the CPU has it
-int64_t panel_rows = 17;          // with VNNI, int8-activation linears of this many rows take the panels
+int64_t panel_rows = 5;           // with VNNI, int8-activation linears of this many rows take the panels
 int64_t f32_panel_rows = 32;      // float linears of this many rows take the float panels
 
 struct Lin {
@@ -179,15 +179,12 @@ void linear(const Lin& l, const float* x, int64_t M, float* y, int64_t ldy, bool
             a.sz = l.sz.data_ptr<float>();
             a.xsum = t.xsum.data();
         }
-        const int8_t* w8 = reinterpret_cast<const int8_t*>(w);
         if (use_vnni && M >= panel_rows) {
             vnni::run_panels(a, qx, w, l.kind == KW4);
         } else if (use_vnni) {
-            if (l.kind == KW4) run(a, vnni::FnI4{w, &qx});
-            else run(a, vnni::FnI8{w8, &qx});
+            vnni::run_tiles(a, qx, w, l.kind == KW4);
         } else {
-            if (l.kind == KW4) run(a, avx2::FnI4{w, &qx});
-            else run(a, avx2::FnI8{w8, &qx});
+            avx2::run_tiles(a, qx, w, l.kind == KW4);
         }
     } else {
         if (l.sz.defined()) a.sz = l.sz.data_ptr<float>();

@@ -76,104 +76,115 @@ inline void quantize_x(const float* x, int64_t M, int64_t K, int64_t gs, std::ve
 namespace llmopt_cpu_tiles {
 namespace LLMOPT_IDOT_NS {
 
-inline __m256 dot_u8s8(__m256i u, __m256i s) {   // 8 int32 sums of 4 products each, as floats
+// 8 int32 lanes of 4 products each (u8 x s8; exact: no pair of products saturates int16)
+inline __m256i dot_lanes(__m256i u, __m256i s) {
 #ifdef LLMOPT_IDOT_VNNI
-    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s));
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
 #else
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 #endif
 }
 
-// int8 codes in [-127, 127] (no -128: |code| must fit the sign trick), group size a multiple of 32
-template <int NR, int MT>
-inline void itile8(const Args& a, const QX& qx, const int8_t* w, int64_t n0, int64_t m0) {
-    const int64_t K = a.K, nb = K / QB;
-    const int8_t* row[NR];
-    for (int r = 0; r < NR; ++r) row[r] = w + (n0 + r) * K;
-    __m256 acc[NR][MT];
-    zero(acc);
-    for (int64_t g = 0, c0 = 0; c0 < K; ++g, c0 += a.gs) {
-        __m256 gacc[NR][MT];
-        zero(gacc);
-        for (int64_t c = c0; c < c0 + a.gs; c += QB) {
-            if ((c & 63) == 0)
-                for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(row[r] + PF * NR * K + c), _MM_HINT_T0);
-            __m256i xq[MT], ax[MT];
-            __m256 dx[MT];
-            for (int i = 0; i < MT; ++i) {
-                xq[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.q + (m0 + i) * K + c));
-                ax[i] = _mm256_sign_epi8(xq[i], xq[i]);
-                dx[i] = _mm256_broadcast_ss(qx.d + (m0 + i) * nb + c / QB);
-            }
-            for (int r = 0; r < NR; ++r) {
-                __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[r] + c));
-                for (int i = 0; i < MT; ++i)
-                    gacc[r][i] = _mm256_fmadd_ps(dot_u8s8(ax[i], _mm256_sign_epi8(wv, xq[i])), dx[i], gacc[r][i]);
-            }
-        }
-        for (int r = 0; r < NR; ++r) {
-            __m256 sv = _mm256_set1_ps(a.s[(n0 + r) * a.s_stride + g]);
-            for (int i = 0; i < MT; ++i) acc[r][i] = _mm256_fmadd_ps(sv, gacc[r][i], acc[r][i]);
-        }
-    }
-    store<NR, MT>(a, acc, n0, m0);
+// the 8 lane vectors v[r] -> one vector of their totals, lane r = sum of v[r] (exact int32)
+inline __m256i totals8(const __m256i (&v)[8]) {
+    const __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
+    const __m256i h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);
+    const __m256i q0 = _mm256_hadd_epi32(h01, h23), q1 = _mm256_hadd_epi32(h45, h67);
+    // q0: [t0 t1 t2 t3 | t0' t1' t2' t3'] (low and high 128-bit halves of v0..v3), q1 the same for v4..v7
+    return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
 }
 
-// int4, the grouped nibble layout of cpu_quant_tiles.h (64-column blocks: low nibbles columns
-// 64b..64b+31, high nibbles 64b+32..64b+63): one 32-byte load gives both halves' 32 codes
-template <int NR, int MT>
-inline void itile4(const Args& a, const QX& qx, const uint8_t* w, int64_t n0, int64_t m0) {
-    const int64_t K = a.K, B = K / 64, nb = K / QB;
-    const uint8_t* row[NR];
-    for (int r = 0; r < NR; ++r) row[r] = w + (n0 + r) * (K / 2);
-    const __m256i mask = _mm256_set1_epi8(0x0F);
-    const bool two = a.gs == 32;
-    const int64_t bpg = two ? 1 : a.gs / 64;
-    __m256 acc[NR][MT];
-    zero(acc);
-    for (int64_t b0 = 0, g = 0; b0 < B; b0 += bpg, ++g) {
-        __m256 lo[NR][MT], hi[NR][MT];
-        zero(lo);
-        zero(hi);
-        for (int64_t b = b0; b < b0 + bpg; ++b) {
-            for (int r = 0; r < NR; ++r)
-                _mm_prefetch(reinterpret_cast<const char*>(row[r] + PF * NR * (K / 2) + 32 * b), _MM_HINT_T0);
-            __m256i xl[MT], xh[MT];
-            __m256 dl[MT], dh[MT];
-            for (int i = 0; i < MT; ++i) {
-                const int8_t* xr = qx.q + (m0 + i) * K + 64 * b;
-                xl[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr));
-                xh[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32));
-                dl[i] = _mm256_broadcast_ss(qx.d + (m0 + i) * nb + 2 * b);
-                dh[i] = _mm256_broadcast_ss(qx.d + (m0 + i) * nb + 2 * b + 1);
-            }
-            for (int r = 0; r < NR; ++r) {
-                __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[r] + 32 * b));
-                __m256i ql = _mm256_and_si256(v, mask), qh = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-                for (int i = 0; i < MT; ++i) {
-                    lo[r][i] = _mm256_fmadd_ps(dot_u8s8(ql, xl[i]), dl[i], lo[r][i]);
-                    hi[r][i] = _mm256_fmadd_ps(dot_u8s8(qh, xh[i]), dh[i], hi[r][i]);
+// The tiles: 8 output rows (one float lane each) for MT (1 or 2) rows of x, straight from the
+// weights (no packing, which the panels below pay once per 8 rows). Per 32-column block the 8
+// rows' products are summed exactly in int32 (lanes, then totals8), then in float in the panels'
+// order: fb = fma(total, dx_b, fb) over a group's blocks, acc = fma(s_g, fb, acc), acc -= sz_g *
+// xsum_g (fused). So every output is bit for bit what the panels give it, whatever M, N or the
+// path: a verified draft gets plain decoding's logits, and a sequence's logits do not depend on
+// how many others share its step. int4: the grouped nibble layout of cpu_quant_tiles.h (per
+// 64-column block: low nibbles its first 32 columns, high nibbles the next 32); int8 codes in
+// [-127, 127] through the sign trick (|x| x sign(w, x)).
+template <int MT>
+inline void itile(const Args& a, const QX& qx, const uint8_t* w, bool int4, int64_t n0, int64_t nr, int64_t m0) {
+    const int64_t K = a.K, nb = K / QB, bpg = a.gs / QB, rowb = int4 ? K / 2 : K;
+    const uint8_t* row[8];
+    for (int r = 0; r < 8; ++r) row[r] = w + (n0 + (r < nr ? r : 0)) * rowb;   // past N: row n0 again, not stored
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i sidx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                            _mm256_set1_epi32((int)a.s_stride));
+    const __m256i zidx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)a.G));
+    const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)nr),
+                                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    __m256 acc[MT], fb[MT];
+    for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
+    for (int i = 0; i < MT; ++i) fb[i] = _mm256_setzero_ps();
+    __m256i wv[8];
+    for (int64_t b = 0; b < nb; ++b) {
+        if (int4) {   // block b: the low (b even) or high (b odd) nibbles of 64-column block b / 2
+            if ((b & 1) == 0) {
+                for (int r = 0; r < 8; ++r) {
+                    _mm_prefetch(reinterpret_cast<const char*>(row[r] + 8 * rowb + 16 * b), _MM_HINT_T0);
+                    wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[r] + 16 * b));
                 }
             }
+        } else {
+            for (int r = 0; r < 8; ++r) {
+                if ((b & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row[r] + 8 * rowb + QB * b), _MM_HINT_T0);
+                wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[r] + QB * b));
+            }
         }
-        add_scaled_halves<NR, MT>(a, acc, lo, hi, n0, b0, g, two);
+        for (int i = 0; i < MT; ++i) {
+            const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.q + (m0 + i) * K + b * QB));
+            __m256i lanes[8];
+            if (int4) {
+                for (int r = 0; r < 8; ++r) {
+                    const __m256i c = (b & 1) ? _mm256_and_si256(_mm256_srli_epi16(wv[r], 4), low) : _mm256_and_si256(wv[r], low);
+                    lanes[r] = dot_lanes(c, xq);
+                }
+            } else {
+                const __m256i ax = _mm256_sign_epi8(xq, xq);
+                for (int r = 0; r < 8; ++r) lanes[r] = dot_lanes(ax, _mm256_sign_epi8(wv[r], xq));
+            }
+            fb[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals8(lanes)), _mm256_set1_ps(qx.d[(m0 + i) * nb + b]), fb[i]);
+        }
+        if ((b + 1) % bpg == 0) {   // the group's end
+            const int64_t g = b / bpg;
+            const __m256 sv = a.s_stride == 0 ? _mm256_set1_ps(a.s[0])
+                                              : _mm256_mask_i32gather_ps(_mm256_setzero_ps(), a.s + n0 * a.s_stride + g,
+                                                                         sidx, valid, 4);
+            for (int i = 0; i < MT; ++i) {
+                acc[i] = _mm256_fmadd_ps(sv, fb[i], acc[i]);
+                fb[i] = _mm256_setzero_ps();
+            }
+            if (a.sz != nullptr) {
+                const __m256 zv = _mm256_mask_i32gather_ps(_mm256_setzero_ps(), a.sz + n0 * a.G + g, zidx, valid, 4);
+                for (int i = 0; i < MT; ++i)
+                    acc[i] = _mm256_fnmadd_ps(zv, _mm256_set1_ps(a.xsum[(m0 + i) * a.G + g]), acc[i]);
+            }
+        }
     }
-    store<NR, MT>(a, acc, n0, m0);
+    for (int i = 0; i < MT; ++i) {
+        float* y = a.y + (m0 + i) * a.ldy + n0;
+        if (nr == 8) {
+            _mm256_storeu_ps(y, acc[i]);
+        } else {
+            alignas(32) float t[8];
+            _mm256_store_ps(t, acc[i]);
+            for (int64_t r = 0; r < nr; ++r) y[r] = t[r];
+        }
+    }
 }
 
-struct FnI8 {
-    const int8_t* w;
-    const QX* qx;
-    template <int NR, int MT>
-    void operator()(const Args& a, int64_t n, int64_t m) const { itile8<NR, MT>(a, *qx, w, n, m); }
-};
-
-struct FnI4 {
-    const uint8_t* w;
-    const QX* qx;
-    template <int NR, int MT>
-    void operator()(const Args& a, int64_t n, int64_t m) const { itile4<NR, MT>(a, *qx, w, n, m); }
-};
+// y = quantize_x(x) @ W^T through the tiles: each thread a range of 8-row tiles, x's rows two by two
+inline void run_tiles(const Args& a, const QX& qx, const uint8_t* w, bool int4) {
+    split_rows(a.N, [&](int64_t n0, int64_t n1) {
+        for (int64_t n = n0; n < n1; n += 8) {
+            const int64_t nr = std::min<int64_t>(8, n1 - n);
+            int64_t m = 0;
+            for (; m + 2 <= a.M; m += 2) itile<2>(a, qx, w, int4, n, nr, m);
+            if (m < a.M) itile<1>(a, qx, w, int4, n, nr, m);
+        }
+    }, 8);
+}
 
 #ifdef LLMOPT_IDOT_VNNI
 // Panels, for M >= a few rows (the tiles above re-read x for every row tile and reduce 8 lanes per

@@ -266,9 +266,9 @@ inline void rows(const Args& a, int64_t n0, int64_t n1, int64_t m0, Fn fn) {
     for (; n < n1; ++n) fn.template operator()<1, MT>(a, n, m0);
 }
 
-// body(n0, n1) on each thread's contiguous range of the N output rows, aligned to 4 rows
+// body(n0, n1) on each thread's contiguous range of the N output rows, aligned to `align` rows
 template <class Body>
-inline void split_rows(int64_t N, Body body) {
+inline void split_rows(int64_t N, Body body, int64_t align = 4) {
 #pragma omp parallel
     {
 #ifdef _OPENMP
@@ -276,7 +276,7 @@ inline void split_rows(int64_t N, Body body) {
 #else
         int t = 0, T = 1;
 #endif
-        int64_t per = ((N + T - 1) / T + 3) / 4 * 4;
+        int64_t per = ((N + T - 1) / T + align - 1) / align * align;
         int64_t n0 = std::min<int64_t>(N, t * per), n1 = std::min<int64_t>(N, n0 + per);
         if (n0 < n1) body(n0, n1);
     }

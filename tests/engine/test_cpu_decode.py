@@ -206,6 +206,31 @@ def test_integer_tiles_equal_float64_of_quantized_activations(idot_path, kind, g
     assert float(((x.double() @ w.t()) - want).abs().max() / want.abs().max()) > 1e-4   # the rounding is real
 
 
+@pytest.mark.parametrize("kind,gs", [("int8", 64), ("int4", 32), ("int4", 128)])
+def test_integer_paths_give_each_row_the_same_bits_at_any_row_count(kind, gs):
+    """AVX2 tiles, VNNI tiles and VNNI panels sum each 32-column block exactly and then scale in one
+    order: a row's output is the same bits on every path and at every M (a verified draft gets plain
+    decoding's logits; a sequence's logits do not depend on its step's batch)."""
+    g = torch.Generator().manual_seed(7)
+    n, k = 43, 640
+    x = torch.randn(21, k, generator=g) * 3
+    scales = torch.rand(n, k // gs, generator=g) * 0.1 + 0.01
+    if kind == "int8":
+        packed, szeros, code = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), torch.empty(0), 1
+    else:
+        packed = cpu_quant.pack_int4(torch.randint(0, 16, (n, k), generator=g))
+        szeros, code = scales * torch.randint(0, 16, (n, k // gs), generator=g).float(), 2
+    outs = []
+    try:
+        for isa, panel in IDOT_PATHS.values():
+            torch.ops.llmopt_cpu.tiles_config(isa, panel)
+            outs += [torch.ops.llmopt_cpu.idot_gemm(x[:m], packed, scales, szeros, gs, code) for m in (1, 2, 3, 21)]
+    finally:
+        torch.ops.llmopt_cpu.tiles_config(-1, defaults.CPU_IDOT_PANEL_MIN_ROWS)
+    for y in outs[1:]:
+        assert torch.equal(y, outs[-1][:len(y)])
+
+
 def test_idot_refuses_int8_code_minus_128():
     codes = torch.zeros(8, 64, dtype=torch.int8)
     codes[3, 7] = -128
