@@ -57,11 +57,10 @@ CPU_F32_PANEL_MIN_ROWS = 32
 # float linears of 1 to this many rows (at most 8) read each weight row once, front to back
 # (cpu_quant_tiles.h row_f32: 1.5-2x the tiles on the AMD EPYC machine)
 CPU_F32_STREAM_MAX_ROWS = 8
-CPU_DECODE_INT8_ACTIVATIONS = True   # those steps: int8 / int4 weights times int8 activations (per 32 columns, as llama.cpp)
-# ...except for a GGUF run as stored: on the built-in Q4_1 file, int8 activations (and llama.cpp's own Q8
-# ones) answer "What is the capital of France?" with "L'Etoile, la Marseillaise...": the prompt's
-# outlier rows lose too much at 8 bits; float activations answer "The capital of France is Paris."
-GGUF_INT8_ACTIVATIONS = False
+# those steps: int8 / int4 weights (GGUF blocks included) times int8 activations, per 32 columns as
+# llama.cpp's Q8 ones (docs/benchmarks.md: the built-in GGUF's perplexity +0.26%, KLD 0.0022 against
+# float activations; one stream 1.12x, a 512-token prefill 1.5x)
+CPU_DECODE_INT8_ACTIVATIONS = True
 COMPILE_BATCH_BUCKETS = (1, 2, 4, 8, 16)  # decode steps of up to 16 sequences run a compiled graph, padded to these
 COMPILE_GEMV_MAX_ROWS = 2        # compiled step: float linears of at most this many rows as an inductor multiply-sum
 TENSOR_PARALLEL_SIZE = 1          # ranks a model is split over (--tensor-parallel-size; docs/parallel.md)

@@ -34,7 +34,7 @@ kv_bytes = int(sys.argv[5]) if len(sys.argv) > 5 else 64 << 20
 import torch
 torch.set_num_threads(threads)
 from llmopt import SamplingParams, defaults
-defaults.GGUF_INT8_ACTIVATIONS = int8
+defaults.CPU_DECODE_INT8_ACTIVATIONS = int8
 from llmopt.engine.args import EngineArgs
 from llmopt.engine.engine import LLMEngine
 from llmopt.errors import ModelLoadError
@@ -123,8 +123,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--llama-bench", default=str(ROOT / ".venv-llamacpp" / "bin" / "llama-bench"))
-    ap.add_argument("--activations", default="float,int8",
-                    help="llmopt's runs: float (a GGUF's default) and/or int8 activations, comma-separated")
+    ap.add_argument("--activations", default="int8,float",
+                    help="llmopt's runs: int8 (the default) and/or float activations, comma-separated")
     a = ap.parse_args()
     model = Path(a.model) if a.model else builtin_gguf(defaults.DEFAULT_MODEL)
     acts = [x.strip() for x in a.activations.split(",") if x.strip()]

@@ -109,9 +109,6 @@ class CpuDecode:
         self.float_head = type(head) in (nn.Linear, Linear16) and head.bias is None and not head._forward_hooks and \
             head.weight.dtype in _FLOAT_KINDS and head.weight.is_contiguous()   # both cores: aten's M = 1 GEMV uses one
         self.int8_activations = defaults.CPU_DECODE_INT8_ACTIVATIONS
-        from llmopt.models.gguf_weights import runs_quantized   # deferred: start-up time (model code)
-        if not defaults.GGUF_INT8_ACTIVATIONS and runs_quantized(model):
-            self.set_int8_activations(False)   # a GGUF run as stored (defaults.py says why)
 
     def set_int8_activations(self, on: bool) -> None:
         """Integer tiles with int8 activations for int8/int4 weights (the layers and the int8 head)."""

@@ -46,8 +46,7 @@ def _greedy(model: str | None, prompts, tokens: int = 12) -> list[list[int]]:
     from llmopt import LLM, SamplingParams
     llm = LLM(model=model, dtype="float32", device="cpu", kv_cache_memory=16 << 20, max_model_len=256)
     assert llm.engine.runner.cpu_decode is not None   # the C++ decode layers ran it
-    if model is None or model.endswith(".gguf"):
-        assert llm.engine.runner.cpu_decode.int8_activations is defaults.GGUF_INT8_ACTIVATIONS
+    assert llm.engine.runner.cpu_decode.int8_activations is defaults.CPU_DECODE_INT8_ACTIVATIONS
     outs = llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
     return [o.outputs[0].token_ids for o in outs]
 
@@ -92,11 +91,11 @@ def test_tied_table_is_one_table(tmp_path, monkeypatch):
     assert not hasattr(m.model.embed_tokens, "own")   # the head owns the table: its bytes counted once
 
 
-def test_the_default_model_runs_as_stored(smollm2_float):
+def test_the_default_model_runs_as_stored(smollm2_float, monkeypatch):
     """The built-in Q4_1 file: under 150 MB of weights held (its Q4_1 layers and Q8_0 table
     repacked, nothing else; kv-estimate's figure), one table for the tied head and embedding, and
-    the engine's greedy answers (a GGUF's default: float activations, defaults.GGUF_INT8_ACTIVATIONS)
-    equal to those of its float copy."""
+    the engine's greedy answers with float activations equal to those of its float copy."""
+    monkeypatch.setattr(defaults, "CPU_DECODE_INT8_ACTIVATIONS", False)
     lm = load_model(None, tokenizer=False)
     m = lm.model
     held = sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()]) - m.inv_freq.nbytes
@@ -115,15 +114,19 @@ def test_the_default_model_runs_as_stored(smollm2_float):
 
 
 def test_the_default_model_perplexity_equals_its_float_copy(smollm2_float):
-    """eval-ppl (--method llamacpp) on WikiText-2, as stored against the float copy: within 1%."""
+    """eval-ppl (--method llamacpp) on WikiText-2, as stored against the float copy: within 1%, with
+    float activations (the dense path) and with the engine's default int8 activations (scored
+    through its paged cache and C++ decode layers)."""
     from conftest import SHARED_DATA
     from llmopt.eval import load_text_dataset, plan_ppl, run_ppl
     wiki = load_text_dataset(str(SHARED_DATA / "wikitext-2-raw" / "wiki.test.raw"))
     got = []
-    for model in (None, str(smollm2_float)):
+    for model, paged in ((None, None), (None, "float32"), (str(smollm2_float), None)):
         lm = load_model(model)
-        got.append(run_ppl(lm, plan_ppl(lm.tokenizer, 2048, wiki, "llamacpp", limit=1024), batch_size=2).ppl)
-    assert abs(got[0] / got[1] - 1) <= 0.01
+        got.append(run_ppl(lm, plan_ppl(lm.tokenizer, 2048, wiki, "llamacpp", limit=1024), batch_size=2,
+                           kv_cache_dtype=paged).ppl)
+    assert got[0] != got[1]                      # int8 activations ran: not the float path's figure
+    assert abs(got[0] / got[2] - 1) <= 0.01 and abs(got[1] / got[2] - 1) <= 0.01
 
 
 def llama_cpp_rope_factors(s: dict, head_dim: int, base: float = 10000.0) -> np.ndarray:
