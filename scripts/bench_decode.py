@@ -260,11 +260,14 @@ def bench_configs(a) -> None:
         k, _, v = kv.partition("=")
         extra[k] = {"true": True, "false": False}.get(v.lower(), v)
     results = []
-    for cfg in a.config or ["float32"]:
+    runs = [(c, kv) for c in a.config or ["float32"] for kv in a.kv_cache_dtype or [None]]
+    for cfg, kv in runs:
         cfg, compiled = (cfg[:-len("@compiled")], True) if cfg.endswith("@compiled") else (cfg, False)
-        kw = {**extra, "enforce_eager": False} if compiled else extra
+        kw = {**extra, "enforce_eager": False} if compiled else dict(extra)
+        if kv is not None:
+            kw["kv_cache_dtype"] = kv
         name, _, path = cfg.partition("=")
-        label = name + (" compiled" if compiled else "")
+        label = name + (" compiled" if compiled else "") + (f" kv={kv}" if kv is not None else "")
         if path:
             results.append(bench_llmopt(label, path, None, a.single, batches, a.gen_batched, kw))
         elif name == "float32":
@@ -292,6 +295,8 @@ def main() -> None:
     ap.add_argument("--llamacpp", action="store_true", help="also llama.cpp on the model's Q4_1 GGUF")
     ap.add_argument("--llamacpp-python", default=str(ROOT / ".venv-llamacpp" / "bin" / "python"))
     ap.add_argument("--engine-arg", action="append", default=[], help="KEY=VALUE passed to EngineArgs")
+    ap.add_argument("--kv-cache-dtype", action="append", default=[],
+                    help="run every --config once with each of these KV-cache dtypes, in order; repeatable")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--prefill", default=None, metavar="CASES",
