@@ -70,8 +70,9 @@ def eval_ppl(
     lm_head_dtype: str = common.LmHeadDtypeOpt,
     kv_cache_dtype: str = typer.Option(None, "--kv-cache-dtype", help="Score through the engine's paged KV cache "
                                        "in this dtype (auto, float32, bfloat16, float16, fp8, fp8_e4m3, "
-                                       "fp8_e5m2, int8); default: dense attention, no cache. With --base-model "
-                                       "the same model: the cache's KL divergence."),
+                                       "fp8_e5m2, int8); default: dense attention, no cache. --base-model then "
+                                       "scores through a float32 cache the same way: with the same model, the "
+                                       "KL divergence is the cache's."),
     json_out: bool = common.JsonOpt,
     out_file: str = typer.Option(None, "--output", "-o", help="Also write the JSON result to this file."),
     quiet: bool = common.QuietOpt,

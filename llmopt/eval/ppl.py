@@ -173,15 +173,21 @@ def check_same_vocab(lm, base) -> None:
 def run_ppl(lm, plan: PplPlan, batch_size: int = defaults.PPL_BATCH_SIZE, base=None, progress=None,
             kv_cache_dtype: str | None = None) -> PplResult:
     """kv_cache_dtype: score through the engine's runner, its paged KV cache in this dtype (each
-    position attends over the cached K/V of the window so far); None: dense attention, no cache."""
+    position attends over the cached K/V of the window so far), and the base (if any) through its
+    own runner with a float32 cache; None: dense attention, no cache."""
     if batch_size < 1:
         raise UserInputError(f"--batch-size must be at least 1 (got {batch_size})")
     if base is not None:
         check_same_vocab(lm, base)
-    paged = PagedScoring(lm, kv_cache_dtype, plan.windows, batch_size) if kv_cache_dtype is not None else None
+    paged = base_paged = None
+    if kv_cache_dtype is not None:
+        paged = PagedScoring(lm, kv_cache_dtype, plan.windows, batch_size)
+        if base is not None:   # the base through a float32 cache on the same path: the KL is the cache's
+            base_paged = PagedScoring(base, "float32", plan.windows, batch_size)
     t0 = time.perf_counter()
     s = score_windows(lm.model, plan.windows, batch_size, lm.device,
-                      base=base.model if base is not None else None, progress=progress, paged=paged)
+                      base=base.model if base is not None else None, progress=progress, paged=paged,
+                      base_paged=base_paged)
     seconds = time.perf_counter() - t0
     nll, count = sum(s.window_nll), sum(s.window_count)
     res = PplResult(

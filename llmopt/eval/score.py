@@ -95,7 +95,10 @@ class PagedScoring:
 
 def score_windows(model, windows: Sequence[Window], batch_size: int, device: torch.device,
                   base=None, progress: Callable[[int], None] | None = None,
-                  chunk: int = defaults.LOSS_CHUNK_TOKENS, paged: PagedScoring | None = None) -> Scores:
+                  chunk: int = defaults.LOSS_CHUNK_TOKENS, paged: PagedScoring | None = None,
+                  base_paged: PagedScoring | None = None) -> Scores:
+    """base_paged: the base scores through its own engine runner (with `paged`: the same path, so
+    the KL divergence is the difference between the two runners' caches)."""
     s = Scores(window_nll=[0.0] * len(windows), window_count=[0] * len(windows))
     with torch.inference_mode():
         for idx in batches(windows, max(1, batch_size)):
@@ -105,21 +108,26 @@ def score_windows(model, windows: Sequence[Window], batch_size: int, device: tor
                 tgt = tgt.to(logits.device)
             else:
                 h, tgt = _hidden_rows(model, wins, device)
-            hb = _hidden_rows(base, wins, device)[0] if base is not None else None
+            hb = base_logits = None
+            if base_paged is not None:
+                base_logits = base_paged.logits(wins)[0]
+            elif base is not None:
+                hb = _hidden_rows(base, wins, device)[0]
+            has_base = hb is not None or base_logits is not None
             nll = torch.empty(len(tgt), dtype=torch.float32, device=device)
             for a in range(0, len(tgt), chunk):
                 t = tgt[a:a + chunk, None]
                 if paged is not None:
                     lp = _normalized(logits[a:a + chunk])
-                elif hb is None:
+                elif not has_base:
                     nll[a:a + chunk] = -score_tokens(model, h[a:a + chunk], t[:, 0], ranks=False, chunk=chunk).logprobs
                     continue
                 else:
                     lp = _log_probs(model, h[a:a + chunk])
-                if hb is None:
+                if not has_base:
                     nll[a:a + chunk] = -lp.gather(-1, t)[:, 0]
                     continue
-                lq = _log_probs(base, hb[a:a + chunk])
+                lq = _normalized(base_logits[a:a + chunk]) if hb is None else _log_probs(base, hb[a:a + chunk])
                 nll[a:a + chunk] = -lp.gather(-1, t)[:, 0]
                 s.base_nll += float(-lq.gather(-1, t)[:, 0].double().sum())
                 s.kl.append((lq.exp() * (lq - lp)).sum(-1).cpu())

@@ -261,7 +261,7 @@ def _fake_quantized(kv: str, x: torch.Tensor) -> torch.Tensor:
 def test_kv_cache_dtype_scores_as_transformers_over_that_cache(tiny, wiki, kv):
     """--kv-cache-dtype: the windows run through the engine's paged cache of that dtype; the
     perplexity equals transformers' with its K/V quantized as that cache stores them, and the KL
-    divergence against the same model without a cache is the cache's own (positive, small)."""
+    divergence against the same model through a float32 cache is the cache's own (small)."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     folder, hf, lm = tiny
@@ -277,7 +277,8 @@ def test_kv_cache_dtype_scores_as_transformers_over_that_cache(tiny, wiki, kv):
     want = llamacpp_reference(want_hf.eval(), _ids(lm.tokenizer, wiki.text)[0], 512)
     assert _rel(r.ppl, want) <= REL
     assert _rel(r.kl.base_ppl, llamacpp_reference(hf, _ids(lm.tokenizer, wiki.text)[0], 512)) <= REL
-    assert 0 < r.kl.kld_mean < 0.05 and r.kl.top1_agreement > 0.5   # (near-uniform: a random model)
+    # against the same runner with a float32 cache: the cache's own KL (float16's is at rounding level)
+    assert -1e-6 < r.kl.kld_mean < 0.05 and r.kl.kld_max > 0 and r.kl.top1_agreement > 0.5
     with pytest.raises(UserInputError, match="unknown KV-cache dtype"):
         run_ppl(lm, plan, batch_size=2, kv_cache_dtype="int3")
 

@@ -120,13 +120,18 @@ def test_the_default_model_perplexity_equals_its_float_copy(smollm2_float):
     from conftest import SHARED_DATA
     from llmopt.eval import load_text_dataset, plan_ppl, run_ppl
     wiki = load_text_dataset(str(SHARED_DATA / "wikitext-2-raw" / "wiki.test.raw"))
-    got = []
+    got, kls = [], []
     for model, paged in ((None, None), (None, "float32"), (str(smollm2_float), None)):
         lm = load_model(model)
-        got.append(run_ppl(lm, plan_ppl(lm.tokenizer, 2048, wiki, "llamacpp", limit=1024), batch_size=2,
-                           kv_cache_dtype=paged).ppl)
+        r = run_ppl(lm, plan_ppl(lm.tokenizer, 2048, wiki, "llamacpp", limit=1024), batch_size=2,
+                    kv_cache_dtype=paged, base=lm if paged else None)
+        got.append(r.ppl)
+        kls.append(r.kl)
     assert got[0] != got[1]                      # int8 activations ran: not the float path's figure
     assert abs(got[0] / got[2] - 1) <= 0.01 and abs(got[1] / got[2] - 1) <= 0.01
+    # --base-model with a cache: the base scores through a float32 cache on the same path (int8
+    # activations too), so a float32 cache has no KL divergence (the dense base would show ~0.002)
+    assert kls[1].kld_mean == 0.0 and kls[1].top1_agreement == 1.0 and kls[1].base_ppl == got[1]
 
 
 def llama_cpp_rope_factors(s: dict, head_dim: int, base: float = 10000.0) -> np.ndarray:
