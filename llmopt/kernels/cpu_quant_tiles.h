@@ -90,14 +90,15 @@ struct F16 {   // IEEE half (F16C, which every AVX2 CPU has)
     }
 };
 
-struct F8 {   // e4m3fn bits -> float32 exactly: sign/exponent/mantissa moved into place, times 2^120
+struct F8 {   // e4m3fn bits -> float32 exactly: moved up into f16 bits (value * 2^-8), widened by F16C,
+              // times 256. (Building the float32 bits and scaling by 2^120 made the format's subnormals,
+              // common in a K/V cache, float32 denormals: a microcode assist each, 0.58x the speed.)
     static constexpr int64_t B = 1;
     static inline __m256 at(const uint8_t* row, int64_t c) {
-        __m256i i = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c)));
-        __m256i sign = _mm256_slli_epi32(_mm256_and_si256(i, _mm256_set1_epi32(0x80)), 24);
-        __m256i em = _mm256_slli_epi32(_mm256_and_si256(i, _mm256_set1_epi32(0x7F)), 20);
-        __m256 f = _mm256_castsi256_ps(_mm256_or_si256(em, sign));
-        return _mm256_mul_ps(f, _mm256_set1_ps(1.329227995784916e36f));   // 2^120
+        const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c)));
+        const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                       _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
+        return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
     }
 };
 
