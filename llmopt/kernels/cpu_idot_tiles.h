@@ -135,11 +135,10 @@ inline void itile(const Args& a, const QX& qx, const uint8_t* w, bool int4, int6
         for (int i = 0; i < MT; ++i) {
             const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.q + (m0 + i) * K + b * QB));
             __m256i lanes[8];
-            if (int4) {
-                for (int r = 0; r < 8; ++r) {
-                    const __m256i c = (b & 1) ? _mm256_and_si256(_mm256_srli_epi16(wv[r], 4), low) : _mm256_and_si256(wv[r], low);
-                    lanes[r] = dot_lanes(c, xq);
-                }
+            if (int4) {   // nibbles taken per x row: kept across rows they cost the AVX2 path (16
+                          // registers) 5-10% at 2 and 4 rows, for 2-7% on VNNI
+                for (int r = 0; r < 8; ++r)
+                    lanes[r] = dot_lanes(_mm256_and_si256((b & 1) ? _mm256_srli_epi16(wv[r], 4) : wv[r], low), xq);
             } else {
                 const __m256i ax = _mm256_sign_epi8(xq, xq);
                 for (int r = 0; r < 8; ++r) lanes[r] = dot_lanes(ax, _mm256_sign_epi8(wv[r], xq));
@@ -187,8 +186,8 @@ inline void run_tiles(const Args& a, const QX& qx, const uint8_t* w, bool int4) 
 }
 
 #ifdef LLMOPT_IDOT_VNNI
-// Panels, for M >= a few rows (the tiles above re-read x for every row tile and reduce 8 lanes per
-// 32 columns and output; here each output's 32-column block sum is one int32 lane). PR = 8 output
+// Panels, for M >= a few rows (the tiles above reduce 8 lanes per 32 columns, output and x row,
+// through hadd; here each output's 32-column block sum is one int32 lane already). PR = 8 output
 // rows are unpacked and interleaved into a per-thread buffer once, then every x row passes over it:
 // buffer[k4] (one ymm) holds columns 4k4..4k4+3 of the 8 rows, so vpdpbusd with x's 4 bytes
 // broadcast adds 32 products into the 8 rows' sums. The u8 operand is the weight: int4 codes as they
