@@ -93,6 +93,17 @@ class PagedScoring:
         return logits[torch.cat(rows)], torch.cat([w.targets for w in wins])
 
 
+def _base_log_probs(base, base_paged: PagedScoring | None, wins: list[Window], device):
+    """The base's log-probabilities of rows [a, b) of this batch, as base_lp(a, b); None: no base."""
+    if base_paged is not None:
+        logits = base_paged.logits(wins)[0]
+        return lambda a, b: _normalized(logits[a:b])
+    if base is not None:
+        hb = _hidden_rows(base, wins, device)[0]
+        return lambda a, b: _log_probs(base, hb[a:b])
+    return None
+
+
 def score_windows(model, windows: Sequence[Window], batch_size: int, device: torch.device,
                   base=None, progress: Callable[[int], None] | None = None,
                   chunk: int = defaults.LOSS_CHUNK_TOKENS, paged: PagedScoring | None = None,
@@ -108,26 +119,21 @@ def score_windows(model, windows: Sequence[Window], batch_size: int, device: tor
                 tgt = tgt.to(logits.device)
             else:
                 h, tgt = _hidden_rows(model, wins, device)
-            hb = base_logits = None
-            if base_paged is not None:
-                base_logits = base_paged.logits(wins)[0]
-            elif base is not None:
-                hb = _hidden_rows(base, wins, device)[0]
-            has_base = hb is not None or base_logits is not None
+            base_lp = _base_log_probs(base, base_paged, wins, device)
             nll = torch.empty(len(tgt), dtype=torch.float32, device=device)
             for a in range(0, len(tgt), chunk):
                 t = tgt[a:a + chunk, None]
                 if paged is not None:
                     lp = _normalized(logits[a:a + chunk])
-                elif not has_base:
+                elif base_lp is None:
                     nll[a:a + chunk] = -score_tokens(model, h[a:a + chunk], t[:, 0], ranks=False, chunk=chunk).logprobs
                     continue
                 else:
                     lp = _log_probs(model, h[a:a + chunk])
-                if not has_base:
+                if base_lp is None:
                     nll[a:a + chunk] = -lp.gather(-1, t)[:, 0]
                     continue
-                lq = _normalized(base_logits[a:a + chunk]) if hb is None else _log_probs(base, hb[a:a + chunk])
+                lq = base_lp(a, a + chunk)
                 nll[a:a + chunk] = -lp.gather(-1, t)[:, 0]
                 s.base_nll += float(-lq.gather(-1, t)[:, 0].double().sum())
                 s.kl.append((lq.exp() * (lq - lp)).sum(-1).cpu())
