@@ -48,10 +48,10 @@ def run_benchmark(cfg: BenchConfig, hooks: Hooks | None = None, progress=None) -
     """Run what `cfg` asks for. `progress` is the model loader's callback (offline)."""
     hooks = hooks or Hooks()
     # deferred imports here (start-up time, optional dependencies): a run against a server never loads
-    # the engine (torch), an offline run never needs httpx's client, and the speculative and
+    # the engine (torch), an offline run never needs the HTTP client, and the speculative and
     # transformers comparisons load what only they use
     if cfg.online:
-        from llmopt.bench.online import resolve_target, run_online   # deferred: httpx, online only
+        from llmopt.bench.online import resolve_target, run_online   # deferred: aiohttp, online only
         target = resolve_target(cfg)
         tokenizer, tokenizer_id = _online_tokenizer(cfg, target)
         model_id = target.model
