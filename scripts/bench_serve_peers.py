@@ -14,10 +14,12 @@ stopped before the next starts):
 - `llmopt bench --model` offline: the same engine in-process, no HTTP.
 
 Every row is one `llmopt bench` command (printed as it runs); the ratios are llmopt's output
-tokens/s over llama-server's, and serve's over offline at the same concurrency.
+tokens/s over llama-server's, and serve's over offline at the same concurrency. With --rounds N the
+systems run N times, one after the other in turn, and each row is the round of median output
+tokens/s: on a 2-core machine one round's figure moves by several percent from run to run.
 
     python scripts/bench_serve_peers.py                                # 1, 8, 32; 64 prompts, 128 out
-    python scripts/bench_serve_peers.py --concurrency 1 --num-prompts 8 --systems llmopt,offline
+    python scripts/bench_serve_peers.py --concurrency 1 --num-prompts 16 --systems llmopt,offline --rounds 5
 """
 
 from __future__ import annotations
@@ -114,19 +116,29 @@ def bench_system(system: str, args) -> dict[int, dict]:
     return rows
 
 
+def median_round(rounds: list[dict]) -> dict:
+    """The round of median output tokens/s (the lower middle one of an even count)."""
+    ranked = sorted(rounds, key=lambda r: r["output_throughput"])
+    return ranked[(len(ranked) - 1) // 2]
+
+
 def table(results: dict[str, dict[int, dict]], levels: list[int]) -> str:
-    lines = ["| concurrency | system | output tok/s | vs llama-server | median TTFT ms | p99 TTFT ms "
-             "| mean TPOT ms (client / server) | p99 ITL ms |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| concurrency | system | output tok/s | vs llama-server | vs offline | median TTFT ms | p99 TTFT ms "
+             "| mean TPOT ms (client / server) | p99 ITL ms |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for c in levels:
         peer = results.get("llama-server", {}).get(c)
+        offline = results.get("offline", {}).get(c)
         for system, rows in results.items():
             r = rows.get(c)
             if r is None:
                 continue
             ratio = f"{r['output_throughput'] / peer['output_throughput']:.2f}x" if peer else "-"
+            vs_offline = (f"{r['output_throughput'] / offline['output_throughput']:.2f}x"
+                          if offline and system == "llmopt" else "-")   # the same checkpoint as offline's
             srv = f" / {r['server_mean_tpot_ms']:.1f}" if r.get("server_mean_tpot_ms") else ""
-            lines.append(f"| {c} | {system} | **{r['output_throughput']:.1f}** | {ratio} | {r['median_ttft_ms']:.0f} "
-                         f"| {r['p99_ttft_ms']:.0f} | {r['mean_tpot_ms']:.1f}{srv} | {r['p99_itl_ms']:.1f} |")
+            lines.append(f"| {c} | {system} | **{r['output_throughput']:.1f}** | {ratio} | {vs_offline} "
+                         f"| {r['median_ttft_ms']:.0f} | {r['p99_ttft_ms']:.0f} | {r['mean_tpot_ms']:.1f}{srv} "
+                         f"| {r['p99_itl_ms']:.1f} |")
     return "\n".join(lines)
 
 
@@ -141,6 +153,8 @@ def main() -> None:
     ap.add_argument("--serve-args", default="", help="extra `llmopt serve` flags, e.g. '--max-num-batched-tokens 512'")
     ap.add_argument("--llama-server", default=None, help="the llama-server binary (default: .venv-llamacpp/bin)")
     ap.add_argument("--slot-ctx", type=int, default=512, help="llama-server context per slot (-c = slots x this)")
+    ap.add_argument("--rounds", type=int, default=1, help="run the systems this many times in turn; "
+                    "each row is the round of median output tokens/s")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="also write every row as JSON here")
     args = ap.parse_args()
@@ -159,13 +173,19 @@ def main() -> None:
         for c, path in args.prompts.items():
             make_prompts(path, args.num_prompts + 1, args.seed * 1000 + c)   # + the warm-up
         t0 = time.monotonic()
-        results = {s: bench_system(s, args) for s in systems}
+        rounds: dict[str, dict[int, list[dict]]] = {s: {c: [] for c in args.levels} for s in systems}
+        for _ in range(args.rounds):
+            for s in systems:
+                for c, row in bench_system(s, args).items():
+                    rounds[s][c].append(row)
+    results = {s: {c: median_round(rows) for c, rows in per.items()} for s, per in rounds.items()}
     print(f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, --threads {args.threads}, "
           f"{args.num_prompts} prompts of 40-120 WikiText-2 words, {args.output_len} tokens out, "
-          f"{(time.monotonic() - t0) / 60:.1f} minutes")
+          f"{args.rounds} round(s), {(time.monotonic() - t0) / 60:.1f} minutes")
     print(table(results, args.levels))
     if args.out:
-        Path(args.out).write_text(json.dumps({"results": results, "argv": sys.argv[1:]}, indent=1) + "\n")
+        Path(args.out).write_text(json.dumps({"results": results, "rounds": rounds, "argv": sys.argv[1:]},
+                                             indent=1) + "\n")
 
 
 if __name__ == "__main__":
