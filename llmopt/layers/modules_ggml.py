@@ -6,6 +6,11 @@ width is a multiple of 64, other widths as int8 codes [out, in]; float32 scales 
 per group of 32 (16 for Q6_K). It is a PackedIntLinear, so the fused q/k/v and gate/up, the C++
 decode layers and the int8-activation tiles take it as they take AWQ and GPTQ layers.
 
+On CUDA the same codes are repacked once for the Triton dequantize-GEMM (llmopt.kernels.w4a16):
+int32 words of 4-bit codes (Q4_0, Q4_1, Q4_K) or 8-bit ones (Q5_x, Q5_K, Q6_K, Q8_0 shifted by
+128) along the input, float32 scales and zero points [groups, out] with W = (code - zero) * scale,
+the zero point szero / scale (kernel_layout).
+
 GGMLEmbedding: the token table in the same form, rows gathered in their codes and decoded; a tied
 head and embedding share one table.
 """
@@ -18,6 +23,7 @@ import torch.nn as nn
 from llmopt.errors import ModelLoadError
 from llmopt.kernels import cpu_quant
 from llmopt.layers.formats.ggml import GroupedCodes
+from llmopt.layers.formats.packing import pack_codes, unpack_codes
 from llmopt.layers.modules import PackedIntLinear
 
 
@@ -28,11 +34,37 @@ def _store(g: GroupedCodes) -> tuple[str, torch.Tensor]:
     return "w8", g.codes.to(torch.int8).contiguous()
 
 
-class GGMLLinear(PackedIntLinear):
-    """A Linear whose weight is a GGUF tensor of one of formats/ggml.py's types (CPU only)."""
+def kernel_layout(g: GroupedCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(qweight int32 [in / per, out], scales [G, out], zeros [G, out], bits): the Triton kernel's
+    layout of `g`, W = (code - zero) * scale within float32 rounding of codes * scale - szero. A
+    group whose scale is 0 (a constant group: Q4_1's d = 0) becomes codes 1, zero 0, scale -szero."""
+    n, k = g.codes.shape
+    bits = 4 if g.bits <= 4 else 8
+    codes = g.codes.to(torch.int32).view(n, k // g.group_size, g.group_size)
+    scales = g.scales.float().clone()
+    if g.szeros.numel():
+        flat = scales == 0
+        zeros = torch.where(flat, torch.zeros_like(scales), g.szeros.float() / torch.where(flat, 1.0, scales))
+        codes = torch.where(flat[..., None], torch.ones_like(codes), codes)
+        scales = torch.where(flat, -g.szeros.float(), scales)
+    else:   # Q8_0: signed codes, shifted into [0, 256)
+        codes, zeros = codes + 128, torch.full_like(scales, 128.0)
+    qweight = pack_codes(codes.view(n, k).t(), bits, dim=0)
+    return qweight, scales.t().contiguous(), zeros.t().contiguous(), bits
 
-    def __init__(self, g: GroupedCodes, ggml_type: str) -> None:
+
+class GGMLLinear(PackedIntLinear):
+    """A Linear whose weight is a GGUF tensor of one of formats/ggml.py's types: the CPU kernels'
+    layout, or with `triton` the Triton kernel's (kernel_layout), placed on `device`."""
+
+    def __init__(self, g: GroupedCodes, ggml_type: str, triton: bool = False, device: torch.device | None = None) -> None:
         out_features, in_features = g.codes.shape
+        if triton:
+            qweight, scales, zeros, bits = (t.to(device) if torch.is_tensor(t) else t for t in kernel_layout(g))
+            super().__init__(in_features, out_features, False, bits=bits, group_size=g.group_size, sym=False)
+            self.ggml_type = ggml_type
+            self._kernel = (qweight, scales, zeros, None, g.group_size)
+            return
         kind, codes = _store(g)
         super().__init__(in_features, out_features, False, bits=4 if kind == "w4" else 8,
                          group_size=g.group_size, sym=False)
@@ -42,6 +74,18 @@ class GGMLLinear(PackedIntLinear):
         self.register_buffer("cpu_szeros", g.szeros.contiguous(), persistent=False)
         self.register_buffer("cpu_perm", None, persistent=False)
         self._cpu = (kind, g.group_size)
+
+    def kernel_rows(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 weight rows [len(rows) or out, in] decoded from the kernel's layout."""
+        qweight, scales, zeros, _, gs = self._kernel
+        if rows is not None:
+            qweight, scales, zeros = qweight[:, rows], scales[:, rows], zeros[:, rows]
+        codes = unpack_codes(qweight, self.bits, dim=0)            # [in, rows]
+        g = torch.arange(codes.shape[0], device=codes.device) // gs
+        return ((codes.float() - zeros[g]) * scales[g]).t()
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.kernel_rows().to(dtype) if self._kernel is not None else super().dequantized(dtype)
 
     def finish_loading(self) -> None:   # built ready to run: nothing was loaded into it
         pass
@@ -67,6 +111,8 @@ class GGMLEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         t = self.table[0]
+        if t._kernel is not None:   # CUDA: the rows' columns of the kernel's words
+            return t.kernel_rows(ids.reshape(-1)).view(*ids.shape, self.embedding_dim).to(self.dtype)
         kind, gs = t._cpu
         flat = ids.reshape(-1)
         codes = t.cpu_codes[flat]

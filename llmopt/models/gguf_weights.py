@@ -4,8 +4,10 @@
   the kernels multiply (llmopt.layers.formats.ggml: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
   Q6_K) becomes a GGMLLinear / GGMLEmbedding built from the memory-mapped blocks, a tensor at a
   time, and each F16 / BF16 matrix a Linear16 / Embedding16 holding it as stored (whatever
-  `--dtype`: a GGUF runs as stored); every other tensor comes out dequantized (float32, one at a time) for `load_weights` to
-  cast to the model's dtype, with one log line naming the quantized types that took that path.
+  `--dtype`: a GGUF runs as stored); on CUDA (with Triton) the same block types are repacked once
+  for the Triton dequantize-GEMM. Every other tensor comes out dequantized (float32, one at a time)
+  for `load_weights` to cast to the model's dtype, with one log line naming the quantized types
+  that took that path.
 - `iter_float_weights` / `FloatTensors`: the same tensors dequantized, by Hugging Face name, for
   the readers that want floats (quantize's input, the self-draft).
 """
@@ -154,28 +156,33 @@ def _grouped(f: GGUFFile, t: GGUFTensor, cfg):
     return g
 
 
-def install(model: nn.Module, path: Path, cfg, dtype: torch.dtype,
-            device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+def install(model: nn.Module, path: Path, cfg, dtype: torch.dtype, device: torch.device,
+            tp=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Swap the model's (meta) Linears and token table for GGML modules where the tensor's type
-    runs on the CPU kernels; yields the other tensors as (name, float32 tensor) for load_weights."""
+    runs on the CPU kernels (or the Triton ones on CUDA); yields the other tensors as (name, float32
+    tensor) for load_weights. `tp` (a llmopt.distributed.parallel.TPGroup): each GGML module holds
+    the rank's slice of the decoded tensor (load_weights cuts the tensors yielded)."""
     from llmopt.layers.modules_ggml import GGMLEmbedding, GGMLLinear   # deferred: start-up time
     from llmopt.layers.modules16 import holder_16bit   # deferred: start-up time
     f = GGUFFile(path)
     tied = "output.weight" not in {t.name for t in f.tensors}
     fallback: dict[str, int] = {}
+    kernels = device.type == "cpu" or (device.type == "cuda" and _has_triton())
     for t in f.tensors:
         name, kind = hf_name(t.name), t.type_name
         target = name.removesuffix(".weight")
-        runs = device.type == "cpu" and kind in RUN_TYPES and len(t.shape) == 2 and name.endswith(".weight")
+        runs = kernels and kind in RUN_TYPES and len(t.shape) == 2 and name.endswith(".weight")
+        if runs:
+            g = _grouped(f, t, cfg) if tp is None else tp.shard_grouped(name, _grouped(f, t, cfg))
         if runs and target == "model.embed_tokens":
-            table = GGMLLinear(_grouped(f, t, cfg), kind)
+            table = GGMLLinear(g, kind, device.type == "cuda", device)
             model.model.embed_tokens = GGMLEmbedding(table, dtype, owner=not tied)
             if tied:
                 model.lm_head = table
             trim_heap()
             continue
         if runs and isinstance(model.get_submodule(target), nn.Linear) and model.get_submodule(target).bias is None:
-            model.set_submodule(target, GGMLLinear(_grouped(f, t, cfg), kind))
+            model.set_submodule(target, GGMLLinear(g, kind, device.type == "cuda", device))
             trim_heap()   # the tensor's decoding temporaries, before the next tensor's
             continue
         if device.type == "cpu" and kind in FLOAT16_TYPES and len(t.shape) == 2 and name.endswith(".weight") and \
@@ -190,8 +197,17 @@ def install(model: nn.Module, path: Path, cfg, dtype: torch.dtype,
         yield name, dequantized(f, t, cfg)
     if fallback:
         what = ", ".join(f"{k} ({n} tensors)" for k, n in sorted(fallback.items()))
-        where = "the CPU kernels run " + ", ".join(RUN_TYPES) if device.type == "cpu" else f"on {device.type}"
+        where = (f"the {'CPU' if device.type == 'cpu' else 'Triton'} kernels run " + ", ".join(RUN_TYPES) if kernels
+                 else f"on {device.type}")
         log.info(f"GGUF {path.name}: {what} dequantized to {str(dtype).replace('torch.', '')} ({where})")
+
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401  (deferred: an optional dependency, CUDA only)
+    except ImportError:
+        return False
+    return True
 
 
 def _float16(f: GGUFFile, t: GGUFTensor, cfg) -> torch.Tensor:

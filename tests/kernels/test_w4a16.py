@@ -100,3 +100,41 @@ def test_modules_repack_every_format_for_the_kernel(fmt):
     for gemv in (True, False):
         torch.testing.assert_close(w4a16_matmul(xk, qweight, scales, zeros, group, gemv=gemv), want,
                                    rtol=1e-4, atol=1e-4)
+
+
+def _ggml(type_name, n, k, seed=0):
+    """A tensor in GGML block type `type_name` (the gguf package's quantizer, or random K-quant
+    blocks), its decoded codes and the gguf package's float64 dequantization [n, k]."""
+    import gguf
+    import numpy as np
+    from gguf_util import ggml_bytes
+    from llmopt.layers.formats.ggml import decode
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.2
+    if type_name == "Q4_1":
+        w[1, 32:64] = 0.37           # a constant block: d = 0, m = 0.37
+    raw = ggml_bytes(w, type_name, seed)
+    ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name])
+    return decode(type_name, raw, k), torch.from_numpy(np.asarray(ref, dtype=np.float64)).reshape(n, k)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("M", [1, 3, 16])
+def test_gguf_blocks_repacked_for_the_kernel(type_name, M):
+    """A GGUF tensor on CUDA: its blocks repacked once into the kernel's layout multiply equal to a
+    float64 product of the gguf package's dequantization (within float32 rounding), and the token
+    table's rows decode from that layout alone."""
+    from llmopt.layers.modules_ggml import GGMLEmbedding, GGMLLinear
+    n, k = 48, 256 if type_name.endswith("_K") else 96
+    g, ref = _ggml(type_name, n, k, seed=M)
+    lin = GGMLLinear(g, type_name, triton=True)
+    qweight, scales, zeros, perm, gs = lin._kernel
+    assert perm is None and lin.bits == (4 if type_name in ("Q4_0", "Q4_1", "Q4_K") else 8)
+    assert qweight.dtype == torch.int32 and qweight.shape == (k * lin.bits // 32, n) and not lin._buffers
+    x = torch.randn(M, k, generator=torch.Generator().manual_seed(M))
+    want = x.double() @ ref.t()
+    got = w4a16_matmul(x, qweight, scales, zeros, gs, lin.bits)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    torch.testing.assert_close(lin.dequantized().double(), ref, rtol=0, atol=1e-6)
+    ids = torch.tensor([[1, 0, 47], [5, 5, 2]])
+    rows = GGMLEmbedding(lin, torch.float32, owner=False)(ids)
+    torch.testing.assert_close(rows.double(), ref[ids], rtol=0, atol=1e-6)
