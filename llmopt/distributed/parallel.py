@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from llmopt import defaults
 from llmopt.distributed.plan import TPPlan
-from llmopt.distributed.shard import shard_tensor
+from llmopt.distributed.shard import shard_grouped, shard_tensor
 from llmopt.errors import UserInputError
 
 
@@ -112,6 +112,10 @@ class TPGroup:
     def shard(self, name: str, tensor, quantization_config: dict | None):
         """This rank's slice of checkpoint tensor `name` (a tensor or a safetensors slice)."""
         return shard_tensor(name, tensor, self.plan, self.rank, quantization_config)
+
+    def shard_grouped(self, name: str, g):
+        """This rank's slice of a GGUF tensor decoded into grouped codes (llmopt.layers.formats.ggml)."""
+        return shard_grouped(name, g, self.plan, self.rank)
 
 
 def init_group(plan: TPPlan, rank: int, device: torch.device, *, store=None, init_method: str | None = None,

@@ -8,6 +8,8 @@ columns are read, so a rank never holds a whole weight.
 - everything else (norms): whole on every rank.
 Packed tensors of quantized checkpoints (AWQ, GPTQ, compressed-tensors) are cut by
 `llmopt.layers.shard_quant.shard_quantized`, which keeps codes, scales, zeros and g_idx together.
+A GGUF tensor run as stored is decoded whole (one tensor at a time), then cut by `shard_grouped`:
+the same slices of its codes, with their group scales and scale * zero.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from llmopt.distributed.plan import TPPlan
 from llmopt.errors import ModelLoadError, UserInputError
+from llmopt.layers.formats.ggml import GroupedCodes
 from llmopt.layers.shard_quant import is_quantized_tensor, read_whole, shard_quantized, tensor_shape
 from llmopt.layers.tp import layout
 
@@ -74,3 +77,32 @@ def _shard(name: str, tensor, plan: TPPlan, rank: int, quantization_config: dict
         pad = rows.new_zeros((plan.vocab_per_rank - (stop - start), *rows.shape[1:]))
         rows = torch.cat([rows, pad])
     return rows
+
+
+def shard_grouped(name: str, g: GroupedCodes, plan: TPPlan, rank: int) -> GroupedCodes:
+    """This rank's part of a GGUF tensor as grouped codes [out, in]: the rows or input columns
+    `_shard` takes of a float weight (a row shard in whole blocks), vocabulary rows padded with
+    zero rows; scales and scale * zero cut alongside."""
+    how = layout(name)
+    if how == "replicated" or plan.world_size == 1:
+        return g
+    codes, scales, szeros = g.codes, g.scales, g.szeros
+    if how == "column":
+        index, parts = _part(name, plan, rank)
+        cut = [_cut(t, 0, index, parts, name) for t in (codes, scales)]
+        return GroupedCodes(*cut, _cut(szeros, 0, index, parts, name) if szeros.numel() else szeros,
+                            g.bits, g.group_size)
+    if how == "row":
+        step = codes.shape[1] // plan.world_size
+        if codes.shape[1] % plan.world_size or step % g.group_size:
+            raise ModelLoadError(f"{name}: {codes.shape[1]} input columns do not split into {plan.world_size} "
+                                 f"parts of whole {g.group_size}-column blocks")
+        c, gs = slice(rank * step, (rank + 1) * step), slice(rank * step // g.group_size, (rank + 1) * step // g.group_size)
+        return GroupedCodes(codes[:, c].contiguous(), scales[:, gs].contiguous(),
+                            szeros[:, gs].contiguous() if szeros.numel() else szeros, g.bits, g.group_size)
+    start, stop = plan.vocab_range(rank)
+    pad = plan.vocab_per_rank - (stop - start)
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t[start:stop], t.new_zeros((pad, *t.shape[1:]))]) if pad else t[start:stop].contiguous()
+    return GroupedCodes(rows(codes), rows(scales), rows(szeros) if szeros.numel() else szeros, g.bits, g.group_size)

@@ -248,7 +248,8 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, device) -> set[str]:
         """Fill parameters (on meta or real storage) from (HF name, tensor) pairs; returns the names
         it set. This is the one place a tensor-parallel rank slices its shard (`self.tp`; the
-        tensors may then be safetensors slices, of which only the rank's part is read)."""
+        tensors may then be safetensors slices, of which only the rank's part is read), but for a
+        GGUF's tensors run as stored, which gguf_weights.install slices as it builds their modules."""
         params = dict(self.named_parameters(remove_duplicate=False))
         buffers = dict(self.named_buffers())
         loaded: set[str] = set()

@@ -168,8 +168,8 @@ def build_model(cfg: ModelConfig, folder: Path, dtype: torch.dtype, device: torc
     """`quantization` int8|fp8: a float checkpoint's decoder Linears quantized per channel as they
     load; `lm_head_dtype` auto|float|int8 (layers/runtime.py: resolve_lm_head_dtype). `tp` (a
     llmopt.distributed.parallel.TPGroup): build and load this rank's shard only. `gguf`: the weights
-    are that file's (run as stored on the CPU: gguf_weights.install; dequantized, one tensor at a
-    time, for --quantization and for a tensor-parallel rank, which shards float weights).
+    are that file's (run as stored: gguf_weights.install, a tensor-parallel rank's slices included;
+    dequantized, one tensor at a time, for --quantization).
     `weight_dtype` 16-bit on the CPU: an unquantized safetensors checkpoint's Linear and embedding
     weights are held in it (llmopt/layers/modules16.py), the rest computes in `dtype`. Those are
     kept as read, each on a mapping of its own (a safetensors slice), which goes with its tensor:
@@ -185,12 +185,10 @@ def build_model(cfg: ModelConfig, folder: Path, dtype: torch.dtype, device: torc
         weights = ((n, part[:]) for n, part in iter_safetensors(folder, lazy=True))
     elif gguf is None:
         weights = iter_safetensors(folder, lazy=tp is not None)
-    elif quantization or tp is not None:   # dequantized a tensor at a time (then quantized, or sharded)
-        if tp is not None:
-            log.info(f"{gguf.name}: tensor-parallel ranks shard float weights: the GGUF is dequantized")
+    elif quantization:   # dequantized a tensor at a time, then quantized
         weights = gguf_weights.iter_float_weights(gguf, cfg)
     else:
-        weights = gguf_weights.install(model, gguf, cfg, dtype, device)
+        weights = gguf_weights.install(model, gguf, cfg, dtype, device, tp)
     if quantization:
         if cfg.quantization_config:
             raise UserInputError(f"--quantization {quantization}: {folder} is already quantized "

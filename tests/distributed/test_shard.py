@@ -93,3 +93,33 @@ def test_each_rank_holds_its_slice_and_reads_only_it(tiny_factory, monkeypatch, 
                 assert n <= held[name], f"{name}: read {n} of {sizes[name]}, holds {held[name]}"
         kv_rows = model.model.layers[0].self_attn.k_proj.weight.shape[0]
         assert kv_rows == plan.kv_heads_per_rank * hd
+
+
+@pytest.mark.parametrize("world,kv_heads", [(2, 2), (3, 3), (4, 2)])
+def test_gguf_grouped_codes_cut_as_the_float_weight(world, kv_heads):
+    """A GGUF tensor run as stored: each rank's slice of its codes, group scales and scale * zero
+    dequantizes to the slice the float path cuts from the dequantized whole weight (vocabulary rows
+    padded with zero rows); a row shard that would split a block is refused."""
+    from llmopt.distributed.shard import shard_grouped, shard_tensor
+    from llmopt.errors import ModelLoadError
+    from llmopt.layers.formats.ggml import GroupedCodes
+    cfg = ModelConfig(model_type="llama", vocab_size=50, hidden_size=384, intermediate_size=768, num_hidden_layers=1,
+                      num_attention_heads=12, num_key_value_heads=kv_heads, head_dim=32)
+    plan = plan_for_config(cfg, world)
+    gen = torch.Generator().manual_seed(world)
+    shapes = {"model.layers.0.self_attn.q_proj.weight": (384, 384), "model.layers.0.self_attn.k_proj.weight":
+              (32 * kv_heads, 384), "model.layers.0.mlp.down_proj.weight": (384, 768),
+              "model.layers.0.self_attn.o_proj.weight": (384, 384), "model.embed_tokens.weight": (50, 384)}
+    for name, (n, k) in shapes.items():
+        for szero in (True, False):
+            g = GroupedCodes(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8),
+                             torch.rand(n, k // 32, generator=gen), torch.rand(n, k // 32, generator=gen)
+                             if szero else torch.empty(0), 4, 32)
+            whole = g.dequantize()
+            for rank in range(world):
+                part = shard_grouped(name, g, plan, rank)
+                assert torch.equal(part.dequantize(), shard_tensor(name, whole, plan, rank)), (name, rank)
+    k = 32 * (world + 1)     # K / world is no multiple of 32
+    g = GroupedCodes(torch.zeros(8, k, dtype=torch.uint8), torch.ones(8, k // 32), torch.empty(0), 4, 32)
+    with pytest.raises(ModelLoadError, match="whole 32-column blocks"):
+        shard_grouped("model.layers.0.mlp.down_proj.weight", g, plan, 0)

@@ -14,6 +14,7 @@ import pytest
 
 from llmopt import defaults
 from llmopt.engine.engine import EngineDeadError
+from llmopt.layers.modules_ggml import GGMLLinear
 from llmopt.estimate import estimate, resolve_model_arch
 from llmopt.worker.runner import ModelRunner
 from llmopt.models.loader import load_model
@@ -59,8 +60,9 @@ def test_tp2_logits_equal_tp1_and_kv_as_estimated(tiny_factory, name):
 
 
 def test_tp3_default_model_generates_as_tp1(monkeypatch):
-    """TP=1 runs the GGUF as stored, TP ranks shard its dequantized float weights: the same numbers
-    with float activations (int8 activations round x per 32 columns)."""
+    """TP=1 and TP=3 both run the GGUF as stored, each rank its slice of the decoded blocks (rows,
+    whole 32-column blocks of o_proj / down_proj, vocabulary rows of the tied table): the same
+    numbers with float activations (int8 activations round x per 32 columns)."""
     monkeypatch.setattr(defaults, "CPU_DECODE_INT8_ACTIVATIONS", False)
     memory = 16 << 20
     with tp_engine("smollm2-135m", 1, kv_cache_memory=memory) as one:
@@ -68,6 +70,11 @@ def test_tp3_default_model_generates_as_tp1(monkeypatch):
         prompts = [one.tokenize("The capital of France is"), one.tokenize("def fibonacci(n):")]
         want = greedy(one, prompts)
     with tp_engine("smollm2-135m", 3, kv_cache_memory=memory) as engine:
+        model = engine.runner.model
+        layer = model.model.layers[0]
+        assert isinstance(layer.mlp.down_proj, GGMLLinear) and isinstance(model.lm_head, GGMLLinear)
+        assert (layer.mlp.down_proj.in_features, layer.self_attn.q_proj.out_features) == (512, 192)
+        assert model.lm_head.out_features == 16384 and not any(p.numel() > 576 * 1536 for p in model.parameters())
         got = step_logits(engine.runner)
         tokens = greedy(engine, prompts)
         info = engine.kv_cache_info()
