@@ -1,7 +1,8 @@
 """The one dataset reader: what `eval-ppl --dataset` and `quantize --calib-data` read.
 
 A source is
-  - a text file (strict UTF-8, universal newlines: CRLF and CR become LF), one text;
+  - a text file (strict UTF-8, universal newlines: CRLF and CR become LF), one text; its text with
+    the line ends as stored is kept beside it (`as_stored`: llama.cpp's perplexity reads the bytes);
   - a `.jsonl` file: one JSON object per non-blank line, its `text_field` (default "text") a string;
   - a Hugging Face dataset `path[:config[:split]]`, read offline from the local cache, its
     `text_field` column; the split defaults per command (eval-ppl: test, quantize: train).
@@ -29,6 +30,7 @@ class TextDataset:
     name: str
     text: str                                   # the whole text
     documents: list[str] = field(default_factory=list)
+    as_stored: str | None = None                # a text file's text with its line ends as stored
 
 
 @dataclass
@@ -65,8 +67,9 @@ def read_dataset(spec: str, text_field: str, default_split: str) -> TextDataset:
     if p.is_file():
         if p.suffix == ".jsonl":
             return _from_rows(str(p), _jsonl_rows(p, text_field), text_field)
-        text = read_text_file(p)
-        return TextDataset(str(p), text, wikitext_documents(text))
+        stored = read_text_file(p, universal_newlines=False)
+        text = _universal_newlines(stored)
+        return TextDataset(str(p), text, wikitext_documents(text), as_stored=stored)
     if spec.startswith((".", "/", "~")) or Path(spec).suffix in _LOCAL_SUFFIXES or spec.count(":") > 2:
         raise DataError(f"dataset file {spec!r} not found: give a text file, a .jsonl file (with --text-field) "
                         "or a Hugging Face dataset as path[:config[:split]]")
@@ -74,17 +77,21 @@ def read_dataset(spec: str, text_field: str, default_split: str) -> TextDataset:
     return _from_rows(spec, _hub_rows(spec, hub, text_field), text_field)
 
 
-def _decode(p: Path) -> str:
+def _decode(p: Path, universal_newlines: bool = True) -> str:
     raw = p.read_bytes()
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise DataError(f"{p} is not UTF-8 text ({e.reason} at byte {e.start}: 0x{raw[e.start]:02x})") from e
+    return _universal_newlines(text) if universal_newlines else text
+
+
+def _universal_newlines(text: str) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
-def read_text_file(p: Path) -> str:
-    text = _decode(p)
+def read_text_file(p: Path, universal_newlines: bool = True) -> str:
+    text = _decode(p, universal_newlines)
     if not text.strip():
         raise DataError(f"{p} is empty")
     return text

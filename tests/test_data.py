@@ -27,6 +27,7 @@ def test_text_file_same_for_both_commands(tmp_path):
     p.write_bytes("line one\r\nline two\rline thr\u00e9e\n\u2028 tail\n".encode())
     ev, cal = both(str(p))
     assert ev == cal == "line one\nline two\nline thr\u00e9e\n\u2028 tail\n"   # universal newlines, nothing else
+    assert load_text_dataset(str(p)).as_stored == p.read_bytes().decode()   # what llama.cpp reads
 
 
 def test_jsonl_same_for_both_commands_with_text_field(tmp_path):

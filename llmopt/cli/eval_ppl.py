@@ -13,7 +13,8 @@ MAX_BATCH = 1024   # --batch-size at most
 METHOD_HELP = ("sliding: Hugging Face fixed-length loop (--max-length, --stride); chunks: GPTQ/AWQ "
                "non-overlapping --ctx windows; rolling: lm-evaluation-harness wikitext (per-document "
                "rolling windows of --max-length, default the model's max_position_embeddings; word and "
-               "byte perplexity); llamacpp: llama.cpp perplexity (--ctx 512 chunks, last half scored).")
+               "byte perplexity); llamacpp: llama.cpp perplexity (--ctx 512 chunks, last half scored; a text file "
+               "read as stored, line ends included, as llama-perplexity reads it).")
 
 
 def _table(r):

@@ -130,7 +130,9 @@ def plan_ppl(tokenizer, max_position_embeddings: int, data: TextDataset, method:
                                  f"{max_position_embeddings:,} tokens: give at most that")
     if method == "rolling":
         return _plan_rolling(tokenizer, data, max_length or ctx or max_position_embeddings, limit)
-    tokens, cum = _stream(tokenizer, data.text, limit)
+    # llama-perplexity tokenizes a file's bytes: its line ends as stored (WikiText-2 raw's CRLF kept)
+    as_read = data.as_stored if method == "llamacpp" and data.as_stored is not None else data.text
+    tokens, cum = _stream(tokenizer, as_read, limit)
     if method == "chunks":
         window, stride = ctx or defaults.PPL_CTX, None
         wins = chunk_windows(tokens, window)

@@ -10,7 +10,8 @@ A `Window` is one model input row: `ids`, and the contiguous run of positions
   position but the first is scored (ctx − 1 per window).
 - `llamacpp` — llama.cpp `perplexity`: `ctx` chunks (tail dropped, at least 2 chunks of tokens
   needed); with a BOS-adding tokenizer the first token of each chunk is replaced by BOS; each chunk
-  scores its last ctx − 1 − ctx/2 predictions.
+  scores its last ctx − 1 − ctx/2 predictions. A text file is tokenized as stored, line ends
+  included, as `llama-perplexity -f FILE` reads it (ppl.plan_ppl).
 - `rolling`  — lm-evaluation-harness `loglikelihood_rolling` (context_len=1): per document, the
   first window is prefix token + tokens[:L-1] scoring all L tokens; later windows score the next
   ≤ L tokens, each with a full L-token input (the earlier tokens as context).

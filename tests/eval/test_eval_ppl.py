@@ -165,7 +165,9 @@ def test_chunks_matches_gptq_loop(tiny, wiki):
 def test_llamacpp_matches_perplexity_tool(tiny, wiki):
     folder, hf, lm = tiny
     r = run_ppl(lm, plan_ppl(lm.tokenizer, 1024, wiki, "llamacpp", limit=LIMIT), batch_size=2)
-    tokens = _ids(lm.tokenizer, wiki.text)[0]
+    tokens = _ids(lm.tokenizer, WIKI.read_bytes().decode("utf-8"))[0]   # llama.cpp reads the file's bytes
+    assert "\r\n" in wiki.as_stored and "\r" not in wiki.text     # WikiText-2 raw is stored with CRLF
+    assert not torch.equal(tokens, _ids(lm.tokenizer, wiki.text)[0])   # so its tokens are not the LF text's
     assert tokens[0] != lm.tokenizer.bos_token_id  # SmolLM2's tokenizer adds no BOS: no replacement
     assert r.window == 512 and r.windows == LIMIT // 512 and r.scored_tokens == r.windows * 255
     assert _rel(r.ppl, llamacpp_reference(hf, tokens, 512)) <= REL
