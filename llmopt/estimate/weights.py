@@ -20,8 +20,9 @@ llmopt/kernels/cpu_quant), and for quantized weights the head, or the tied embed
 as int8 per row + a float32 scale per row (--lm-head-dtype auto); a quantized checkpoint's folder
 is then counted from its config, not its stored tensors. A 16-bit float checkpoint keeps its
 matrices 16-bit there (`--dtype auto`), its norms and biases float32. A GGUF file on the CPU is counted as the
-engine holds it (llmopt.ggml_types.held_bytes: its block types repacked with float32 group
-scales, F16 / BF16 matrices as stored, other types dequantized to float32).
+engine holds it (llmopt.ggml_types.held_bytes: its block types repacked with their group
+scales, fp16 as stored for Q4_x / Q5_x / Q8_0 and float32 for the K-quants, F16 / BF16 matrices as
+stored, other types dequantized to float32).
 """
 
 from __future__ import annotations

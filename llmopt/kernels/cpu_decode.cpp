@@ -165,18 +165,20 @@ void linear(const Lin& l, const float* x, int64_t M, float* y, int64_t ldy, bool
         xp = t.xp.data();
     }
     Args a{xp, M, l.K, l.N, l.gs, l.K / l.gs, &ONE, 0, nullptr, nullptr, y, ldy};
-    if (!is_float(l.kind)) {
-        a.s = l.s.data_ptr<float>();
+    if (!is_float(l.kind)) {   // fp16 scales (a GGUF's): read as fp16 bits, widened where used (Args::half)
+        a.half = l.s.scalar_type() == at::kHalf;
+        a.s = static_cast<const float*>(l.s.data_ptr());
         a.s_stride = l.s.numel() == 1 ? 0 : a.G;
     }
+    const float* sz = l.sz.defined() ? static_cast<const float*>(l.sz.data_ptr()) : nullptr;
     const uint8_t* w = static_cast<const uint8_t*>(l.w.data_ptr());
     // int8 activations: the integer panels (VNNI) or tiles; without VNNI, from f32_panel_rows rows the
     // float panels (float activations) beat the AVX2 integer tiles
     if (int8_act && l.idot && (use_vnni || M < f32_panel_rows)) {
         quantize_x(xp, M, l.K, l.gs, t.q, t.d, t.bsum, t.xsum);
         QX qx{t.q.data(), t.d.data(), t.bsum.data()};
-        if (l.sz.defined()) {
-            a.sz = l.sz.data_ptr<float>();
+        if (sz != nullptr) {
+            a.sz = sz;
             a.xsum = t.xsum.data();
         }
         if (use_vnni && M >= panel_rows) {
@@ -187,7 +189,7 @@ void linear(const Lin& l, const float* x, int64_t M, float* y, int64_t ldy, bool
             avx2::run_tiles(a, qx, w, l.kind == KW4);
         }
     } else {
-        if (l.sz.defined()) a.sz = l.sz.data_ptr<float>();
+        a.sz = sz;
         float_linear(a, l.kind, w, t.xsum);
     }
     if (l.bias.defined()) {
@@ -463,6 +465,15 @@ void check_f32(const at::Tensor& t, const char* what) {
                 what, " must be a contiguous float32 CPU tensor");
 }
 
+// group scales of int4 / int8 codes may be fp16 (a GGUF's, as stored); every other kind's are float32
+void check_scales(const at::Tensor& t, int64_t kind, const char* what) {
+    if ((kind == KW4 || kind == KW8) && t.scalar_type() == at::kHalf) {
+        TORCH_CHECK(t.is_contiguous() && t.device().is_cpu(), what, " must be a contiguous CPU tensor");
+        return;
+    }
+    check_f32(t, what);
+}
+
 // checks the cache (and its scales), tables and lengths for M decode rows; every block a row reads
 // must exist. ks, vs: an fp8 cache's scales; ksc, vsc: an int8 cache's [num_blocks, block_size, Hkv]
 Cache make_cache(const at::Tensor& kc, const at::Tensor& vc, double ks, double vs, const at::Tensor& ksc,
@@ -525,14 +536,15 @@ Lin make_lin(int64_t kind, const at::Tensor& w, const at::Tensor& s, const at::T
         }
     }
     if (!is_float(kind)) {
-        check_f32(s, "scales");
+        check_scales(s, kind, "scales");
         TORCH_CHECK(s.numel() == N * (K / gs) || (kind != KW4 && s.numel() == 1) ||
                     (kind == KF8 && s.numel() == N), "scales must be [N, K / group_size] (or one)");
         l.s = s;
     }
     if (sz.defined() && sz.numel()) {
-        check_f32(sz, "szeros");
-        TORCH_CHECK(sz.numel() == N * (K / gs), "szeros must be [N, K / group_size]");
+        check_scales(sz, kind, "szeros");
+        TORCH_CHECK(sz.numel() == N * (K / gs) && sz.scalar_type() == s.scalar_type(),
+                    "szeros must be [N, K / group_size], of the scales' dtype");
         l.sz = sz;
     }
     if (bias.defined() && bias.numel()) {

@@ -104,7 +104,8 @@ inline __m256i totals8(const __m256i (&v)[8]) {
 // 64-column block: low nibbles its first 32 columns, high nibbles the next 32); int8 codes in
 // [-127, 127] through the sign trick (|x| x sign(w, x)).
 template <int MT>
-inline void itile(const Args& a, const QX& qx, const uint8_t* w, bool int4, int64_t n0, int64_t nr, int64_t m0) {
+inline void itile(const Args& a, const QX& qx, const uint8_t* w, bool int4, int64_t n0, int64_t nr, int64_t m0,
+                  const float* sp, const float* zp) {   // sp, zp: row n0's float32 scales, scaled zeros (or null)
     const int64_t K = a.K, nb = K / QB, bpg = a.gs / QB, rowb = int4 ? K / 2 : K;
     const uint8_t* row[8];
     for (int r = 0; r < 8; ++r) row[r] = w + (n0 + (r < nr ? r : 0)) * rowb;   // past N: row n0 again, not stored
@@ -147,15 +148,14 @@ inline void itile(const Args& a, const QX& qx, const uint8_t* w, bool int4, int6
         }
         if ((b + 1) % bpg == 0) {   // the group's end
             const int64_t g = b / bpg;
-            const __m256 sv = a.s_stride == 0 ? _mm256_set1_ps(a.s[0])
-                                              : _mm256_mask_i32gather_ps(_mm256_setzero_ps(), a.s + n0 * a.s_stride + g,
-                                                                         sidx, valid, 4);
+            const __m256 sv = a.s_stride == 0 ? _mm256_set1_ps(sp[0])
+                                              : _mm256_mask_i32gather_ps(_mm256_setzero_ps(), sp + g, sidx, valid, 4);
             for (int i = 0; i < MT; ++i) {
                 acc[i] = _mm256_fmadd_ps(sv, fb[i], acc[i]);
                 fb[i] = _mm256_setzero_ps();
             }
             if (a.sz != nullptr) {
-                const __m256 zv = _mm256_mask_i32gather_ps(_mm256_setzero_ps(), a.sz + n0 * a.G + g, zidx, valid, 4);
+                const __m256 zv = _mm256_mask_i32gather_ps(_mm256_setzero_ps(), zp + g, zidx, valid, 4);
                 for (int i = 0; i < MT; ++i)
                     acc[i] = _mm256_fnmadd_ps(zv, _mm256_set1_ps(a.xsum[(m0 + i) * a.G + g]), acc[i]);
             }
@@ -176,11 +176,25 @@ inline void itile(const Args& a, const QX& qx, const uint8_t* w, bool int4, int6
 // y = quantize_x(x) @ W^T through the tiles: each thread a range of 8-row tiles, x's rows two by two
 inline void run_tiles(const Args& a, const QX& qx, const uint8_t* w, bool int4) {
     split_rows(a.N, [&](int64_t n0, int64_t n1) {
+        // fp16 scales (a GGUF's d and m, as stored): this thread's rows widened once, into L2
+        // fp16 scales (a GGUF's d and m, as stored): widened 64 rows at a time into buffers that stay in L1
+        constexpr int64_t SUB = 64;
+        std::vector<float> ws, wz;
+        int64_t wrow = n0;   // the first row the buffers hold
         for (int64_t n = n0; n < n1; n += 8) {
             const int64_t nr = std::min<int64_t>(8, n1 - n);
+            if (a.half && (n - n0) % SUB == 0) {
+                const int64_t rows = std::min<int64_t>(SUB, n1 - n);
+                widen_half(reinterpret_cast<const uint16_t*>(a.s) + n * a.G, rows * a.G, grow(ws, SUB * a.G));
+                if (a.sz != nullptr)
+                    widen_half(reinterpret_cast<const uint16_t*>(a.sz) + n * a.G, rows * a.G, grow(wz, SUB * a.G));
+                wrow = n;
+            }
+            const float* sp = a.half ? ws.data() + (n - wrow) * a.G : a.s_stride == 0 ? a.s : a.s + n * a.s_stride;
+            const float* zp = a.sz == nullptr ? nullptr : a.half ? wz.data() + (n - wrow) * a.G : a.sz + n * a.G;
             int64_t m = 0;
-            for (; m + 2 <= a.M; m += 2) itile<2>(a, qx, w, int4, n, nr, m);
-            if (m < a.M) itile<1>(a, qx, w, int4, n, nr, m);
+            for (; m + 2 <= a.M; m += 2) itile<2>(a, qx, w, int4, n, nr, m, sp, zp);
+            if (m < a.M) itile<1>(a, qx, w, int4, n, nr, m, sp, zp);
         }
     }, 8);
 }
@@ -239,8 +253,8 @@ inline void pack_panel(const Args& a, const uint8_t* w, bool int4, int64_t n0, P
     }
     for (int r = 0; r < PR && n0 + r < a.N; ++r)
         for (int64_t g = 0; g < G; ++g) {
-            p.s[g * PR + r] = a.s[(n0 + r) * a.s_stride + g];
-            if (a.sz != nullptr) p.sz[g * PR + r] = a.sz[(n0 + r) * G + g];
+            p.s[g * PR + r] = scale_at(a, (n0 + r) * a.s_stride + g);
+            if (a.sz != nullptr) p.sz[g * PR + r] = szero_at(a, (n0 + r) * G + g);
         }
 }
 

@@ -38,20 +38,22 @@ Args make_args(const at::Tensor& x, int64_t N, int64_t K, int64_t gs, const at::
                const at::Tensor& szeros, std::vector<float>& xsum, at::Tensor& y) {
     check_x(x, K);
     TORCH_CHECK(gs % 8 == 0 && K % gs == 0, "group size must be a multiple of 8 dividing K");
-    TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * (K / gs),
-                "scales must be float32 [N, K / group_size]");
+    const auto st = scales.scalar_type();
+    TORCH_CHECK((st == at::kFloat || st == at::kHalf) && scales.is_contiguous() && scales.numel() == N * (K / gs),
+                "scales must be float32 or float16 [N, K / group_size]");
     bool z = szeros.numel() > 0;
-    TORCH_CHECK(!z || (szeros.numel() == scales.numel() && szeros.scalar_type() == at::kFloat &&
-                       szeros.is_contiguous()), "szeros must be empty or float32 like scales");
+    TORCH_CHECK(!z || (szeros.numel() == scales.numel() && szeros.scalar_type() == st && szeros.is_contiguous()),
+                "szeros must be empty or like scales");
     int64_t M = x.size(0), G = K / gs;
     const float* xp = x.data_ptr<float>();
     if (z) group_sums(xp, M, K, gs, xsum);
     y = at::empty({M, N}, x.options());
-    return Args{xp, M, K, N, gs, G, scales.data_ptr<float>(), G, z ? szeros.data_ptr<float>() : nullptr,
-                z ? xsum.data() : nullptr, y.data_ptr<float>(), N};
+    return Args{xp, M, K, N, gs, G, static_cast<const float*>(scales.data_ptr()), G,
+                z ? static_cast<const float*>(szeros.data_ptr()) : nullptr, z ? xsum.data() : nullptr,
+                y.data_ptr<float>(), N, st == at::kHalf};
 }
 
-// y = x @ ((codes - z') * s)^T; codes int8 [N, K]; scales, szeros float32 [N, G] (szeros may be empty)
+// y = x @ ((codes - z') * s)^T; codes int8 [N, K]; scales, szeros float32 or float16 [N, G] (szeros may be empty)
 at::Tensor w8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                    const at::Tensor& szeros, int64_t gs) {
     TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(),

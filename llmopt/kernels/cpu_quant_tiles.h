@@ -109,7 +109,31 @@ struct Args {
     const float* xsum;                  // per-group sums of x [M, G] (with sz)
     float* y;
     int64_t ldy;                        // y's row stride (N, or wider when y is a slice of columns)
+    bool half = false;                  // s and sz hold fp16 bits (a GGUF's d and m as stored): read
+                                        // them through scale_at / szero_at / scales8 only
 };
+
+// scale i and scaled zero i of a (float32, or fp16 widened as read)
+inline float scale_at(const Args& a, int64_t i) {
+    return a.half ? _cvtsh_ss(reinterpret_cast<const uint16_t*>(a.s)[i]) : a.s[i];
+}
+inline float szero_at(const Args& a, int64_t i) {
+    return a.half ? _cvtsh_ss(reinterpret_cast<const uint16_t*>(a.sz)[i]) : a.sz[i];
+}
+
+// n fp16 values widened to float32 into out, 8 a time by F16C
+inline const float* widen_half(const uint16_t* h, int64_t n, float* out) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+    for (; i < n; ++i) out[i] = _cvtsh_ss(h[i]);
+    return out;
+}
+
+inline float* grow(std::vector<float>& v, int64_t n) {
+    v.resize(n);
+    return v.data();
+}
 
 // per-group sums of x [M, K] for the zero-point term: xsum [M, K / gs]
 inline void group_sums(const float* x, int64_t M, int64_t K, int64_t gs, std::vector<float>& xsum) {
@@ -126,7 +150,7 @@ inline void store(const Args& a, __m256 (&acc)[NR][MT], int64_t n0, int64_t m0) 
         for (int i = 0; i < MT; ++i) {
             float corr = 0.f;
             if (a.sz != nullptr)
-                for (int64_t g = 0; g < a.G; ++g) corr += a.sz[(n0 + r) * a.G + g] * a.xsum[(m0 + i) * a.G + g];
+                for (int64_t g = 0; g < a.G; ++g) corr += szero_at(a, (n0 + r) * a.G + g) * a.xsum[(m0 + i) * a.G + g];
             a.y[(m0 + i) * a.ldy + n0 + r] = hsum(acc[r][i]) - corr;
         }
 }
@@ -190,7 +214,7 @@ inline void tile8(const Args& a, const uint8_t* w, int64_t n0, int64_t m0) {
             }
         }
         for (int r = 0; r < NR; ++r) {
-            __m256 sv = _mm256_set1_ps(a.s[(n0 + r) * a.s_stride + g]);
+            __m256 sv = _mm256_set1_ps(scale_at(a, (n0 + r) * a.s_stride + g));
             for (int i = 0; i < MT; ++i) acc[r][i] = _mm256_fmadd_ps(sv, d[r][i], acc[r][i]);
         }
     }
@@ -203,13 +227,13 @@ template <int NR, int MT>
 inline void add_scaled_halves(const Args& a, __m256 (&acc)[NR][MT], __m256 (&lo)[NR][MT], __m256 (&hi)[NR][MT],
                               int64_t n0, int64_t b0, int64_t g, bool two) {   // g: b0's group (no division here)
     for (int r = 0; r < NR; ++r) {
-        const float* s = a.s + (n0 + r) * a.s_stride;
+        const int64_t s = (n0 + r) * a.s_stride;
         if (two) {
-            __m256 sl = _mm256_set1_ps(s[2 * b0]), sh = _mm256_set1_ps(s[2 * b0 + 1]);
+            __m256 sl = _mm256_set1_ps(scale_at(a, s + 2 * b0)), sh = _mm256_set1_ps(scale_at(a, s + 2 * b0 + 1));
             for (int i = 0; i < MT; ++i)
                 acc[r][i] = _mm256_fmadd_ps(sh, hi[r][i], _mm256_fmadd_ps(sl, lo[r][i], acc[r][i]));
         } else {
-            __m256 sv = _mm256_set1_ps(s[g]);
+            __m256 sv = _mm256_set1_ps(scale_at(a, s + g));
             for (int i = 0; i < MT; ++i)
                 acc[r][i] = _mm256_fmadd_ps(sv, _mm256_add_ps(lo[r][i], hi[r][i]), acc[r][i]);
         }
@@ -419,8 +443,8 @@ struct SrcQ8 {   // int8 / fp8 codes [N, K]; 16-bit floats too (scale 1, no zero
             const uint8_t* row = w + n * a.K * D::B;
             for (int64_t k = k0; k < k0 + kc; k += 8) {
                 const int64_t g = k / a.gs;
-                __m256 v = _mm256_mul_ps(D::at(row, k), _mm256_set1_ps(a.s[n * a.s_stride + g]));
-                if (a.sz != nullptr) v = _mm256_sub_ps(v, _mm256_set1_ps(a.sz[n * a.G + g]));
+                __m256 v = _mm256_mul_ps(D::at(row, k), _mm256_set1_ps(scale_at(a, n * a.s_stride + g)));
+                if (a.sz != nullptr) v = _mm256_sub_ps(v, _mm256_set1_ps(szero_at(a, n * a.G + g)));
                 _mm256_storeu_ps(tmp + r * FK + k - k0, v);
             }
         }
@@ -438,8 +462,8 @@ struct SrcQ4 {   // the int4 layout [N, K / 2]; k0 and kc multiples of 64
             for (int64_t c = k0; c < k0 + kc; c += 64)
                 for (int h = 0; h < 2; ++h) {   // low nibbles: columns c..c+31; high: c+32..c+63
                     const int64_t g = (c + 32 * h) / a.gs;
-                    const __m256 sv = _mm256_set1_ps(a.s[n * a.s_stride + g]);
-                    const __m256 zv = _mm256_set1_ps(a.sz != nullptr ? a.sz[n * a.G + g] : 0.f);
+                    const __m256 sv = _mm256_set1_ps(scale_at(a, n * a.s_stride + g));
+                    const __m256 zv = _mm256_set1_ps(a.sz != nullptr ? szero_at(a, n * a.G + g) : 0.f);
                     for (int j = 0; j < 32; j += 8) {
                         __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c / 2 + j)));
                         v = h ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, mask);

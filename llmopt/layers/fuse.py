@@ -137,6 +137,7 @@ def fuse_quantized(lins) -> nn.Module | None:
     bias = first.bias is not None
     if all(isinstance(lin, PackedIntLinear) and lin._cpu is not None for lin in lins):
         if not _same(lins, "_cpu", "bits", "group_size", "sym", "in_features") or \
+                len({(lin.cpu_scales.dtype, lin.cpu_szeros.numel() > 0) for lin in lins}) > 1 or \
                 len({None if lin.cpu_perm is None else tuple(lin.cpu_perm.tolist()) for lin in lins}) > 1:
             return None
         fused = PackedIntLinear(first.in_features, total, bias, first.bits, first.group_size, first.sym)

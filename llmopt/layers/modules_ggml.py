@@ -2,9 +2,11 @@
 
 GGMLLinear: a GGML block-format weight (llmopt.layers.formats.ggml) repacked once into the CPU
 kernels' grouped layout: 4-bit codes as the int4 tiles' nibbles (uint8 [out, in / 2]) where the
-width is a multiple of 64, other widths as int8 codes [out, in]; float32 scales and scale * zero
-per group of 32 (16 for Q6_K). It is a PackedIntLinear, so the fused q/k/v and gate/up, the C++
-decode layers and the int8-activation tiles take it as they take AWQ and GPTQ layers.
+width is a multiple of 64, other widths as int8 codes [out, in]; a scale and scale * zero per group
+of 32 (16 for Q6_K): fp16 as the file stores them for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 (the kernels widen
+them per call), float32 for the K-quants (whose d x sub-scale fp16 does not hold). It is a
+PackedIntLinear, so the fused q/k/v and gate/up, the C++ decode layers and the int8-activation
+tiles take it as they take AWQ and GPTQ layers.
 
 On CUDA the same codes are repacked once for the Triton dequantize-GEMM (llmopt.kernels.w4a16):
 int32 words of 4-bit codes (Q4_0, Q4_1, Q4_K) or 8-bit ones (Q5_x, Q5_K, Q6_K, Q8_0 shifted by
@@ -21,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from llmopt.errors import ModelLoadError
+from llmopt.ggml_types import HALF_SCALE_TYPES
 from llmopt.kernels import cpu_quant
 from llmopt.layers.formats.ggml import GroupedCodes
 from llmopt.layers.formats.packing import pack_codes, unpack_codes
@@ -69,9 +72,10 @@ class GGMLLinear(PackedIntLinear):
         super().__init__(in_features, out_features, False, bits=4 if kind == "w4" else 8,
                          group_size=g.group_size, sym=False)
         self.ggml_type = ggml_type
+        held = torch.float16 if ggml_type in HALF_SCALE_TYPES else torch.float32   # (exact: the file's d, m)
         self.register_buffer("cpu_codes", codes, persistent=False)
-        self.register_buffer("cpu_scales", g.scales.contiguous(), persistent=False)
-        self.register_buffer("cpu_szeros", g.szeros.contiguous(), persistent=False)
+        self.register_buffer("cpu_scales", g.scales.to(held).contiguous(), persistent=False)
+        self.register_buffer("cpu_szeros", g.szeros.to(held).contiguous(), persistent=False)
         self.register_buffer("cpu_perm", None, persistent=False)
         self._cpu = (kind, g.group_size)
 

@@ -96,3 +96,31 @@ def test_embedding_rows_are_the_dequantized_rows(type_name):
     ids = torch.tensor([[3, 0, 49], [7, 7, 1]])
     assert torch.equal(emb(ids).double(), ref[ids])
     assert [n for n, _ in emb.named_buffers()] == ["own.cpu_codes", "own.cpu_scales", "own.cpu_szeros"]
+
+
+@pytest.mark.parametrize("idot_path", list(IDOT_PATHS), indirect=True)
+@pytest.mark.parametrize("type_name,k", [("Q4_1", 352), ("Q4_0", 576), ("Q8_0", 352)])
+@pytest.mark.parametrize("m", [1, 2, 16])
+def test_fp16_scales_as_stored_give_the_float32_scales_results(idot_path, type_name, k, m):
+    """Q4_x / Q5_x / Q8_0 layers hold the file's fp16 d and m: the int8-activation tiles and panels
+    give bit for bit what float32 copies of them give, the float tiles the same within float32
+    rounding (the compiler orders the zero-point sums of the two loops differently), the scales also
+    read from a view that starts mid-word (an odd fp16 offset) and an odd count of them (43 rows x
+    11 groups: the last one read alone)."""
+    raw, _ = _tensor(type_name, 43, k, seed=m)
+    lin = GGMLLinear(decode(type_name, raw, k), type_name)
+    assert lin.cpu_scales.dtype == torch.float16
+    kind, gs = lin._cpu
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
+
+    def odd(t):   # the same values in a view at an odd fp16 offset
+        return torch.cat([t.new_zeros(1), t.flatten()])[1:].view_as(t) if t.numel() else t
+
+    s32, z32 = lin.cpu_scales.float(), lin.cpu_szeros.float()
+    for scales, szeros in ((lin.cpu_scales, lin.cpu_szeros), (odd(lin.cpu_scales), odd(lin.cpu_szeros))):
+        got = torch.ops.llmopt_cpu.idot_gemm(x, lin.cpu_codes, scales, szeros, gs, 2 if kind == "w4" else 1)
+        want = torch.ops.llmopt_cpu.idot_gemm(x, lin.cpu_codes, s32, z32, gs, 2 if kind == "w4" else 1)
+        assert torch.equal(got, want)
+        fn = cpu_quant.w4_gemm if kind == "w4" else cpu_quant.w8_gemm
+        y16, y32 = fn(x, lin.cpu_codes, scales, szeros, gs), fn(x, lin.cpu_codes, s32, z32, gs)
+        assert float((y16 - y32).abs().max()) <= 1e-6 * float(y32.abs().max())
