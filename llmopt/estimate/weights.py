@@ -165,7 +165,7 @@ def weight_memory(arch: ModelArch, fmt: str = "auto", group_size: int | None = N
         tied_head = arch.tie_word_embeddings
         tensors = [t for t in arch.tensors if not (tied_head and t.name in ("lm_head.weight", "output.weight"))
                    and t.name != "rope_freqs.weight"]   # (Llama 3.x GGUF: RoPE factors, not a weight)
-        if cpu and arch.source in ("gguf", "builtin") and tp == 1:   # a GGUF as the CPU engine holds it
+        if cpu and arch.source in ("gguf", "builtin"):   # a GGUF as the CPU engine holds it (each rank its slices)
             tensors = [TensorInfo(t.name, t.shape, t.dtype, held_bytes(t.dtype, t.shape)) for t in tensors]
         elif arch.source not in ("gguf", "builtin") and not arch.quantization_config:
             tensors = [_as_held(t, arch) for t in tensors]

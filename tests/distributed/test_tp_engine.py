@@ -16,6 +16,7 @@ from llmopt import defaults
 from llmopt.engine.engine import EngineDeadError
 from llmopt.layers.modules_ggml import GGMLLinear
 from llmopt.estimate import estimate, resolve_model_arch
+from llmopt.estimate.weights import weight_memory
 from llmopt.worker.runner import ModelRunner
 from llmopt.models.loader import load_model
 from tp_util import greedy, rel_err, step_logits, tp_engine
@@ -75,6 +76,9 @@ def test_tp3_default_model_generates_as_tp1(monkeypatch):
         assert isinstance(layer.mlp.down_proj, GGMLLinear) and isinstance(model.lm_head, GGMLLinear)
         assert (layer.mlp.down_proj.in_features, layer.self_attn.q_proj.out_features) == (512, 192)
         assert model.lm_head.out_features == 16384 and not any(p.numel() > 576 * 1536 for p in model.parameters())
+        held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) - model.inv_freq.nbytes
+        planned = weight_memory(resolve_model_arch("smollm2-135m"), tp=3, device="cpu").bytes_per_rank
+        assert abs(held - planned) <= 0.001 * held, (held, planned)   # kv-estimate's figure for a rank
         got = step_logits(engine.runner)
         tokens = greedy(engine, prompts)
         info = engine.kv_cache_info()
