@@ -276,9 +276,9 @@ def test_kv_cache_dtype_scores_as_transformers_over_that_cache(tiny, wiki, kv):
     plan = plan_ppl(lm.tokenizer, 1024, wiki, "llamacpp", limit=LIMIT)
     r = run_ppl(lm, plan, batch_size=2, base=lm, kv_cache_dtype=kv)
     assert r.kv_cache_dtype == kv
-    want = llamacpp_reference(want_hf.eval(), _ids(lm.tokenizer, wiki.text)[0], 512)
+    want = llamacpp_reference(want_hf.eval(), _ids(lm.tokenizer, wiki.as_stored)[0], 512)
     assert _rel(r.ppl, want) <= REL
-    assert _rel(r.kl.base_ppl, llamacpp_reference(hf, _ids(lm.tokenizer, wiki.text)[0], 512)) <= REL
+    assert _rel(r.kl.base_ppl, llamacpp_reference(hf, _ids(lm.tokenizer, wiki.as_stored)[0], 512)) <= REL
     # against the same runner with a float32 cache: the cache's own KL (float16's is at rounding level)
     assert -1e-6 < r.kl.kld_mean < 0.05 and r.kl.kld_max > 0 and r.kl.top1_agreement > 0.5
     with pytest.raises(UserInputError, match="unknown KV-cache dtype"):

@@ -1,7 +1,8 @@
 """Loading streams: a synthetic ~300M-parameter llama-shaped checkpoint (written once, a tensor at a
 time, never as a float32 model) loads with a peak rise in resident memory within 1.1x of what the
 engine then holds (no second copy of any tensor), and those bytes are kv-estimate's figure:
-- as a Q4_0 GGUF: the weights, the file's pages unmapped tensor by tensor;
+- as a Q4_0 GGUF: the weights, the file's pages unmapped tensor by tensor (held at 5 bits a weight,
+  close to the file's 4.5, so the bound is 1.05x plus one tensor's decoding workspace);
 - as a bfloat16 safetensors folder: the weights held 16-bit (`--dtype auto` on the CPU) plus the
   KV cache of an engine built over them.
 """
@@ -80,8 +81,11 @@ def test_a_300m_q4_0_file_loads_with_one_copy_of_its_weights(tmp_path):
     import os
     os.environ["LLMOPT_CACHE"] = str(tmp_path / "cache")
     assert got["held"] == weight_memory(resolve_model_arch(str(path)), device="cpu").bytes_total
-    assert got["held"] == PARAMS * 6 // 8 + NORMS * 4   # 4-bit codes, float32 scale and scaled zero per 32
-    assert got["peak_rise"] <= 1.1 * got["held"], got
+    assert got["held"] == PARAMS * 5 // 8 + NORMS * 4   # 4-bit codes, the fp16 d and 8 d per 32
+    # no second copy of any tensor: above what is held, at most one tensor's decoding workspace (its
+    # codes a byte each and their temporaries: 4 bytes a weight of the largest) and 5%
+    largest = SHAPE.intermediate_size * SHAPE.hidden_size
+    assert got["peak_rise"] <= 1.05 * got["held"] + 4 * largest, got
 
 
 CHILD_BF16 = PRELUDE + r"""
