@@ -86,23 +86,25 @@ def shard_grouped(name: str, g: GroupedCodes, plan: TPPlan, rank: int) -> Groupe
     how = layout(name)
     if how == "replicated" or plan.world_size == 1:
         return g
-    codes, scales, szeros = g.codes, g.scales, g.szeros
+
+    def each(cut_codes, cut_groups=None) -> GroupedCodes:   # cut_groups: the scales' cut (default codes')
+        cut_groups = cut_groups or cut_codes
+        return GroupedCodes(cut_codes(g.codes), cut_groups(g.scales),
+                            cut_groups(g.szeros) if g.szeros.numel() else g.szeros, g.bits, g.group_size)
+
     if how == "column":
         index, parts = _part(name, plan, rank)
-        cut = [_cut(t, 0, index, parts, name) for t in (codes, scales)]
-        return GroupedCodes(*cut, _cut(szeros, 0, index, parts, name) if szeros.numel() else szeros,
-                            g.bits, g.group_size)
+        return each(lambda t: _cut(t, 0, index, parts, name))
     if how == "row":
-        step = codes.shape[1] // plan.world_size
-        if codes.shape[1] % plan.world_size or step % g.group_size:
-            raise ModelLoadError(f"{name}: {codes.shape[1]} input columns do not split into {plan.world_size} "
+        k = g.codes.shape[1]
+        step = k // plan.world_size
+        if k % plan.world_size or step % g.group_size:
+            raise ModelLoadError(f"{name}: {k} input columns do not split into {plan.world_size} "
                                  f"parts of whole {g.group_size}-column blocks")
-        c, gs = slice(rank * step, (rank + 1) * step), slice(rank * step // g.group_size, (rank + 1) * step // g.group_size)
-        return GroupedCodes(codes[:, c].contiguous(), scales[:, gs].contiguous(),
-                            szeros[:, gs].contiguous() if szeros.numel() else szeros, g.bits, g.group_size)
+        blocks = step // g.group_size
+        return each(lambda t: t[:, rank * step:(rank + 1) * step].contiguous(),
+                    lambda t: t[:, rank * blocks:(rank + 1) * blocks].contiguous())
     start, stop = plan.vocab_range(rank)
     pad = plan.vocab_per_rank - (stop - start)
-
-    def rows(t: torch.Tensor) -> torch.Tensor:
-        return torch.cat([t[start:stop], t.new_zeros((pad, *t.shape[1:]))]) if pad else t[start:stop].contiguous()
-    return GroupedCodes(rows(codes), rows(scales), rows(szeros) if szeros.numel() else szeros, g.bits, g.group_size)
+    return each(lambda t: torch.cat([t[start:stop], t.new_zeros((pad, *t.shape[1:]))]) if pad
+                else t[start:stop].contiguous())

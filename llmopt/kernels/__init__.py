@@ -25,14 +25,15 @@ BACKENDS = ("auto", "torch", "triton")
 
 
 @functools.cache
-def _has_triton() -> bool:
+def has_triton() -> bool:
+    """Whether the triton package is installed (its kernels run on CUDA, or under TRITON_INTERPRET=1)."""
     return importlib.util.find_spec("triton") is not None
 
 
 def _check_name(name: str) -> None:
     if name not in BACKENDS:
         raise UserInputError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
-    if name == "triton" and not _has_triton():
+    if name == "triton" and not has_triton():
         raise UserInputError("the triton backend needs the `triton` package (pip install triton)")
 
 
@@ -42,7 +43,7 @@ def _triton_for(backend: str, device: torch.device) -> bool:
     if backend == "torch":
         return False
     if backend == "auto":
-        return device.type == "cuda" and _has_triton()
+        return device.type == "cuda" and has_triton()
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise UserInputError("the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 set before importing "
                              "triton); use --attention-backend torch on the CPU")

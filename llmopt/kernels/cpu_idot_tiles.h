@@ -176,18 +176,16 @@ inline void itile(const Args& a, const QX& qx, const uint8_t* w, bool int4, int6
 // y = quantize_x(x) @ W^T through the tiles: each thread a range of 8-row tiles, x's rows two by two
 inline void run_tiles(const Args& a, const QX& qx, const uint8_t* w, bool int4) {
     split_rows(a.N, [&](int64_t n0, int64_t n1) {
-        // fp16 scales (a GGUF's d and m, as stored): this thread's rows widened once, into L2
         // fp16 scales (a GGUF's d and m, as stored): widened 64 rows at a time into buffers that stay in L1
         constexpr int64_t SUB = 64;
-        std::vector<float> ws, wz;
+        std::vector<float> ws(a.half ? SUB * a.G : 0), wz(a.half && a.sz != nullptr ? SUB * a.G : 0);
         int64_t wrow = n0;   // the first row the buffers hold
         for (int64_t n = n0; n < n1; n += 8) {
             const int64_t nr = std::min<int64_t>(8, n1 - n);
             if (a.half && (n - n0) % SUB == 0) {
                 const int64_t rows = std::min<int64_t>(SUB, n1 - n);
-                widen_half(reinterpret_cast<const uint16_t*>(a.s) + n * a.G, rows * a.G, grow(ws, SUB * a.G));
-                if (a.sz != nullptr)
-                    widen_half(reinterpret_cast<const uint16_t*>(a.sz) + n * a.G, rows * a.G, grow(wz, SUB * a.G));
+                widen_half(reinterpret_cast<const uint16_t*>(a.s) + n * a.G, rows * a.G, ws.data());
+                if (a.sz != nullptr) widen_half(reinterpret_cast<const uint16_t*>(a.sz) + n * a.G, rows * a.G, wz.data());
                 wrow = n;
             }
             const float* sp = a.half ? ws.data() + (n - wrow) * a.G : a.s_stride == 0 ? a.s : a.s + n * a.s_stride;

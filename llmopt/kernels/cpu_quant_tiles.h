@@ -110,7 +110,7 @@ struct Args {
     float* y;
     int64_t ldy;                        // y's row stride (N, or wider when y is a slice of columns)
     bool half = false;                  // s and sz hold fp16 bits (a GGUF's d and m as stored): read
-                                        // them through scale_at / szero_at / scales8 only
+                                        // through scale_at / szero_at, or widened (run_tiles)
 };
 
 // scale i and scaled zero i of a (float32, or fp16 widened as read)
@@ -122,17 +122,11 @@ inline float szero_at(const Args& a, int64_t i) {
 }
 
 // n fp16 values widened to float32 into out, 8 a time by F16C
-inline const float* widen_half(const uint16_t* h, int64_t n, float* out) {
+inline void widen_half(const uint16_t* h, int64_t n, float* out) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
         _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
     for (; i < n; ++i) out[i] = _cvtsh_ss(h[i]);
-    return out;
-}
-
-inline float* grow(std::vector<float>& v, int64_t n) {
-    v.resize(n);
-    return v.data();
 }
 
 // per-group sums of x [M, K] for the zero-point term: xsum [M, K / gs]

@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from llmopt.errors import ModelLoadError
 from llmopt.ggml_types import FLOAT16_TYPES, RUN_TYPES
+from llmopt.kernels import has_triton
 from llmopt.layers.runtime import trim_heap
 from llmopt.layers.formats.ggml import decode
 from llmopt.models.gguf_file import GGUFTensor, read_header
@@ -167,7 +168,8 @@ def install(model: nn.Module, path: Path, cfg, dtype: torch.dtype, device: torch
     f = GGUFFile(path)
     tied = "output.weight" not in {t.name for t in f.tensors}
     fallback: dict[str, int] = {}
-    kernels = device.type == "cpu" or (device.type == "cuda" and _has_triton())
+    triton = device.type == "cuda"
+    kernels = device.type == "cpu" or (triton and has_triton())
     for t in f.tensors:
         name, kind = hf_name(t.name), t.type_name
         target = name.removesuffix(".weight")
@@ -175,14 +177,14 @@ def install(model: nn.Module, path: Path, cfg, dtype: torch.dtype, device: torch
         if runs:
             g = _grouped(f, t, cfg) if tp is None else tp.shard_grouped(name, _grouped(f, t, cfg))
         if runs and target == "model.embed_tokens":
-            table = GGMLLinear(g, kind, device.type == "cuda", device)
+            table = GGMLLinear(g, kind, triton, device)
             model.model.embed_tokens = GGMLEmbedding(table, dtype, owner=not tied)
             if tied:
                 model.lm_head = table
             trim_heap()
             continue
         if runs and isinstance(model.get_submodule(target), nn.Linear) and model.get_submodule(target).bias is None:
-            model.set_submodule(target, GGMLLinear(g, kind, device.type == "cuda", device))
+            model.set_submodule(target, GGMLLinear(g, kind, triton, device))
             trim_heap()   # the tensor's decoding temporaries, before the next tensor's
             continue
         if device.type == "cpu" and kind in FLOAT16_TYPES and len(t.shape) == 2 and name.endswith(".weight") and \
@@ -200,14 +202,6 @@ def install(model: nn.Module, path: Path, cfg, dtype: torch.dtype, device: torch
         where = (f"the {'CPU' if device.type == 'cpu' else 'Triton'} kernels run " + ", ".join(RUN_TYPES) if kernels
                  else f"on {device.type}")
         log.info(f"GGUF {path.name}: {what} dequantized to {str(dtype).replace('torch.', '')} ({where})")
-
-
-def _has_triton() -> bool:
-    try:
-        import triton  # noqa: F401  (deferred: an optional dependency, CUDA only)
-    except ImportError:
-        return False
-    return True
 
 
 def _float16(f: GGUFFile, t: GGUFTensor, cfg) -> torch.Tensor:
