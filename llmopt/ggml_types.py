@@ -7,16 +7,21 @@ RUN_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
 GROUP = {t: 16 if t == "Q6_K" else 32 for t in RUN_TYPES}
 FLOAT16_TYPES = ("F16", "BF16")   # matrices of these run as stored too (llmopt.layers.modules16)
-# the block types whose group scale and scaled zero are exact in fp16 (d, m, 8d, 16d: held as stored);
-# a K-quant's d x 6-bit sub-scale is not, and stays float32
+# the block types whose group scale and zero are the file's fp16 d and m (held as stored); a K-quant's
+# d x 6-bit sub-scale is not exact in fp16, and stays float32
 HALF_SCALE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+# the zero point: a scaled zero per group (m; a K-quant's dmin x min), implied by d (one zero code for
+# every group, as llama.cpp: Q4_0's 8, Q5_0's 16), or none (Q8_0)
+ZERO_CODE = {"Q4_0": 8.0, "Q5_0": 16.0}
+NO_ZERO = ("Q8_0",)
 
 
 def held_bytes(type_name: str, shape: tuple[int, ...], float_bytes: int = 4) -> int:
     """The bytes the CPU engine holds for a GGUF tensor (GGMLLinear's buffers): 4-bit codes packed
-    two a byte where the width is a multiple of 64, else a byte a code, and a scale and scaled zero
-    per group (none for Q8_0), fp16 for HALF_SCALE_TYPES, else float32; an F16 / BF16 matrix as
-    stored; a tensor of another type, or not 2-D, dequantized to `float_bytes` an element."""
+    two a byte where the width is a multiple of 64, else a byte a code, and a scale and a scaled zero
+    per group (the scale alone where the zero is implied or none), fp16 for HALF_SCALE_TYPES, else
+    float32; an F16 / BF16 matrix as stored; a tensor of another type, or not 2-D, dequantized to
+    `float_bytes` an element. (A Q4_0 matrix 64 wide or more: the file's bytes and 2.)"""
     numel = 1
     for d in shape:
         numel *= d
@@ -26,5 +31,7 @@ def held_bytes(type_name: str, shape: tuple[int, ...], float_bytes: int = 4) -> 
         return numel * float_bytes
     rows, cols = shape
     codes = numel // 2 if BITS[type_name] == 4 and cols % 64 == 0 else numel
-    per_group = (1 if type_name == "Q8_0" else 2) * (2 if type_name in HALF_SCALE_TYPES else 4)
-    return codes + rows * (cols // GROUP[type_name]) * per_group
+    per_group = (1 if type_name in NO_ZERO or type_name in ZERO_CODE else 2) * \
+        (2 if type_name in HALF_SCALE_TYPES else 4)
+    zero_code = 2 if type_name in ZERO_CODE else 0   # the one fp16 zero code
+    return codes + rows * (cols // GROUP[type_name]) * per_group + zero_code

@@ -87,23 +87,25 @@ def shard_grouped(name: str, g: GroupedCodes, plan: TPPlan, rank: int) -> Groupe
     if how == "replicated" or plan.world_size == 1:
         return g
 
-    def each(cut_codes, cut_groups=None) -> GroupedCodes:   # cut_groups: the scales' cut (default codes')
+    def each(cut_codes, cut_groups=None, codes=None) -> GroupedCodes:   # cut_groups: the scales' cut
         cut_groups = cut_groups or cut_codes
-        return GroupedCodes(cut_codes(g.codes), cut_groups(g.scales),
-                            cut_groups(g.szeros) if g.szeros.numel() else g.szeros, g.bits, g.group_size)
+        packed = g.packed and codes is None
+        return GroupedCodes(cut_codes(g.codes if codes is None else codes), cut_groups(g.scales),
+                            cut_groups(g.szeros) if g.szeros.numel() > 1 else g.szeros, g.bits, g.group_size,
+                            packed=packed)
 
     if how == "column":
         index, parts = _part(name, plan, rank)
         return each(lambda t: _cut(t, 0, index, parts, name))
     if how == "row":
-        k = g.codes.shape[1]
+        k = g.shape[1]
         step = k // plan.world_size
         if k % plan.world_size or step % g.group_size:
             raise ModelLoadError(f"{name}: {k} input columns do not split into {plan.world_size} "
                                  f"parts of whole {g.group_size}-column blocks")
         blocks = step // g.group_size
-        return each(lambda t: t[:, rank * step:(rank + 1) * step].contiguous(),
-                    lambda t: t[:, rank * blocks:(rank + 1) * blocks].contiguous())
+        return each(lambda t: t[:, rank * step:(rank + 1) * step].contiguous(),   # (packed codes: unpacked)
+                    lambda t: t[:, rank * blocks:(rank + 1) * blocks].contiguous(), codes=g.unpacked())
     start, stop = plan.vocab_range(rank)
     pad = plan.vocab_per_rank - (stop - start)
     return each(lambda t: torch.cat([t[start:stop], t.new_zeros((pad, *t.shape[1:]))]) if pad

@@ -24,6 +24,8 @@
 #include <vector>
 
 #include "cpu_quant_tiles.h"
+
+namespace llmopt_cpu_tiles { float zero_code(const at::Tensor& sz); }   // cpu_quant.cpp
 #define LLMOPT_IDOT_NS avx2
 #include "cpu_idot_tiles.h"
 #undef LLMOPT_IDOT_NS
@@ -106,6 +108,7 @@ struct Lin {
     int64_t kind, N, K, gs;
     at::Tensor w, s, sz, bias, perm;
     bool idot;   // integer dot products with int8 activations allowed (cpu_idot_tiles.h)
+    float zc;    // an implied zero code (szeros given as one value, Args::zc), else 0
 };
 
 struct Scratch {   // per-call buffers of the linears
@@ -118,7 +121,7 @@ struct Scratch {   // per-call buffers of the linears
 // sums of x, made in xsum), the float panels for many (which decode the zero points into the weight)
 void float_linear(Args a, int64_t kind, const uint8_t* w, std::vector<float>& xsum) {
     const bool panels = a.M >= f32_panel_rows;
-    if (a.sz != nullptr && !panels) {
+    if (has_zero(a) && !panels) {
         group_sums(a.x, a.M, a.K, a.gs, xsum);
         a.xsum = xsum.data();
     }
@@ -171,16 +174,15 @@ void linear(const Lin& l, const float* x, int64_t M, float* y, int64_t ldy, bool
         a.s_stride = l.s.numel() == 1 ? 0 : a.G;
     }
     const float* sz = l.sz.defined() ? static_cast<const float*>(l.sz.data_ptr()) : nullptr;
+    a.zc = l.zc;
     const uint8_t* w = static_cast<const uint8_t*>(l.w.data_ptr());
     // int8 activations: the integer panels (VNNI) or tiles; without VNNI, from f32_panel_rows rows the
     // float panels (float activations) beat the AVX2 integer tiles
     if (int8_act && l.idot && (use_vnni || M < f32_panel_rows)) {
         quantize_x(xp, M, l.K, l.gs, t.q, t.d, t.bsum, t.xsum);
         QX qx{t.q.data(), t.d.data(), t.bsum.data()};
-        if (sz != nullptr) {
-            a.sz = sz;
-            a.xsum = t.xsum.data();
-        }
+        a.sz = sz;
+        if (has_zero(a)) a.xsum = t.xsum.data();
         if (use_vnni && M >= panel_rows) {
             vnni::run_panels(a, qx, w, l.kind == KW4);
         } else if (use_vnni) {
@@ -527,7 +529,7 @@ Lin make_lin(int64_t kind, const at::Tensor& w, const at::Tensor& s, const at::T
     if (is_float(kind) || kind == KF8) gs = K;
     TORCH_CHECK(K % 8 == 0 && gs > 0 && gs % 8 == 0 && K % gs == 0, "K must be a multiple of 8 and of the group size");
     TORCH_CHECK(kind != KW4 || (K % 64 == 0 && (gs == 32 || gs % 64 == 0)), "int4 needs K % 64 == 0, group 32 or k*64");
-    Lin l{kind, N, K, gs, w, {}, {}, {}, {}, false};
+    Lin l{kind, N, K, gs, w, {}, {}, {}, {}, false, 0.f};
     if ((kind == KW8 || kind == KW4) && gs % QB == 0) {
         l.idot = true;
         if (kind == KW8 && scan) {
@@ -541,7 +543,10 @@ Lin make_lin(int64_t kind, const at::Tensor& w, const at::Tensor& s, const at::T
                     (kind == KF8 && s.numel() == N), "scales must be [N, K / group_size] (or one)");
         l.s = s;
     }
-    if (sz.defined() && sz.numel()) {
+    if (sz.defined() && sz.numel() == 1) {   // an implied zero code: sz = z * s per group
+        TORCH_CHECK(s.numel() == N * (K / gs), "an implied zero point needs scales [N, K / group_size]");
+        l.zc = zero_code(sz);
+    } else if (sz.defined() && sz.numel()) {
         check_scales(sz, kind, "szeros");
         TORCH_CHECK(sz.numel() == N * (K / gs) && sz.scalar_type() == s.scalar_type(),
                     "szeros must be [N, K / group_size], of the scales' dtype");

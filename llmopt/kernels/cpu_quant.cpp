@@ -7,6 +7,8 @@
 // - w8: int8 codes c [N, K]; W[n, k] = (c - z') * s with per-group s, and sz = s * z' [N, G].
 // - w4: uint8 [N, K / 2], 64-column blocks: byte 32b + j holds column 64b + j in its low nibble and
 //       column 64b + 32 + j in its high nibble (no interleave to undo); W = (q - z) * s, sz = s * z.
+// szeros (sz) may also be empty (no zero point) or one value z: the same zero code for every group,
+// sz = s * z formed where read (llama.cpp's Q4_0 and Q5_0, held as the file holds them: d alone).
 // - f8: float8 e4m3fn bytes [N, K], one scale per row (or one for all); W = f8 * s.
 // With groups, sum_k x W = sum_g s_g (sum_{k in g} x_k q_k) - sum_g sz_g (sum_{k in g} x_k): the
 // second term uses the per-group sums of x, computed once per call.
@@ -25,6 +27,17 @@
 
 #include "cpu_quant_tiles.h"
 
+namespace llmopt_cpu_tiles {
+// szeros given as one value z: an implied zero point, sz = z * s per group (Args::zc)
+float zero_code(const at::Tensor& sz) {
+    TORCH_CHECK(sz.numel() == 1 && (sz.scalar_type() == at::kFloat || sz.scalar_type() == at::kHalf) &&
+                sz.device().is_cpu(), "an implied zero code must be one float32 or float16 CPU value");
+    float z = sz.scalar_type() == at::kHalf ? static_cast<float>(sz.data_ptr<at::Half>()[0]) : sz.data_ptr<float>()[0];
+    TORCH_CHECK(z != 0.f, "an implied zero code must not be 0 (give empty szeros for no zero point)");
+    return z;
+}
+}  // namespace llmopt_cpu_tiles
+
 namespace {
 
 using namespace llmopt_cpu_tiles;
@@ -41,19 +54,20 @@ Args make_args(const at::Tensor& x, int64_t N, int64_t K, int64_t gs, const at::
     const auto st = scales.scalar_type();
     TORCH_CHECK((st == at::kFloat || st == at::kHalf) && scales.is_contiguous() && scales.numel() == N * (K / gs),
                 "scales must be float32 or float16 [N, K / group_size]");
-    bool z = szeros.numel() > 0;
-    TORCH_CHECK(!z || (szeros.numel() == scales.numel() && szeros.scalar_type() == st && szeros.is_contiguous()),
-                "szeros must be empty or like scales");
+    const bool implied = szeros.numel() == 1, z = szeros.numel() > 1;
+    TORCH_CHECK(szeros.numel() <= 1 || (szeros.numel() == scales.numel() && szeros.scalar_type() == st &&
+                szeros.is_contiguous()), "szeros must be empty, one zero code, or like scales");
     int64_t M = x.size(0), G = K / gs;
     const float* xp = x.data_ptr<float>();
-    if (z) group_sums(xp, M, K, gs, xsum);
+    if (z || implied) group_sums(xp, M, K, gs, xsum);
     y = at::empty({M, N}, x.options());
     return Args{xp, M, K, N, gs, G, static_cast<const float*>(scales.data_ptr()), G,
-                z ? static_cast<const float*>(szeros.data_ptr()) : nullptr, z ? xsum.data() : nullptr,
-                y.data_ptr<float>(), N, st == at::kHalf};
+                z ? static_cast<const float*>(szeros.data_ptr()) : nullptr, z || implied ? xsum.data() : nullptr,
+                y.data_ptr<float>(), N, st == at::kHalf, implied ? zero_code(szeros) : 0.f};
 }
 
-// y = x @ ((codes - z') * s)^T; codes int8 [N, K]; scales, szeros float32 or float16 [N, G] (szeros may be empty)
+// y = x @ ((codes - z') * s)^T; codes int8 [N, K]; scales, szeros float32 or float16 [N, G] (szeros may be
+// empty: no zero point, or one value z': the same zero code for every group)
 at::Tensor w8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                    const at::Tensor& szeros, int64_t gs) {
     TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(),

@@ -119,11 +119,26 @@ def _sliced(x: torch.Tensor, n: int, dequant) -> torch.Tensor:
     return y
 
 
-def _grouped(codes: torch.Tensor, scales, szeros, gs) -> torch.Tensor:
+def zero_term(scales: torch.Tensor, szeros: torch.Tensor) -> torch.Tensor | None:
+    """The kernels' scaled zero points [N, G] (float32) from what a layer holds: szeros [N, G] as
+    they are; one value z, an implied zero code the same for every group (llama.cpp's Q4_0 and Q5_0,
+    held as the file holds them): z * scales; empty: None (no zero point)."""
+    if szeros.numel() == 1:
+        return szeros.float() * scales.float()
+    return szeros.float() if szeros.numel() else None
+
+
+def _rows(szeros: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    return szeros[a:b] if szeros.numel() > 1 else szeros   # (one zero code or none: every row's)
+
+
+def grouped_weight(codes: torch.Tensor, scales, szeros, gs: int) -> torch.Tensor:
+    """Float32 W [N, K] = codes * s - sz per group of gs columns (codes unpacked [N, K])."""
     n, k = codes.shape
-    w = codes.float().view(n, k // gs, gs) * scales[..., None]
-    if szeros.numel():
-        w = w - szeros[..., None]
+    w = codes.float().view(n, k // gs, gs) * scales.float()[..., None]
+    z = zero_term(scales, szeros)
+    if z is not None:
+        w = w - z[..., None]
     return w.view(n, k)
 
 
@@ -134,13 +149,12 @@ def _kernel(x: torch.Tensor):
 
 
 def w8_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, szeros: torch.Tensor, gs: int):
-    """x [M, K] float32 @ ((codes - z) * s)^T; codes int8 [N, K]; scales, szeros (= s * z, or empty)
-    float32 [N, K / gs]."""
+    """x [M, K] float32 @ ((codes - z) * s)^T; codes int8 [N, K]; scales [N, K / gs] float32 or
+    float16; szeros s * z like them, or empty, or one zero code z (zero_term)."""
     o = _kernel(x)
     if o is not None:
         return o.w8_gemm(x, codes, scales, szeros, gs)
-    return _sliced(x, codes.shape[0], lambda a, b: _grouped(codes[a:b], scales[a:b],
-                                                            szeros[a:b] if szeros.numel() else szeros, gs))
+    return _sliced(x, codes.shape[0], lambda a, b: grouped_weight(codes[a:b], scales[a:b], _rows(szeros, a, b), gs))
 
 
 def w4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, szeros: torch.Tensor, gs: int):
@@ -148,8 +162,8 @@ def w4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, szeros:
     o = _kernel(x)
     if o is not None:
         return o.w4_gemm(x, packed, scales, szeros, gs)
-    return _sliced(x, packed.shape[0], lambda a, b: _grouped(unpack_int4(packed[a:b]), scales[a:b],
-                                                             szeros[a:b] if szeros.numel() else szeros, gs))
+    return _sliced(x, packed.shape[0], lambda a, b: grouped_weight(unpack_int4(packed[a:b]), scales[a:b],
+                                                             _rows(szeros, a, b), gs))
 
 
 def f8_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor):

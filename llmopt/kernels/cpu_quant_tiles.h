@@ -105,19 +105,25 @@ struct F8 {   // e4m3fn bits -> float32 exactly: moved up into f16 bits (value *
 struct Args {
     const float* x; int64_t M, K, N, gs, G;
     const float* s; int64_t s_stride;   // scales: row n, group g at s[n * s_stride + g]
-    const float* sz;                    // scale * zero [N, G] or nullptr
+    const float* sz;                    // scale * zero [N, G] or nullptr (see zc)
     const float* xsum;                  // per-group sums of x [M, G] (with sz)
     float* y;
     int64_t ldy;                        // y's row stride (N, or wider when y is a slice of columns)
     bool half = false;                  // s and sz hold fp16 bits (a GGUF's d and m as stored): read
                                         // through scale_at / szero_at, or widened (run_tiles)
+    float zc = 0.f;                     // with sz null, an implied zero code: sz = zc * s per group, as
+                                        // llama.cpp derives Q4_0's 8d and Q5_0's 16d (held as the file: d only)
 };
+
+// whether a has a zero-point term (stored, or implied by zc)
+inline bool has_zero(const Args& a) { return a.sz != nullptr || a.zc != 0.f; }
 
 // scale i and scaled zero i of a (float32, or fp16 widened as read)
 inline float scale_at(const Args& a, int64_t i) {
     return a.half ? _cvtsh_ss(reinterpret_cast<const uint16_t*>(a.s)[i]) : a.s[i];
 }
-inline float szero_at(const Args& a, int64_t i) {
+inline float szero_at(const Args& a, int64_t i) {   // (an implied zero: scales are [N, G], s_stride G)
+    if (a.sz == nullptr) return a.zc * scale_at(a, i);
     return a.half ? _cvtsh_ss(reinterpret_cast<const uint16_t*>(a.sz)[i]) : a.sz[i];
 }
 
@@ -143,7 +149,7 @@ inline void store(const Args& a, __m256 (&acc)[NR][MT], int64_t n0, int64_t m0) 
     for (int r = 0; r < NR; ++r)
         for (int i = 0; i < MT; ++i) {
             float corr = 0.f;
-            if (a.sz != nullptr)
+            if (has_zero(a))
                 for (int64_t g = 0; g < a.G; ++g) corr += szero_at(a, (n0 + r) * a.G + g) * a.xsum[(m0 + i) * a.G + g];
             a.y[(m0 + i) * a.ldy + n0 + r] = hsum(acc[r][i]) - corr;
         }
@@ -438,7 +444,7 @@ struct SrcQ8 {   // int8 / fp8 codes [N, K]; 16-bit floats too (scale 1, no zero
             for (int64_t k = k0; k < k0 + kc; k += 8) {
                 const int64_t g = k / a.gs;
                 __m256 v = _mm256_mul_ps(D::at(row, k), _mm256_set1_ps(scale_at(a, n * a.s_stride + g)));
-                if (a.sz != nullptr) v = _mm256_sub_ps(v, _mm256_set1_ps(szero_at(a, n * a.G + g)));
+                if (has_zero(a)) v = _mm256_sub_ps(v, _mm256_set1_ps(szero_at(a, n * a.G + g)));
                 _mm256_storeu_ps(tmp + r * FK + k - k0, v);
             }
         }
@@ -457,7 +463,7 @@ struct SrcQ4 {   // the int4 layout [N, K / 2]; k0 and kc multiples of 64
                 for (int h = 0; h < 2; ++h) {   // low nibbles: columns c..c+31; high: c+32..c+63
                     const int64_t g = (c + 32 * h) / a.gs;
                     const __m256 sv = _mm256_set1_ps(scale_at(a, n * a.s_stride + g));
-                    const __m256 zv = _mm256_set1_ps(a.sz != nullptr ? szero_at(a, n * a.G + g) : 0.f);
+                    const __m256 zv = _mm256_set1_ps(has_zero(a) ? szero_at(a, n * a.G + g) : 0.f);
                     for (int j = 0; j < 32; j += 8) {
                         __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c / 2 + j)));
                         v = h ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, mask);

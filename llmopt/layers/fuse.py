@@ -137,7 +137,7 @@ def fuse_quantized(lins) -> nn.Module | None:
     bias = first.bias is not None
     if all(isinstance(lin, PackedIntLinear) and lin._cpu is not None for lin in lins):
         if not _same(lins, "_cpu", "bits", "group_size", "sym", "in_features") or \
-                len({(lin.cpu_scales.dtype, lin.cpu_szeros.numel() > 0) for lin in lins}) > 1 or \
+                len({(lin.cpu_scales.dtype, _zero_kind(lin.cpu_szeros)) for lin in lins}) > 1 or \
                 len({None if lin.cpu_perm is None else tuple(lin.cpu_perm.tolist()) for lin in lins}) > 1:
             return None
         fused = PackedIntLinear(first.in_features, total, bias, first.bits, first.group_size, first.sym)
@@ -155,6 +155,9 @@ def fuse_quantized(lins) -> nn.Module | None:
     cat = {}
     for name in split:
         parts = [getattr(lin, name) for lin in lins]
+        if name == "cpu_szeros" and parts[0].numel() <= 1:   # none, or one zero code: the same for all
+            fused.register_buffer(name, parts[0], persistent=False)
+            continue
         if name == "weight_scale":   # per-tensor scales [1] as rows [out, 1]
             parts = [s.float().reshape(-1, 1).expand(lin.out_features, 1) for s, lin in zip(parts, lins)]
         cat[name] = torch.cat(parts).contiguous()
@@ -164,6 +167,12 @@ def fuse_quantized(lins) -> nn.Module | None:
         fused.bias = nn.Parameter(cat["bias"], requires_grad=False)
     _point_at(lins, cat, params=("bias",))
     return fused
+
+
+def _zero_kind(szeros: torch.Tensor):
+    """What a layer holds for its zero points: per group (True), none (False) or one implied zero
+    code (its value): layers fuse only where these agree."""
+    return szeros.numel() > 1 or (float(szeros) if szeros.numel() else False)
 
 
 def _point_at(lins, cat: dict, params) -> None:

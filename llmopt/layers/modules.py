@@ -134,11 +134,7 @@ class PackedIntLinear(QuantLinear):
             return dequantize_fast(self.canonical(), dtype)
         kind, gs = self._cpu
         codes = cpu_quant.unpack_int4(self.cpu_codes) if kind == "w4" else self.cpu_codes
-        n, k = codes.shape
-        w = codes.float().view(n, k // gs, gs) * self.cpu_scales[..., None]
-        if self.cpu_szeros.numel():   # (empty: no zero point, a GGUF Q8_0 layer)
-            w = w - self.cpu_szeros[..., None]
-        w = w.view(n, k)
+        w = cpu_quant.grouped_weight(codes, self.cpu_scales, self.cpu_szeros, gs)
         if self.cpu_perm is not None:
             w = torch.empty_like(w).index_copy_(1, self.cpu_perm, w)
         return w.to(dtype)

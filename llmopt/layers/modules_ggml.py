@@ -2,11 +2,12 @@
 
 GGMLLinear: a GGML block-format weight (llmopt.layers.formats.ggml) repacked once into the CPU
 kernels' grouped layout: 4-bit codes as the int4 tiles' nibbles (uint8 [out, in / 2]) where the
-width is a multiple of 64, other widths as int8 codes [out, in]; a scale and scale * zero per group
-of 32 (16 for Q6_K): fp16 as the file stores them for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 (the kernels widen
-them per call), float32 for the K-quants (whose d x sub-scale fp16 does not hold). It is a
-PackedIntLinear, so the fused q/k/v and gate/up, the C++ decode layers and the int8-activation
-tiles take it as they take AWQ and GPTQ layers.
+width is a multiple of 64 (Q4_0 and Q4_1 decoded straight into it), other widths as int8 codes
+[out, in]; a scale per group of 32 (16 for Q6_K) and a scaled zero: fp16 as the file stores them
+for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 (the kernels widen them per call), Q4_0's and Q5_0's zero implied by d
+(one zero code, 8 or 16, for every group: held at the file's bytes), float32 for the K-quants
+(whose d x sub-scale fp16 does not hold). It is a PackedIntLinear, so the fused q/k/v and gate/up,
+the C++ decode layers and the int8-activation tiles take it as they take AWQ and GPTQ layers.
 
 On CUDA the same codes are repacked once for the Triton dequantize-GEMM (llmopt.kernels.w4a16):
 int32 words of 4-bit codes (Q4_0, Q4_1, Q4_K) or 8-bit ones (Q5_x, Q5_K, Q6_K, Q8_0 shifted by
@@ -31,8 +32,9 @@ from llmopt.layers.modules import PackedIntLinear
 
 
 def _store(g: GroupedCodes) -> tuple[str, torch.Tensor]:
-    n, k = g.codes.shape
-    if g.bits == 4 and k % 64 == 0:
+    if g.packed:
+        return "w4", g.codes
+    if g.bits == 4 and g.shape[1] % 64 == 0:
         return "w4", cpu_quant.pack_int4(g.codes)
     return "w8", g.codes.to(torch.int8).contiguous()
 
@@ -41,11 +43,13 @@ def kernel_layout(g: GroupedCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     """(qweight int32 [in / per, out], scales [G, out], zeros [G, out], bits): the Triton kernel's
     layout of `g`, W = (code - zero) * scale within float32 rounding of codes * scale - szero. A
     group whose scale is 0 (a constant group: Q4_1's d = 0) becomes codes 1, zero 0, scale -szero."""
-    n, k = g.codes.shape
+    n, k = g.shape
     bits = 4 if g.bits <= 4 else 8
-    codes = g.codes.to(torch.int32).view(n, k // g.group_size, g.group_size)
+    codes = g.unpacked().to(torch.int32).view(n, k // g.group_size, g.group_size)
     scales = g.scales.float().clone()
-    if g.szeros.numel():
+    if g.szeros.numel() == 1:   # an implied zero code (Q4_0, Q5_0): w = (code - z) * d
+        zeros = torch.full_like(scales, float(g.szeros))
+    elif g.szeros.numel():
         flat = scales == 0
         zeros = torch.where(flat, torch.zeros_like(scales), g.szeros.float() / torch.where(flat, 1.0, scales))
         codes = torch.where(flat[..., None], torch.ones_like(codes), codes)
@@ -61,7 +65,7 @@ class GGMLLinear(PackedIntLinear):
     layout, or with `triton` the Triton kernel's (kernel_layout), placed on `device`."""
 
     def __init__(self, g: GroupedCodes, ggml_type: str, triton: bool = False, device: torch.device | None = None) -> None:
-        out_features, in_features = g.codes.shape
+        out_features, in_features = g.shape
         if triton:
             qweight, scales, zeros, bits = (t.to(device) if torch.is_tensor(t) else t for t in kernel_layout(g))
             super().__init__(in_features, out_features, False, bits=bits, group_size=g.group_size, sym=False)
@@ -122,9 +126,8 @@ class GGMLEmbedding(nn.Module):
         codes = t.cpu_codes[flat]
         if kind == "w4":
             codes = cpu_quant.unpack_int4(codes)
-        w = codes.float().view(flat.numel(), -1, gs) * t.cpu_scales[flat][..., None]
-        if t.cpu_szeros.numel():
-            w = w - t.cpu_szeros[flat][..., None]
+        szeros = t.cpu_szeros[flat] if t.cpu_szeros.numel() > 1 else t.cpu_szeros
+        w = cpu_quant.grouped_weight(codes, t.cpu_scales[flat], szeros, gs)
         return w.view(*ids.shape, self.embedding_dim).to(self.dtype)
 
     def extra_repr(self) -> str:

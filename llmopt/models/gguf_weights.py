@@ -148,12 +148,12 @@ class FloatTensors:
         return dequantized(self.file, self._by_name[name], self.cfg)
 
 
-def _grouped(f: GGUFFile, t: GGUFTensor, cfg):
-    g = decode(t.type_name, f.raw(t), t.shape[1])
+def _grouped(f: GGUFFile, t: GGUFTensor, cfg, pack: bool):
+    g = decode(t.type_name, f.raw(t), t.shape[1], pack=pack)
     heads = _rope_heads(t.name, cfg)
-    if heads:
+    if heads:   # (rows: packed codes permute as they are)
         g.codes, g.scales = unpermute_rope(g.codes, heads), unpermute_rope(g.scales, heads)
-        g.szeros = unpermute_rope(g.szeros, heads) if g.szeros.numel() else g.szeros
+        g.szeros = unpermute_rope(g.szeros, heads) if g.szeros.numel() > 1 else g.szeros
     return g
 
 
@@ -175,7 +175,8 @@ def install(model: nn.Module, path: Path, cfg, dtype: torch.dtype, device: torch
         target = name.removesuffix(".weight")
         runs = kernels and kind in RUN_TYPES and len(t.shape) == 2 and name.endswith(".weight")
         if runs:
-            g = _grouped(f, t, cfg) if tp is None else tp.shard_grouped(name, _grouped(f, t, cfg))
+            g = _grouped(f, t, cfg, pack=not triton)   # (CPU: Q4_x nibbles decoded straight into the kernels' layout)
+            g = g if tp is None else tp.shard_grouped(name, g)
         if runs and target == "model.embed_tokens":
             table = GGMLLinear(g, kind, triton, device)
             model.model.embed_tokens = GGMLEmbedding(table, dtype, owner=not tied)

@@ -124,3 +124,54 @@ def test_fp16_scales_as_stored_give_the_float32_scales_results(idot_path, type_n
         fn = cpu_quant.w4_gemm if kind == "w4" else cpu_quant.w8_gemm
         y16, y32 = fn(x, lin.cpu_codes, scales, szeros, gs), fn(x, lin.cpu_codes, s32, z32, gs)
         assert float((y16 - y32).abs().max()) <= 1e-6 * float(y32.abs().max())
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("k", [576, 1024])
+def test_4bit_blocks_decode_straight_into_the_int4_layout(type_name, k):
+    """At load, Q4_0/Q4_1 nibbles go straight into the int4 kernels' packed layout (no byte-a-code
+    copy): the same bytes pack_int4 makes of the codes, the same layer, and q/k's row unpermutation
+    moves packed rows as it moves codes."""
+    raw, ref = _tensor(type_name, 12, k)
+    plain, packed = decode(type_name, raw, k), decode(type_name, raw, k, pack=True)
+    assert packed.packed and packed.shape == (12, k) and packed.codes.shape == (12, k // 2)
+    assert torch.equal(packed.codes, cpu_quant.pack_int4(plain.codes))
+    assert torch.equal(packed.unpacked(), plain.codes) and torch.equal(packed.dequantize().double(), ref)
+    a, b = GGMLLinear(plain, type_name), GGMLLinear(packed, type_name)
+    assert all(torch.equal(x, y) for x, y in zip(a.buffers(), b.buffers()))
+    from llmopt.models.gguf_weights import unpermute_rope
+    assert torch.equal(cpu_quant.unpack_int4(unpermute_rope(packed.codes, 3)), unpermute_rope(plain.codes, 3))
+
+
+@pytest.mark.parametrize("idot_path", list(IDOT_PATHS), indirect=True)
+@pytest.mark.parametrize("type_name,k", [("Q4_0", 576), ("Q5_0", 352)])
+@pytest.mark.parametrize("m", [1, 2, 16, 64])
+def test_an_implied_zero_code_gives_what_stored_zeros_give(idot_path, type_name, k, m):
+    """Q4_0 and Q5_0 hold d alone, their zero point one code (8, 16) for every group, as the file
+    does: the int8-activation tiles and panels give bit for bit what a stored zero per group (the fp16
+    z * d, exact) gives, the float tiles the same within float32 rounding (as the fp16 scales' test),
+    in float16 and float32 scales."""
+    raw, _ = _tensor(type_name, 43, k, seed=m)
+    lin = GGMLLinear(decode(type_name, raw, k), type_name)
+    kind, gs = lin._cpu
+    assert lin.cpu_szeros.numel() == 1 and float(lin.cpu_szeros) == {"Q4_0": 8, "Q5_0": 16}[type_name]
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
+    fn = cpu_quant.w4_gemm if kind == "w4" else cpu_quant.w8_gemm
+    for scales in (lin.cpu_scales, lin.cpu_scales.float()):
+        stored = (lin.cpu_szeros.float() * scales.float()).to(scales.dtype)
+        for z in (lin.cpu_szeros, lin.cpu_szeros.float()):
+            z = z.to(scales.dtype)
+            got = torch.ops.llmopt_cpu.idot_gemm(x, lin.cpu_codes, scales, z, gs, 2 if kind == "w4" else 1)
+            want = torch.ops.llmopt_cpu.idot_gemm(x, lin.cpu_codes, scales, stored, gs, 2 if kind == "w4" else 1)
+            assert torch.equal(got, want)
+            y, y_stored = fn(x, lin.cpu_codes, scales, z, gs), fn(x, lin.cpu_codes, scales, stored, gs)
+            assert float((y - y_stored).abs().max()) <= 1e-6 * float(y_stored.abs().max())
+
+
+def test_an_implied_zero_code_is_refused_where_it_cannot_hold():
+    codes = torch.zeros(4, 64, dtype=torch.int8)
+    x = torch.randn(1, 64)
+    with pytest.raises(RuntimeError, match="must not be 0"):
+        torch.ops.llmopt_cpu.w8_gemm(x, codes, torch.ones(4, 2), torch.zeros(1), 32)
+    with pytest.raises(RuntimeError, match="needs scales"):
+        torch.ops.llmopt_cpu.idot_gemm(x, codes, torch.ones(1), torch.ones(1), 64, 1)

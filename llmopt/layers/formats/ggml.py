@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from llmopt.ggml_types import BITS
+from llmopt.ggml_types import BITS, ZERO_CODE
+from llmopt.kernels import cpu_quant
 
 _F16 = "<f2"
 BLOCKS = {   # type name -> one block as a numpy struct (field order and sizes as ggml-common.h)
@@ -43,20 +44,29 @@ BLOCKS = {   # type name -> one block as a numpy struct (field order and sizes a
 @dataclass
 class GroupedCodes:
     """W [rows, cols] = codes * scales - szeros per group of `group_size` columns; codes uint8 in
-    [0, 2**bits) (int8 for Q8_0, whose szeros are empty); scales, szeros float32 [rows, cols / gs]."""
+    [0, 2**bits) (int8 for Q8_0), or with `packed` 4-bit codes in the int4 kernels' nibble layout
+    (llmopt.kernels.cpu_quant.pack_int4: uint8 [rows, cols / 2]); scales float32 [rows, cols / gs];
+    szeros like them, or empty (no zero point: Q8_0), or one zero code z for every group, sz = z *
+    scales (Q4_0's 8, Q5_0's 16: as llama.cpp, held from the file's d alone; cpu_quant.zero_term)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     szeros: torch.Tensor
     bits: int
     group_size: int
+    packed: bool = False
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows, width = self.codes.shape
+        return rows, width * 2 if self.packed else width
+
+    def unpacked(self) -> torch.Tensor:
+        """The codes [rows, cols], a byte each."""
+        return cpu_quant.unpack_int4(self.codes) if self.packed else self.codes
 
     def dequantize(self) -> torch.Tensor:
-        n, k = self.codes.shape
-        w = self.codes.float().view(n, k // self.group_size, self.group_size) * self.scales[..., None]
-        if self.szeros.numel():
-            w = w - self.szeros[..., None]
-        return w.view(n, k)
+        return cpu_quant.grouped_weight(self.unpacked(), self.scales, self.szeros, self.group_size)
 
 
 def _t(a: np.ndarray) -> torch.Tensor:
@@ -87,9 +97,30 @@ def _k_scales(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate((lo_s, hi_s), -1), np.concatenate((lo_m, hi_m), -1)
 
 
-def decode(type_name: str, raw: np.ndarray, cols: int) -> GroupedCodes:
+def _packed_nibbles(qs: np.ndarray) -> np.ndarray:
+    """Q4_0/Q4_1 quants [rows, blocks, 16] (blocks even) straight into pack_int4's layout [rows,
+    blocks * 16]: per pair of blocks A, B (64 columns), byte j < 16 holds columns j and 32 + j (A's
+    and B's low nibbles), byte 16 + j columns 16 + j and 48 + j (their high nibbles). One temporary
+    of a quarter of the codes' bytes: no byte-a-code copy of the tensor."""
+    rows, blocks, _ = qs.shape
+    pair = qs.reshape(rows, blocks // 2, 2, 16)
+    a, b = pair[:, :, 0], pair[:, :, 1]
+    out = np.empty((rows, blocks // 2, 32), np.uint8)
+    tmp = np.empty((rows, blocks // 2, 16), np.uint8)
+    np.bitwise_and(a, 0xF, out=out[..., :16])
+    np.bitwise_and(b, 0xF, out=tmp)
+    np.left_shift(tmp, 4, out=tmp)
+    np.bitwise_or(out[..., :16], tmp, out=out[..., :16])
+    np.right_shift(a, 4, out=out[..., 16:])
+    np.bitwise_and(b, 0xF0, out=tmp)
+    np.bitwise_or(out[..., 16:], tmp, out=out[..., 16:])
+    return out.reshape(rows, blocks * 16)
+
+
+def decode(type_name: str, raw: np.ndarray, cols: int, pack: bool = False) -> GroupedCodes:
     """A tensor's rows of blocks (uint8 [rows, bytes a row], e.g. a GGUFReader tensor's data) as
-    grouped codes [rows, cols]."""
+    grouped codes [rows, cols]; `pack`: 4-bit codes (Q4_0, Q4_1) of a width that is a multiple of 64
+    come straight in the int4 kernels' packed layout."""
     if type_name not in BLOCKS:
         raise ValueError(f"GGML type {type_name} has no grouped-integer decoder")
     rows = raw.shape[0]
@@ -97,14 +128,13 @@ def decode(type_name: str, raw: np.ndarray, cols: int) -> GroupedCodes:
     d = b["d"].astype(np.float32)
     empty = torch.empty(0)
     if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        szero = _f32(-b["m"]) if type_name.endswith("_1") else torch.tensor([ZERO_CODE[type_name]])
+        if pack and type_name.startswith("Q4") and cols % 64 == 0:
+            return GroupedCodes(_t(_packed_nibbles(b["qs"])), _f32(d), szero, 4, 32, packed=True)
         q = _nibbles(b["qs"])
         if type_name.startswith("Q5"):
             q = q | _high_bits(b["qh"])
-        if type_name.endswith("_0"):
-            szero = d * (8 if type_name == "Q4_0" else 16)
-        else:
-            szero = -b["m"].astype(np.float32)
-        return GroupedCodes(_t(q.reshape(rows, cols)), _f32(d), _f32(szero), BITS[type_name], 32)
+        return GroupedCodes(_t(q.reshape(rows, cols)), _f32(d), szero, BITS[type_name], 32)
     if type_name == "Q8_0":
         return GroupedCodes(_t(b["qs"].reshape(rows, cols)), _f32(d), empty, 8, 32)
     if type_name in ("Q4_K", "Q5_K"):
