@@ -16,15 +16,22 @@ ZERO_CODE = {"Q4_0": 8.0, "Q5_0": 16.0}
 NO_ZERO = ("Q8_0",)
 
 
-def held_bytes(type_name: str, shape: tuple[int, ...], float_bytes: int = 4) -> int:
+def held_bytes(type_name: str, shape: tuple[int, ...], float_bytes: int = 4, device: str = "cpu") -> int:
     """The bytes the CPU engine holds for a GGUF tensor (GGMLLinear's buffers): 4-bit codes packed
     two a byte where the width is a multiple of 64, else a byte a code, and a scale and a scaled zero
     per group (the scale alone where the zero is implied or none), fp16 for HALF_SCALE_TYPES, else
     float32; an F16 / BF16 matrix as stored; a tensor of another type, or not 2-D, dequantized to
-    `float_bytes` an element. (A Q4_0 matrix 64 wide or more: the file's bytes and 2.)"""
+    `float_bytes` an element. (A Q4_0 matrix 64 wide or more: the file's bytes and 2.)
+    On CUDA (`device` not "cpu"): 4-bit codes (Q4_x, Q4_K) or 8-bit ones in int32 words, a float32
+    scale and zero point per group; every other tensor in the model's dtype (`float_bytes`)."""
     numel = 1
     for d in shape:
         numel *= d
+    if device != "cpu":   # CUDA: the Triton dequantize-GEMM's layout (llmopt.layers.modules_ggml.kernel_layout)
+        if type_name not in RUN_TYPES or len(shape) != 2:
+            return numel * float_bytes   # dequantized to the model's dtype, F16 / BF16 matrices included
+        rows, cols = shape
+        return (numel // 2 if BITS[type_name] <= 4 else numel) + rows * (cols // GROUP[type_name]) * 8
     if type_name in FLOAT16_TYPES and len(shape) == 2:
         return numel * 2
     if type_name not in RUN_TYPES or len(shape) != 2:

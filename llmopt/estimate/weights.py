@@ -22,7 +22,9 @@ is then counted from its config, not its stored tensors. A 16-bit float checkpoi
 matrices 16-bit there (`--dtype auto`), its norms and biases float32. A GGUF file on the CPU is counted as the
 engine holds it (llmopt.ggml_types.held_bytes: its block types repacked with their group
 scales, fp16 as stored for Q4_x / Q5_x / Q8_0 and float32 for the K-quants, F16 / BF16 matrices as
-stored, other types dequantized to float32).
+stored, other types dequantized to float32); on a GPU too, as the Triton kernels hold it (4- or
+8-bit codes, a float32 scale and zero point per group; the rest in the model's dtype), not the
+file's bytes (vLLM's convention; our repacked layout holds more: 6 bits a Q4_1 weight).
 """
 
 from __future__ import annotations
@@ -165,8 +167,10 @@ def weight_memory(arch: ModelArch, fmt: str = "auto", group_size: int | None = N
         tied_head = arch.tie_word_embeddings
         tensors = [t for t in arch.tensors if not (tied_head and t.name in ("lm_head.weight", "output.weight"))
                    and t.name != "rope_freqs.weight"]   # (Llama 3.x GGUF: RoPE factors, not a weight)
-        if cpu and arch.source in ("gguf", "builtin"):   # a GGUF as the CPU engine holds it (each rank its slices)
-            tensors = [TensorInfo(t.name, t.shape, t.dtype, held_bytes(t.dtype, t.shape)) for t in tensors]
+        if arch.source in ("gguf", "builtin"):   # a GGUF as the engine holds it (each rank its slices)
+            fb = 4 if cpu else FLOAT_FORMATS.get(arch.serving_dtype, 2)
+            tensors = [TensorInfo(t.name, t.shape, t.dtype, held_bytes(t.dtype, t.shape, fb, device))
+                       for t in tensors]
         elif arch.source not in ("gguf", "builtin") and not arch.quantization_config:
             tensors = [_as_held(t, arch) for t in tensors]
         by: dict[str, int] = {}

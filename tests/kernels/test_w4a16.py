@@ -121,14 +121,16 @@ def _ggml(type_name, n, k, seed=0):
 @pytest.mark.parametrize("M", [1, 3, 16])
 def test_gguf_blocks_repacked_for_the_kernel(type_name, M):
     """A GGUF tensor on CUDA: its blocks repacked once into the kernel's layout multiply equal to a
-    float64 product of the gguf package's dequantization (within float32 rounding), and the token
-    table's rows decode from that layout alone."""
+    float64 product of the gguf package's dequantization (within float32 rounding), the token
+    table's rows decode from that layout alone, and it holds what kv-estimate counts for a GPU."""
+    from llmopt.ggml_types import held_bytes
     from llmopt.layers.modules_ggml import GGMLEmbedding, GGMLLinear
     n, k = 48, 256 if type_name.endswith("_K") else 96
     g, ref = _ggml(type_name, n, k, seed=M)
     lin = GGMLLinear(g, type_name, triton=True)
     qweight, scales, zeros, perm, gs = lin._kernel
     assert perm is None and lin.bits == (4 if type_name in ("Q4_0", "Q4_1", "Q4_K") else 8)
+    assert sum(t.nbytes for t in (qweight, scales, zeros)) == held_bytes(type_name, (n, k), device="cuda")
     assert qweight.dtype == torch.int32 and qweight.shape == (k * lin.bits // 32, n) and not lin._buffers
     x = torch.randn(M, k, generator=torch.Generator().manual_seed(M))
     want = x.double() @ ref.t()
