@@ -11,6 +11,11 @@ For each round (alternating, each system alone on the machine, each in its own p
 
     scripts/peer_llamacpp.sh tools      # builds .venv-llamacpp/bin/llama-bench
     python scripts/bench_gguf.py [--model FILE.gguf] [--rounds 2] [--threads 2]
+    python scripts/bench_gguf.py --synthetic Q4_K,Q6_K --activations int8   # K-quants (speed only)
+
+`--synthetic TYPES`: for each GGML type a 0.5B-parameter llama-shaped file (hidden 2048, MLP 8192,
+8 layers, 32 heads, 8 KV heads; a 97-token vocabulary) of random blocks of that type, written to a
+temporary folder (no K-quant model ships with the toolkit; the numbers are speed and memory only).
 """
 
 from __future__ import annotations
@@ -76,7 +81,8 @@ bos = engine.loaded.config.bos_token_id or 1
 run([bos] * 16, 8)                                # warm-up
 pp, tg = [], []
 for i in range(3):
-    prompt = [100 + (i * 7919 + j * 37) % 30000 for j in range(512)]
+    vocab = engine.loaded.config.vocab_size   # (a synthetic file's 97 tokens too)
+    prompt = [(100 + i * 7919 + j * 37) % vocab for j in range(512)]
     t = time.perf_counter()
     run(prompt, 1)
     pp.append(512 / (time.perf_counter() - t))
@@ -125,8 +131,29 @@ def main() -> None:
     ap.add_argument("--llama-bench", default=str(ROOT / ".venv-llamacpp" / "bin" / "llama-bench"))
     ap.add_argument("--activations", default="int8,float",
                     help="llmopt's runs: int8 (the default) and/or float activations, comma-separated")
+    ap.add_argument("--synthetic", help="GGML types, comma-separated: a synthetic 0.5B file of each (above)")
     a = ap.parse_args()
-    model = Path(a.model) if a.model else builtin_gguf(defaults.DEFAULT_MODEL)
+    if a.synthetic:
+        with tempfile.TemporaryDirectory() as tmp:
+            for kind in a.synthetic.split(","):
+                print(f"== synthetic 0.5B {kind}", flush=True)
+                bench(synthetic(Path(tmp), kind.strip().upper()), a)
+        return
+    bench(Path(a.model) if a.model else builtin_gguf(defaults.DEFAULT_MODEL), a)
+
+
+def synthetic(folder: Path, kind: str) -> Path:
+    sys.path.insert(0, str(ROOT / "tests"))   # the tests' GGUF writer: random blocks of any run type
+    from types import SimpleNamespace
+    from gguf_util import write_random_gguf
+    path = folder / f"synthetic-0.5b.{kind}.gguf"
+    write_random_gguf(path, SimpleNamespace(vocab_size=97, hidden_size=2048, intermediate_size=8192,
+                                            num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=8,
+                                            head_dim=64, max_position_embeddings=2048, rms_norm_eps=1e-5), kind)
+    return path
+
+
+def bench(model: Path, a) -> None:
     acts = [x.strip() for x in a.activations.split(",") if x.strip()]
     rows = []
     for i in range(a.rounds):

@@ -18,6 +18,7 @@ import torch
 
 from llmopt.distributed.plan import TPPlan
 from llmopt.errors import ModelLoadError, UserInputError
+from llmopt.kernels.cpu_quant import group_columns
 from llmopt.layers.formats.ggml import GroupedCodes
 from llmopt.layers.shard_quant import is_quantized_tensor, read_whole, shard_quantized, tensor_shape
 from llmopt.layers.tp import layout
@@ -91,7 +92,7 @@ def shard_grouped(name: str, g: GroupedCodes, plan: TPPlan, rank: int) -> Groupe
         cut_groups = cut_groups or cut_codes
         packed = g.packed and codes is None
         return GroupedCodes(cut_codes(g.codes if codes is None else codes), cut_groups(g.scales),
-                            cut_groups(g.szeros) if g.szeros.numel() > 1 else g.szeros, g.bits, g.group_size,
+                            cut_groups(g.szeros) if g.szeros.dim() == 2 else g.szeros, g.bits, g.group_size,
                             packed=packed)
 
     if how == "column":
@@ -104,8 +105,15 @@ def shard_grouped(name: str, g: GroupedCodes, plan: TPPlan, rank: int) -> Groupe
             raise ModelLoadError(f"{name}: {k} input columns do not split into {plan.world_size} "
                                  f"parts of whole {g.group_size}-column blocks")
         blocks = step // g.group_size
+
+        def cut_groups(t):   # (a K-quant's sub-scales: in whole 256-column super-blocks)
+            try:
+                return group_columns(t, g.groups, rank * blocks, (rank + 1) * blocks)
+            except ValueError:
+                raise ModelLoadError(f"{name}: {k} input columns do not split into {plan.world_size} parts of "
+                                     "whole 256-column super-blocks") from None
         return each(lambda t: t[:, rank * step:(rank + 1) * step].contiguous(),   # (packed codes: unpacked)
-                    lambda t: t[:, rank * blocks:(rank + 1) * blocks].contiguous(), codes=g.unpacked())
+                    cut_groups, codes=g.unpacked())
     start, stop = plan.vocab_range(rank)
     pad = plan.vocab_per_rank - (stop - start)
     return each(lambda t: torch.cat([t[start:stop], t.new_zeros((pad, *t.shape[1:]))]) if pad

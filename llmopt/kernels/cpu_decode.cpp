@@ -25,7 +25,11 @@
 
 #include "cpu_quant_tiles.h"
 
-namespace llmopt_cpu_tiles { float zero_code(const at::Tensor& sz); }   // cpu_quant.cpp
+namespace llmopt_cpu_tiles {   // cpu_quant.cpp
+bool is_zero_code(const at::Tensor& sz);
+float zero_code(const at::Tensor& sz);
+KScales k_scales(const at::Tensor& t, int64_t N, int64_t G, const char* what);
+}
 #define LLMOPT_IDOT_NS avx2
 #include "cpu_idot_tiles.h"
 #undef LLMOPT_IDOT_NS
@@ -109,6 +113,7 @@ struct Lin {
     at::Tensor w, s, sz, bias, perm;
     bool idot;   // integer dot products with int8 activations allowed (cpu_idot_tiles.h)
     float zc;    // an implied zero code (szeros given as one value, Args::zc), else 0
+    KScales ks, kz;   // K-quant sub-scales (Args::ks, kz), pointing into s / sz
 };
 
 struct Scratch {   // per-call buffers of the linears
@@ -173,8 +178,10 @@ void linear(const Lin& l, const float* x, int64_t M, float* y, int64_t ldy, bool
         a.s = static_cast<const float*>(l.s.data_ptr());
         a.s_stride = l.s.numel() == 1 ? 0 : a.G;
     }
-    const float* sz = l.sz.defined() ? static_cast<const float*>(l.sz.data_ptr()) : nullptr;
+    const float* sz = l.sz.defined() && l.kz.p == nullptr ? static_cast<const float*>(l.sz.data_ptr()) : nullptr;
     a.zc = l.zc;
+    a.ks = l.ks;
+    a.kz = l.kz;
     const uint8_t* w = static_cast<const uint8_t*>(l.w.data_ptr());
     // int8 activations: the integer panels (VNNI) or tiles; without VNNI, from f32_panel_rows rows the
     // float panels (float activations) beat the AVX2 integer tiles
@@ -529,7 +536,7 @@ Lin make_lin(int64_t kind, const at::Tensor& w, const at::Tensor& s, const at::T
     if (is_float(kind) || kind == KF8) gs = K;
     TORCH_CHECK(K % 8 == 0 && gs > 0 && gs % 8 == 0 && K % gs == 0, "K must be a multiple of 8 and of the group size");
     TORCH_CHECK(kind != KW4 || (K % 64 == 0 && (gs == 32 || gs % 64 == 0)), "int4 needs K % 64 == 0, group 32 or k*64");
-    Lin l{kind, N, K, gs, w, {}, {}, {}, {}, false, 0.f};
+    Lin l{kind, N, K, gs, w, {}, {}, {}, {}, false, 0.f, {}, {}};
     if ((kind == KW8 || kind == KW4) && gs % QB == 0) {
         l.idot = true;
         if (kind == KW8 && scan) {
@@ -538,13 +545,19 @@ Lin make_lin(int64_t kind, const at::Tensor& w, const at::Tensor& s, const at::T
         }
     }
     if (!is_float(kind)) {
-        check_scales(s, kind, "scales");
-        TORCH_CHECK(s.numel() == N * (K / gs) || (kind != KW4 && s.numel() == 1) ||
-                    (kind == KF8 && s.numel() == N), "scales must be [N, K / group_size] (or one)");
+        if (kind == KW4 || kind == KW8) l.ks = k_scales(s, N, K / gs, "scales");
+        if (l.ks.p == nullptr) {
+            check_scales(s, kind, "scales");
+            TORCH_CHECK(s.numel() == N * (K / gs) || (kind != KW4 && s.numel() == 1) ||
+                        (kind == KF8 && s.numel() == N), "scales must be [N, K / group_size] (or one)");
+        }
         l.s = s;
     }
-    if (sz.defined() && sz.numel() == 1) {   // an implied zero code: sz = z * s per group
-        TORCH_CHECK(s.numel() == N * (K / gs), "an implied zero point needs scales [N, K / group_size]");
+    if ((kind == KW4 || kind == KW8) && sz.defined()) l.kz = k_scales(sz, N, K / gs, "szeros");
+    if (l.kz.p != nullptr) {
+        l.sz = sz;
+    } else if (is_zero_code(sz)) {   // an implied zero code: sz = z * s per group
+        TORCH_CHECK(s.numel() == N * (K / gs) || l.ks.p != nullptr, "an implied zero point needs scales [N, K / group_size]");
         l.zc = zero_code(sz);
     } else if (sz.defined() && sz.numel()) {
         check_scales(sz, kind, "szeros");

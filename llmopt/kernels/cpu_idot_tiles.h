@@ -174,28 +174,19 @@ inline void itile(const Args& a, const QX& qx, const uint8_t* w, bool int4, int6
 }
 
 // y = quantize_x(x) @ W^T through the tiles: each thread a range of 8-row tiles, x's rows two by two
-inline void run_tiles(const Args& a, const QX& qx, const uint8_t* w, bool int4) {
-    split_rows(a.N, [&](int64_t n0, int64_t n1) {
-        // fp16 scales (a GGUF's d and m, as stored) and implied zeros (zc * s): made float32 64 rows at
-        // a time into buffers that stay in L1
+inline void run_tiles(const Args& a0, const QX& qx, const uint8_t* w, bool int4) {
+    split_rows(a0.N, [&](int64_t n0, int64_t n1) {
+        // fp16 scales (a GGUF's d and m, as stored), K-quant sub-scales and implied zeros: made float32
+        // 64 rows at a time into buffers that stay in L1 (Widened)
         constexpr int64_t SUB = 64;
-        const bool implied = a.sz == nullptr && a.zc != 0.f, buffered = a.half || implied;
-        std::vector<float> ws(a.half ? SUB * a.G : 0), wz(buffered && has_zero(a) ? SUB * a.G : 0);
-        int64_t wrow = n0;   // the first row the buffers hold
+        const bool wide = Widened::needed(a0, true);
+        Widened wb;
+        Args a = a0;
         for (int64_t n = n0; n < n1; n += 8) {
             const int64_t nr = std::min<int64_t>(8, n1 - n);
-            if (buffered && (n - n0) % SUB == 0) {
-                const int64_t cnt = std::min<int64_t>(SUB, n1 - n) * a.G;
-                if (a.half) widen_half(reinterpret_cast<const uint16_t*>(a.s) + n * a.G, cnt, ws.data());
-                const float* s = a.half ? ws.data() : a.s + n * a.G;
-                if (implied)
-                    for (int64_t i = 0; i < cnt; ++i) wz[i] = a.zc * s[i];
-                else if (a.sz != nullptr)
-                    widen_half(reinterpret_cast<const uint16_t*>(a.sz) + n * a.G, cnt, wz.data());
-                wrow = n;
-            }
-            const float* sp = a.half ? ws.data() + (n - wrow) * a.G : a.s_stride == 0 ? a.s : a.s + n * a.s_stride;
-            const float* zp = !has_zero(a) ? nullptr : buffered ? wz.data() + (n - wrow) * a.G : a.sz + n * a.G;
+            if (wide && (n - n0) % SUB == 0) a = wb.rows(a0, n, std::min<int64_t>(n1, n + SUB));
+            const float* sp = a.s_stride == 0 ? a.s : a.s + (n - a.s_row0) * a.s_stride;
+            const float* zp = has_zero(a) ? a.sz + (n - a.s_row0) * a.G : nullptr;
             int64_t m = 0;
             for (; m + 2 <= a.M; m += 2) itile<2>(a, qx, w, int4, n, nr, m, sp, zp);
             if (m < a.M) itile<1>(a, qx, w, int4, n, nr, m, sp, zp);
@@ -257,8 +248,8 @@ inline void pack_panel(const Args& a, const uint8_t* w, bool int4, int64_t n0, P
     }
     for (int r = 0; r < PR && n0 + r < a.N; ++r)
         for (int64_t g = 0; g < G; ++g) {
-            p.s[g * PR + r] = scale_at(a, (n0 + r) * a.s_stride + g);
-            if (has_zero(a)) p.sz[g * PR + r] = szero_at(a, (n0 + r) * G + g);
+            p.s[g * PR + r] = scale_at(a, n0 + r, g);
+            if (has_zero(a)) p.sz[g * PR + r] = szero_at(a, n0 + r, g);
         }
 }
 

@@ -9,6 +9,7 @@
 //       column 64b + 32 + j in its high nibble (no interleave to undo); W = (q - z) * s, sz = s * z.
 // szeros (sz) may also be empty (no zero point) or one value z: the same zero code for every group,
 // sz = s * z formed where read (llama.cpp's Q4_0 and Q5_0, held as the file holds them: d alone).
+// scales and szeros may also come as a K-quant's sub-scales (uint8 / int8 [N, G + 2 G / per]: KScales).
 // - f8: float8 e4m3fn bytes [N, K], one scale per row (or one for all); W = f8 * s.
 // With groups, sum_k x W = sum_g s_g (sum_{k in g} x_k q_k) - sum_g sz_g (sum_{k in g} x_k): the
 // second term uses the per-group sums of x, computed once per call.
@@ -28,13 +29,34 @@
 #include "cpu_quant_tiles.h"
 
 namespace llmopt_cpu_tiles {
-// szeros given as one value z: an implied zero point, sz = z * s per group (Args::zc)
+// szeros given as one value z (a 1-d tensor [1]; stored ones are [N, G]): an implied zero point,
+// sz = z * s per group (Args::zc)
+bool is_zero_code(const at::Tensor& sz) { return sz.defined() && sz.dim() == 1 && sz.numel() == 1; }
+
 float zero_code(const at::Tensor& sz) {
-    TORCH_CHECK(sz.numel() == 1 && (sz.scalar_type() == at::kFloat || sz.scalar_type() == at::kHalf) &&
+    TORCH_CHECK(is_zero_code(sz) && (sz.scalar_type() == at::kFloat || sz.scalar_type() == at::kHalf) &&
                 sz.device().is_cpu(), "an implied zero code must be one float32 or float16 CPU value");
     float z = sz.scalar_type() == at::kHalf ? static_cast<float>(sz.data_ptr<at::Half>()[0]) : sz.data_ptr<float>()[0];
     TORCH_CHECK(z != 0.f, "an implied zero code must not be 0 (give empty szeros for no zero point)");
     return z;
+}
+
+// scales or szeros as a K-quant holds them (uint8 sub-scales, int8 where signed: [N, G + 2 G / per],
+// per a power of two; KScales): its KScales, or one with p null for any other dtype
+KScales k_scales(const at::Tensor& t, int64_t N, int64_t G, const char* what) {
+    KScales k;
+    if (!t.defined() || (t.scalar_type() != at::kByte && t.scalar_type() != at::kChar)) return k;
+    TORCH_CHECK(t.is_contiguous() && t.device().is_cpu() && t.dim() == 2 && t.size(0) == N && t.size(1) > G,
+                what, " as K-quant sub-scales must be a contiguous CPU tensor [N, G + 2 G / per]");
+    const int64_t S = (t.size(1) - G) / 2;
+    TORCH_CHECK(S > 0 && G + 2 * S == t.size(1) && G % S == 0 && G / S >= 8 && ((G / S) & (G / S - 1)) == 0, what,
+                ": ", G, " groups a row do not make super-blocks of a power of two (8 or more) groups");
+    k.p = static_cast<const uint8_t*>(t.data_ptr());
+    k.row = t.size(1);
+    k.G = G;
+    k.shift = __builtin_ctzll(static_cast<unsigned long long>(G / S));
+    k.sgn = t.scalar_type() == at::kChar;
+    return k;
 }
 }  // namespace llmopt_cpu_tiles
 
@@ -52,18 +74,23 @@ Args make_args(const at::Tensor& x, int64_t N, int64_t K, int64_t gs, const at::
     check_x(x, K);
     TORCH_CHECK(gs % 8 == 0 && K % gs == 0, "group size must be a multiple of 8 dividing K");
     const auto st = scales.scalar_type();
-    TORCH_CHECK((st == at::kFloat || st == at::kHalf) && scales.is_contiguous() && scales.numel() == N * (K / gs),
-                "scales must be float32 or float16 [N, K / group_size]");
-    const bool implied = szeros.numel() == 1, z = szeros.numel() > 1;
-    TORCH_CHECK(szeros.numel() <= 1 || (szeros.numel() == scales.numel() && szeros.scalar_type() == st &&
-                szeros.is_contiguous()), "szeros must be empty, one zero code, or like scales");
     int64_t M = x.size(0), G = K / gs;
+    const KScales ks = k_scales(scales, N, G, "scales"), kz = k_scales(szeros, N, G, "szeros");
+    TORCH_CHECK(ks.p != nullptr || ((st == at::kFloat || st == at::kHalf) && scales.is_contiguous() &&
+                scales.numel() == N * G), "scales must be float32 or float16 [N, K / group_size], or K-quant sub-scales");
+    const bool implied = is_zero_code(szeros), z = kz.p == nullptr && !implied && szeros.numel() > 0;
+    TORCH_CHECK(!z || (ks.p == nullptr && szeros.numel() == scales.numel() && szeros.scalar_type() == st &&
+                szeros.is_contiguous()), "szeros must be empty, one zero code, like scales, or K-quant sub-scales");
     const float* xp = x.data_ptr<float>();
-    if (z || implied) group_sums(xp, M, K, gs, xsum);
+    const bool zero = z || implied || kz.p != nullptr;
+    if (zero) group_sums(xp, M, K, gs, xsum);
     y = at::empty({M, N}, x.options());
-    return Args{xp, M, K, N, gs, G, static_cast<const float*>(scales.data_ptr()), G,
-                z ? static_cast<const float*>(szeros.data_ptr()) : nullptr, z || implied ? xsum.data() : nullptr,
-                y.data_ptr<float>(), N, st == at::kHalf, implied ? zero_code(szeros) : 0.f};
+    Args a{xp, M, K, N, gs, G, static_cast<const float*>(scales.data_ptr()), G,
+           z ? static_cast<const float*>(szeros.data_ptr()) : nullptr, zero ? xsum.data() : nullptr,
+           y.data_ptr<float>(), N, st == at::kHalf, implied ? zero_code(szeros) : 0.f};
+    a.ks = ks;
+    a.kz = kz;
+    return a;
 }
 
 // y = x @ ((codes - z') * s)^T; codes int8 [N, K]; scales, szeros float32 or float16 [N, G] (szeros may be

@@ -119,24 +119,54 @@ def _sliced(x: torch.Tensor, n: int, dequant) -> torch.Tensor:
     return y
 
 
-def zero_term(scales: torch.Tensor, szeros: torch.Tensor) -> torch.Tensor | None:
-    """The kernels' scaled zero points [N, G] (float32) from what a layer holds: szeros [N, G] as
-    they are; one value z, an implied zero code the same for every group (llama.cpp's Q4_0 and Q5_0,
-    held as the file holds them): z * scales; empty: None (no zero point)."""
-    if szeros.numel() == 1:
-        return szeros.float() * scales.float()
-    return szeros.float() if szeros.numel() else None
+K_SCALE_DTYPES = (torch.uint8, torch.int8)
+
+
+def group_scales(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """Float32 [N, G] of what a layer holds as group scales (or scaled zeros): float32 / float16 as
+    they are; a K-quant's as its GGUF holds them (uint8 sub-scales, int8 where signed, [N, G + 2 G /
+    per]: a row's G sub-scales, then its fp16 super-block scales, one per `per` groups) multiplied
+    out, exact in float32 (the kernels' KScales)."""
+    if t.dtype not in K_SCALE_DTYPES:
+        return t.float()
+    sub, sup = t[:, :groups].float(), t[:, groups:].contiguous().view(torch.float16).float()
+    return sub * sup.repeat_interleave(groups // sup.shape[1], dim=1)
+
+
+def group_columns(t: torch.Tensor, groups: int, g0: int, g1: int) -> torch.Tensor:
+    """Groups g0..g1 of every row of scales or scaled zeros as a layer holds them (float [N, G], or
+    K-quant sub-scales with their super-block scales: g0 and g1 then whole super-blocks)."""
+    if t.dtype not in K_SCALE_DTYPES:
+        return t[:, g0:g1].contiguous()
+    per = groups // ((t.shape[1] - groups) // 2)
+    if g0 % per or g1 % per:
+        raise ValueError(f"groups {g0}..{g1} are not whole super-blocks of {per}")
+    return torch.cat([t[:, g0:g1], t[:, groups + 2 * (g0 // per):groups + 2 * (g1 // per)]], dim=1).contiguous()
+
+
+def is_zero_code(szeros: torch.Tensor) -> bool:
+    """One zero code z for every group (a 1-d tensor [1]; stored scaled zeros are [N, G])."""
+    return szeros.dim() == 1 and szeros.numel() == 1
+
+
+def zero_term(scales: torch.Tensor, szeros: torch.Tensor, groups: int) -> torch.Tensor | None:
+    """The kernels' scaled zero points [N, G] (float32) from what a layer holds: stored ones (float
+    or K-quant sub-scales, group_scales); one zero code z the same for every group (llama.cpp's
+    Q4_0, Q5_0 and Q6_K, held as the file holds them): z * the scales; empty: None (no zero point)."""
+    if is_zero_code(szeros):
+        return szeros.float() * group_scales(scales, groups)
+    return group_scales(szeros, groups) if szeros.numel() else None
 
 
 def _rows(szeros: torch.Tensor, a: int, b: int) -> torch.Tensor:
-    return szeros[a:b] if szeros.numel() > 1 else szeros   # (one zero code or none: every row's)
+    return szeros if szeros.dim() == 1 else szeros[a:b]   # (one zero code or none: every row's)
 
 
 def grouped_weight(codes: torch.Tensor, scales, szeros, gs: int) -> torch.Tensor:
     """Float32 W [N, K] = codes * s - sz per group of gs columns (codes unpacked [N, K])."""
     n, k = codes.shape
-    w = codes.float().view(n, k // gs, gs) * scales.float()[..., None]
-    z = zero_term(scales, szeros)
+    w = codes.float().view(n, k // gs, gs) * group_scales(scales, k // gs)[..., None]
+    z = zero_term(scales, szeros, k // gs)
     if z is not None:
         w = w - z[..., None]
     return w.view(n, k)
@@ -150,7 +180,8 @@ def _kernel(x: torch.Tensor):
 
 def w8_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, szeros: torch.Tensor, gs: int):
     """x [M, K] float32 @ ((codes - z) * s)^T; codes int8 [N, K]; scales [N, K / gs] float32 or
-    float16; szeros s * z like them, or empty, or one zero code z (zero_term)."""
+    float16 (or K-quant sub-scales: group_scales); szeros s * z like them, or empty, or one zero code
+    z (zero_term)."""
     o = _kernel(x)
     if o is not None:
         return o.w8_gemm(x, codes, scales, szeros, gs)

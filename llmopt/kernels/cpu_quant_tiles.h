@@ -3,6 +3,7 @@
 #pragma once
 #include <immintrin.h>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -102,28 +103,52 @@ struct F8 {   // e4m3fn bits -> float32 exactly: moved up into f16 bits (value *
     }
 };
 
+// A K-quant's group scales (or scaled zeros) as its GGUF holds them: per row, G sub-scales (a byte
+// each: Q4_K/Q5_K's 6-bit scales and mins, Q6_K's signed 8-bit scales) then G >> shift fp16
+// super-block scales (d, dmin); group g's value d[g >> shift] * sub[g], exact in float32 as the
+// file's products are.
+struct KScales {
+    const uint8_t* p = nullptr;
+    int64_t row = 0, G = 0;    // bytes a row: G + 2 (G >> shift)
+    int shift = 0;
+    bool sgn = false;          // signed sub-scales (Q6_K)
+    float at(int64_t n, int64_t g) const {
+        const uint8_t* r = p + n * row;
+        uint16_t h;
+        std::memcpy(&h, r + G + 2 * (g >> shift), 2);
+        return _cvtsh_ss(h) * (sgn ? static_cast<float>(static_cast<int8_t>(r[g])) : static_cast<float>(r[g]));
+    }
+};
+
 struct Args {
     const float* x; int64_t M, K, N, gs, G;
     const float* s; int64_t s_stride;   // scales: row n, group g at s[n * s_stride + g]
-    const float* sz;                    // scale * zero [N, G] or nullptr (see zc)
-    const float* xsum;                  // per-group sums of x [M, G] (with sz)
+    const float* sz;                    // scale * zero [N, G] or nullptr (see zc, kz)
+    const float* xsum;                  // per-group sums of x [M, G] (with a zero point)
     float* y;
     int64_t ldy;                        // y's row stride (N, or wider when y is a slice of columns)
     bool half = false;                  // s and sz hold fp16 bits (a GGUF's d and m as stored): read
                                         // through scale_at / szero_at, or widened (run_tiles)
     float zc = 0.f;                     // with sz null, an implied zero code: sz = zc * s per group, as
                                         // llama.cpp derives Q4_0's 8d and Q5_0's 16d (held as the file: d only)
+    KScales ks, kz;                     // with ks.p / kz.p set: the scales / scaled zeros as a K-quant
+                                        // holds them (s / sz unused; s_stride G)
+    int64_t s_row0 = 0;                 // s and sz hold rows from this one on (Widened's buffers)
 };
 
 // whether a has a zero-point term (stored, or implied by zc)
-inline bool has_zero(const Args& a) { return a.sz != nullptr || a.zc != 0.f; }
+inline bool has_zero(const Args& a) { return a.sz != nullptr || a.zc != 0.f || a.kz.p != nullptr; }
 
-// scale i and scaled zero i of a (float32, or fp16 widened as read)
-inline float scale_at(const Args& a, int64_t i) {
+// the scale and scaled zero of row n, group g (float32, or fp16 / K-quant sub-scales widened as read)
+inline float scale_at(const Args& a, int64_t n, int64_t g) {
+    if (a.ks.p != nullptr) return a.ks.at(n, g);
+    const int64_t i = (n - a.s_row0) * a.s_stride + g;
     return a.half ? _cvtsh_ss(reinterpret_cast<const uint16_t*>(a.s)[i]) : a.s[i];
 }
-inline float szero_at(const Args& a, int64_t i) {   // (an implied zero: scales are [N, G], s_stride G)
-    if (a.sz == nullptr) return a.zc * scale_at(a, i);
+inline float szero_at(const Args& a, int64_t n, int64_t g) {
+    if (a.kz.p != nullptr) return a.kz.at(n, g);
+    if (a.sz == nullptr) return a.zc * scale_at(a, n, g);
+    const int64_t i = (n - a.s_row0) * a.G + g;
     return a.half ? _cvtsh_ss(reinterpret_cast<const uint16_t*>(a.sz)[i]) : a.sz[i];
 }
 
@@ -134,6 +159,65 @@ inline void widen_half(const uint16_t* h, int64_t n, float* out) {
         _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
     for (; i < n; ++i) out[i] = _cvtsh_ss(h[i]);
 }
+
+// row n of a K-quant's scales multiplied out into out [G], 8 a time (a super-block is 8 or 16 groups)
+inline void widen_k(const KScales& k, int64_t n, float* out) {
+    const uint8_t* r = k.p + n * k.row;
+    const int64_t per = int64_t(1) << k.shift;
+    for (int64_t b = 0; b < (k.G >> k.shift); ++b) {
+        uint16_t h;
+        std::memcpy(&h, r + k.G + 2 * b, 2);
+        const __m256 d = _mm256_set1_ps(_cvtsh_ss(h));
+        for (int64_t j = 0; j < per; j += 8) {
+            const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + b * per + j));
+            const __m256i i = k.sgn ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v);
+            _mm256_storeu_ps(out + b * per + j, _mm256_mul_ps(_mm256_cvtepi32_ps(i), d));
+        }
+    }
+}
+
+// Scales read through per-thread buffers: K-quant sub-scales, implied zeros (zc * s) and, where asked,
+// fp16 scales made float32 a few rows at a time (buffers that stay in L1); rows(a, c0, c1) gives Args
+// that read rows c0..c1 of them as plain float32 (the same values: results are bit for bit the same).
+struct Widened {
+    std::vector<float> s, z;
+    static bool needed(const Args& a, bool half) {
+        return a.ks.p != nullptr || a.kz.p != nullptr || (a.sz == nullptr && a.zc != 0.f) || (half && a.half);
+    }
+    Args rows(const Args& a, int64_t c0, int64_t c1) {
+        const int64_t G = a.G, cnt = (c1 - c0) * G;
+        s.resize(cnt);
+        if (a.ks.p != nullptr) {
+            for (int64_t n = c0; n < c1; ++n) widen_k(a.ks, n, s.data() + (n - c0) * G);
+        } else if (a.half) {
+            widen_half(reinterpret_cast<const uint16_t*>(a.s) + c0 * G, cnt, s.data());
+        } else {
+            std::memcpy(s.data(), a.s + c0 * G, cnt * sizeof(float));
+        }
+        Args b = a;
+        b.s = s.data();
+        b.s_stride = G;
+        b.half = false;
+        b.ks = KScales{};
+        b.s_row0 = c0;
+        if (has_zero(a)) {
+            z.resize(cnt);
+            if (a.kz.p != nullptr) {
+                for (int64_t n = c0; n < c1; ++n) widen_k(a.kz, n, z.data() + (n - c0) * G);
+            } else if (a.sz != nullptr && a.half) {
+                widen_half(reinterpret_cast<const uint16_t*>(a.sz) + c0 * G, cnt, z.data());
+            } else if (a.sz != nullptr) {
+                std::memcpy(z.data(), a.sz + c0 * G, cnt * sizeof(float));
+            } else {
+                for (int64_t i = 0; i < cnt; ++i) z[i] = a.zc * s[i];
+            }
+            b.sz = z.data();
+            b.kz = KScales{};
+            b.zc = 0.f;
+        }
+        return b;
+    }
+};
 
 // per-group sums of x [M, K] for the zero-point term: xsum [M, K / gs]
 inline void group_sums(const float* x, int64_t M, int64_t K, int64_t gs, std::vector<float>& xsum) {
@@ -148,9 +232,9 @@ template <int NR, int MT>
 inline void store(const Args& a, __m256 (&acc)[NR][MT], int64_t n0, int64_t m0) {
     for (int r = 0; r < NR; ++r)
         for (int i = 0; i < MT; ++i) {
-            float corr = 0.f;
+            float corr = 0.f;   // (fused multiply-adds spelled out: the same bits in every tile shape)
             if (has_zero(a))
-                for (int64_t g = 0; g < a.G; ++g) corr += szero_at(a, (n0 + r) * a.G + g) * a.xsum[(m0 + i) * a.G + g];
+                for (int64_t g = 0; g < a.G; ++g) corr = std::fma(szero_at(a, n0 + r, g), a.xsum[(m0 + i) * a.G + g], corr);
             a.y[(m0 + i) * a.ldy + n0 + r] = hsum(acc[r][i]) - corr;
         }
 }
@@ -214,7 +298,7 @@ inline void tile8(const Args& a, const uint8_t* w, int64_t n0, int64_t m0) {
             }
         }
         for (int r = 0; r < NR; ++r) {
-            __m256 sv = _mm256_set1_ps(scale_at(a, (n0 + r) * a.s_stride + g));
+            __m256 sv = _mm256_set1_ps(scale_at(a, n0 + r, g));
             for (int i = 0; i < MT; ++i) acc[r][i] = _mm256_fmadd_ps(sv, d[r][i], acc[r][i]);
         }
     }
@@ -227,13 +311,13 @@ template <int NR, int MT>
 inline void add_scaled_halves(const Args& a, __m256 (&acc)[NR][MT], __m256 (&lo)[NR][MT], __m256 (&hi)[NR][MT],
                               int64_t n0, int64_t b0, int64_t g, bool two) {   // g: b0's group (no division here)
     for (int r = 0; r < NR; ++r) {
-        const int64_t s = (n0 + r) * a.s_stride;
+        const int64_t n = n0 + r;
         if (two) {
-            __m256 sl = _mm256_set1_ps(scale_at(a, s + 2 * b0)), sh = _mm256_set1_ps(scale_at(a, s + 2 * b0 + 1));
+            __m256 sl = _mm256_set1_ps(scale_at(a, n, 2 * b0)), sh = _mm256_set1_ps(scale_at(a, n, 2 * b0 + 1));
             for (int i = 0; i < MT; ++i)
                 acc[r][i] = _mm256_fmadd_ps(sh, hi[r][i], _mm256_fmadd_ps(sl, lo[r][i], acc[r][i]));
         } else {
-            __m256 sv = _mm256_set1_ps(scale_at(a, s + g));
+            __m256 sv = _mm256_set1_ps(scale_at(a, n, g));
             for (int i = 0; i < MT; ++i)
                 acc[r][i] = _mm256_fmadd_ps(sv, _mm256_add_ps(lo[r][i], hi[r][i]), acc[r][i]);
         }
@@ -330,13 +414,20 @@ inline void f32_rows(const Args& a, const uint8_t* w) {
 }
 
 template <class Fn>
-void run(const Args& a, Fn fn) {
-    split_rows(a.N, [&](int64_t n0, int64_t n1) {
-        if (a.M == 1) {
-            rows<4, 1>(a, n0, n1, 0, fn);
-        } else {   // a block of RB rows stays in cache while every 4 rows of x pass over it
-            for (int64_t b0 = n0; b0 < n1; b0 += RB) {
-                const int64_t b1 = std::min(n1, b0 + RB);
+void run(const Args& a0, Fn fn) {
+    split_rows(a0.N, [&](int64_t n0, int64_t n1) {
+        // K-quant scales and implied zeros: made float32 64 rows at a time (Widened)
+        const bool wide = Widened::needed(a0, false);
+        Widened wb;
+        for (int64_t c0 = n0; c0 < n1; c0 += wide ? 64 : n1 - n0) {
+            const int64_t c1 = wide ? std::min(n1, c0 + 64) : n1;
+            const Args a = wide ? wb.rows(a0, c0, c1) : a0;
+            if (a.M == 1) {
+                rows<4, 1>(a, c0, c1, 0, fn);
+                continue;
+            }
+            for (int64_t b0 = c0; b0 < c1; b0 += RB) {   // a block of RB rows stays in cache while every 4 rows of x pass over it
+                const int64_t b1 = std::min(c1, b0 + RB);
                 int64_t m = 0;
                 for (; m + 4 <= a.M; m += 4) rows<1, 4>(a, b0, b1, m, fn);
                 switch (a.M - m) {
@@ -443,8 +534,8 @@ struct SrcQ8 {   // int8 / fp8 codes [N, K]; 16-bit floats too (scale 1, no zero
             const uint8_t* row = w + n * a.K * D::B;
             for (int64_t k = k0; k < k0 + kc; k += 8) {
                 const int64_t g = k / a.gs;
-                __m256 v = _mm256_mul_ps(D::at(row, k), _mm256_set1_ps(scale_at(a, n * a.s_stride + g)));
-                if (has_zero(a)) v = _mm256_sub_ps(v, _mm256_set1_ps(szero_at(a, n * a.G + g)));
+                __m256 v = _mm256_mul_ps(D::at(row, k), _mm256_set1_ps(scale_at(a, n, g)));
+                if (has_zero(a)) v = _mm256_sub_ps(v, _mm256_set1_ps(szero_at(a, n, g)));
                 _mm256_storeu_ps(tmp + r * FK + k - k0, v);
             }
         }
@@ -462,8 +553,8 @@ struct SrcQ4 {   // the int4 layout [N, K / 2]; k0 and kc multiples of 64
             for (int64_t c = k0; c < k0 + kc; c += 64)
                 for (int h = 0; h < 2; ++h) {   // low nibbles: columns c..c+31; high: c+32..c+63
                     const int64_t g = (c + 32 * h) / a.gs;
-                    const __m256 sv = _mm256_set1_ps(scale_at(a, n * a.s_stride + g));
-                    const __m256 zv = _mm256_set1_ps(has_zero(a) ? szero_at(a, n * a.G + g) : 0.f);
+                    const __m256 sv = _mm256_set1_ps(scale_at(a, n, g));
+                    const __m256 zv = _mm256_set1_ps(has_zero(a) ? szero_at(a, n, g) : 0.f);
                     for (int j = 0; j < 32; j += 8) {
                         __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c / 2 + j)));
                         v = h ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, mask);

@@ -155,7 +155,7 @@ def fuse_quantized(lins) -> nn.Module | None:
     cat = {}
     for name in split:
         parts = [getattr(lin, name) for lin in lins]
-        if name == "cpu_szeros" and parts[0].numel() <= 1:   # none, or one zero code: the same for all
+        if name == "cpu_szeros" and parts[0].dim() == 1:   # none, or one zero code: the same for all
             fused.register_buffer(name, parts[0], persistent=False)
             continue
         if name == "weight_scale":   # per-tensor scales [1] as rows [out, 1]
@@ -172,7 +172,7 @@ def fuse_quantized(lins) -> nn.Module | None:
 def _zero_kind(szeros: torch.Tensor):
     """What a layer holds for its zero points: per group (True), none (False) or one implied zero
     code (its value): layers fuse only where these agree."""
-    return szeros.numel() > 1 or (float(szeros) if szeros.numel() else False)
+    return szeros.dim() == 2 or (float(szeros) if szeros.numel() else False)
 
 
 def _point_at(lins, cat: dict, params) -> None:

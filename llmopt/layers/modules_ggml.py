@@ -3,10 +3,12 @@
 GGMLLinear: a GGML block-format weight (llmopt.layers.formats.ggml) repacked once into the CPU
 kernels' grouped layout: 4-bit codes as the int4 tiles' nibbles (uint8 [out, in / 2]) where the
 width is a multiple of 64 (Q4_0 and Q4_1 decoded straight into it), other widths as int8 codes
-[out, in]; a scale per group of 32 (16 for Q6_K) and a scaled zero: fp16 as the file stores them
-for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 (the kernels widen them per call), Q4_0's and Q5_0's zero implied by d
-(one zero code, 8 or 16, for every group: held at the file's bytes), float32 for the K-quants
-(whose d x sub-scale fp16 does not hold). It is a PackedIntLinear, so the fused q/k/v and gate/up,
+[out, in]; a scale per group of 32 (16 for Q6_K) and a scaled zero as the file stores them, widened
+by the kernels where read: the fp16 d and m of Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, a K-quant's 6- or 8-bit
+sub-scales with its fp16 d and dmin per 256. Q4_0's, Q5_0's and Q6_K's zero is implied by the scale
+(8, 16, 32 x d): one zero code beside Q4_0's codes, taken off Q5_0's and Q6_K's (held a byte each,
+signed: no zero-point term). So a Q4_0 or Q4_1 matrix holds the file's bytes, a Q4_K one 4.625 bits a weight
+against the file's 4.5 (sub-scales a byte each, not 6 bits). It is a PackedIntLinear, so the fused q/k/v and gate/up,
 the C++ decode layers and the int8-activation tiles take it as they take AWQ and GPTQ layers.
 
 On CUDA the same codes are repacked once for the Triton dequantize-GEMM (llmopt.kernels.w4a16):
@@ -46,15 +48,15 @@ def kernel_layout(g: GroupedCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     n, k = g.shape
     bits = 4 if g.bits <= 4 else 8
     codes = g.unpacked().to(torch.int32).view(n, k // g.group_size, g.group_size)
-    scales = g.scales.float().clone()
-    if g.szeros.numel() == 1:   # an implied zero code (Q4_0, Q5_0): w = (code - z) * d
+    scales, szeros = g.float_scales().clone(), g.float_szeros()
+    if cpu_quant.is_zero_code(g.szeros):   # an implied zero code (Q4_0): w = (code - z) * d
         zeros = torch.full_like(scales, float(g.szeros))
-    elif g.szeros.numel():
+    elif szeros is not None:
         flat = scales == 0
-        zeros = torch.where(flat, torch.zeros_like(scales), g.szeros.float() / torch.where(flat, 1.0, scales))
+        zeros = torch.where(flat, torch.zeros_like(scales), szeros / torch.where(flat, 1.0, scales))
         codes = torch.where(flat[..., None], torch.ones_like(codes), codes)
-        scales = torch.where(flat, -g.szeros.float(), scales)
-    else:   # Q8_0: signed codes, shifted into [0, 256)
+        scales = torch.where(flat, -szeros, scales)
+    else:   # signed codes (Q8_0, Q5_0, Q6_K), shifted into [0, 256)
         codes, zeros = codes + 128, torch.full_like(scales, 128.0)
     qweight = pack_codes(codes.view(n, k).t(), bits, dim=0)
     return qweight, scales.t().contiguous(), zeros.t().contiguous(), bits
@@ -76,10 +78,12 @@ class GGMLLinear(PackedIntLinear):
         super().__init__(in_features, out_features, False, bits=4 if kind == "w4" else 8,
                          group_size=g.group_size, sym=False)
         self.ggml_type = ggml_type
-        held = torch.float16 if ggml_type in HALF_SCALE_TYPES else torch.float32   # (exact: the file's d, m)
+        # the file's d and m as fp16, a K-quant's sub-scales and d as stored, a zero code as fp16 (all exact)
+        held = torch.float16 if ggml_type in HALF_SCALE_TYPES else None
+        szeros = g.szeros.half() if cpu_quant.is_zero_code(g.szeros) else g.szeros.to(held or g.szeros.dtype)
         self.register_buffer("cpu_codes", codes, persistent=False)
-        self.register_buffer("cpu_scales", g.scales.to(held).contiguous(), persistent=False)
-        self.register_buffer("cpu_szeros", g.szeros.to(held).contiguous(), persistent=False)
+        self.register_buffer("cpu_scales", g.scales.to(held or g.scales.dtype).contiguous(), persistent=False)
+        self.register_buffer("cpu_szeros", szeros.contiguous(), persistent=False)
         self.register_buffer("cpu_perm", None, persistent=False)
         self._cpu = (kind, g.group_size)
 
@@ -126,7 +130,7 @@ class GGMLEmbedding(nn.Module):
         codes = t.cpu_codes[flat]
         if kind == "w4":
             codes = cpu_quant.unpack_int4(codes)
-        szeros = t.cpu_szeros[flat] if t.cpu_szeros.numel() > 1 else t.cpu_szeros
+        szeros = t.cpu_szeros[flat] if t.cpu_szeros.dim() == 2 else t.cpu_szeros
         w = cpu_quant.grouped_weight(codes, t.cpu_scales[flat], szeros, gs)
         return w.view(*ids.shape, self.embedding_dim).to(self.dtype)
 

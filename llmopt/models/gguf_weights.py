@@ -153,7 +153,7 @@ def _grouped(f: GGUFFile, t: GGUFTensor, cfg, pack: bool):
     heads = _rope_heads(t.name, cfg)
     if heads:   # (rows: packed codes permute as they are)
         g.codes, g.scales = unpermute_rope(g.codes, heads), unpermute_rope(g.scales, heads)
-        g.szeros = unpermute_rope(g.szeros, heads) if g.szeros.numel() > 1 else g.szeros
+        g.szeros = unpermute_rope(g.szeros, heads) if g.szeros.dim() == 2 else g.szeros
     return g
 
 

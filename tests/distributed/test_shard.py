@@ -123,3 +123,21 @@ def test_gguf_grouped_codes_cut_as_the_float_weight(world, kv_heads):
     g = GroupedCodes(torch.zeros(8, k, dtype=torch.uint8), torch.ones(8, k // 32), torch.empty(0), 4, 32)
     with pytest.raises(ModelLoadError, match="whole 32-column blocks"):
         shard_grouped("model.layers.0.mlp.down_proj.weight", g, plan, 0)
+    # as a GGUF holds them: Q4_0 and Q4_K nibbles packed as loaded, Q4_0's and Q6_K's implied zero,
+    # a K-quant's sub-scales with their super-block scales (input columns cut in whole 256s)
+    from gguf_util import ggml_bytes
+    from llmopt.layers.formats.ggml import decode
+    for type_name in ("Q4_0", "Q4_K", "Q6_K"):
+        for name, (n, k) in {"model.layers.0.mlp.gate_proj.weight": (24, 768),
+                             "model.layers.0.mlp.down_proj.weight": (24, 768),
+                             "model.embed_tokens.weight": (50, 768)}.items():
+            w = torch.randn(n, k, generator=gen).numpy() * 0.2
+            g = decode(type_name, ggml_bytes(w, type_name), k, pack=True)
+            whole = g.dequantize()
+            for rank in range(world):
+                if name.endswith("down_proj.weight") and type_name.endswith("_K") and (k // world) % 256:
+                    with pytest.raises(ModelLoadError, match="whole 256-column super-blocks"):
+                        shard_grouped(name, g, plan, rank)
+                    continue
+                part = shard_grouped(name, g, plan, rank)
+                assert torch.equal(part.dequantize(), shard_tensor(name, whole, plan, rank)), (type_name, name, rank)

@@ -16,7 +16,7 @@ from gguf_util import ggml_bytes
 from idot_util import IDOT_PATHS, quantize_x
 from llmopt import defaults
 from llmopt.kernels import cpu_quant
-from llmopt.ggml_types import RUN_TYPES, held_bytes
+from llmopt.ggml_types import IMPLIED_ZERO, RUN_TYPES, held_bytes
 from llmopt.layers.formats.ggml import BLOCKS, decode
 from llmopt.layers.modules_ggml import GGMLEmbedding, GGMLLinear
 
@@ -45,8 +45,14 @@ def test_every_run_type_has_its_block_struct_of_ggml_size():
 def test_decode_equals_the_gguf_dequantizers(type_name, k):
     raw, ref = _tensor(type_name, 7, k)
     g = decode(type_name, raw, k)
-    assert g.codes.shape == (7, k) and int(g.codes.min()) >= (-127 if type_name == "Q8_0" else 0)
-    assert int(g.codes.max()) < (128 if type_name == "Q8_0" else 2 ** g.bits)
+    assert g.codes.shape == (7, k)
+    if type_name in IMPLIED_ZERO and type_name != "Q4_0":   # signed, the zero taken off: no zero-point term
+        z = IMPLIED_ZERO[type_name]
+        assert g.codes.dtype == torch.int8 and g.szeros.numel() == 0
+        assert int(g.codes.min()) >= -z and int(g.codes.max()) < 2 ** g.bits - z
+    else:
+        assert int(g.codes.min()) >= (-127 if type_name == "Q8_0" else 0)
+        assert int(g.codes.max()) < (128 if type_name == "Q8_0" else 2 ** g.bits)
     assert torch.equal(g.dequantize().double(), ref)
     lin = GGMLLinear(g, type_name)
     assert lin._cpu[0] == ("w4" if g.bits == 4 and k % 64 == 0 else "w8")
@@ -126,12 +132,11 @@ def test_fp16_scales_as_stored_give_the_float32_scales_results(idot_path, type_n
         assert float((y16 - y32).abs().max()) <= 1e-6 * float(y32.abs().max())
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
-@pytest.mark.parametrize("k", [576, 1024])
+@pytest.mark.parametrize("type_name,k", [("Q4_0", 576), ("Q4_0", 1024), ("Q4_1", 576), ("Q4_K", 768)])
 def test_4bit_blocks_decode_straight_into_the_int4_layout(type_name, k):
     """At load, Q4_0/Q4_1 nibbles go straight into the int4 kernels' packed layout (no byte-a-code
-    copy): the same bytes pack_int4 makes of the codes, the same layer, and q/k's row unpermutation
-    moves packed rows as it moves codes."""
+    copy; Q4_K's quants are that layout as stored): the same bytes pack_int4 makes of the codes, the
+    same layer, and q/k's row unpermutation moves packed rows as it moves codes."""
     raw, ref = _tensor(type_name, 12, k)
     plain, packed = decode(type_name, raw, k), decode(type_name, raw, k, pack=True)
     assert packed.packed and packed.shape == (12, k) and packed.codes.shape == (12, k // 2)
@@ -144,27 +149,28 @@ def test_4bit_blocks_decode_straight_into_the_int4_layout(type_name, k):
 
 
 @pytest.mark.parametrize("idot_path", list(IDOT_PATHS), indirect=True)
-@pytest.mark.parametrize("type_name,k", [("Q4_0", 576), ("Q5_0", 352)])
+@pytest.mark.parametrize("kind", ["w4", "w8"])
 @pytest.mark.parametrize("m", [1, 2, 16, 64])
-def test_an_implied_zero_code_gives_what_stored_zeros_give(idot_path, type_name, k, m):
-    """Q4_0 and Q5_0 hold d alone, their zero point one code (8, 16) for every group, as the file
+def test_an_implied_zero_code_gives_what_stored_zeros_give(idot_path, kind, m):
+    """Q4_0 packed two a byte holds d alone, its zero point one code (8) for every group, as the file
     does: the int8-activation tiles and panels give bit for bit what a stored zero per group (the fp16
-    z * d, exact) gives, the float tiles the same within float32 rounding (as the fp16 scales' test),
-    in float16 and float32 scales."""
-    raw, _ = _tensor(type_name, 43, k, seed=m)
-    lin = GGMLLinear(decode(type_name, raw, k), type_name)
-    kind, gs = lin._cpu
-    assert lin.cpu_szeros.numel() == 1 and float(lin.cpu_szeros) == {"Q4_0": 8, "Q5_0": 16}[type_name]
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
+    8 d, exact) gives, the float tiles the same within float32 rounding (as the fp16 scales' test), in
+    float16 and float32 scales; and the same codes a byte each (int8 kernels)."""
+    raw, _ = _tensor("Q4_0", 43, 576, seed=m)
+    lin = GGMLLinear(decode("Q4_0", raw, 576, pack=True), "Q4_0")
+    gs = lin._cpu[1]
+    assert lin._cpu[0] == "w4" and lin.cpu_szeros.shape == (1,) and float(lin.cpu_szeros) == 8
+    codes = lin.cpu_codes if kind == "w4" else cpu_quant.unpack_int4(lin.cpu_codes).to(torch.int8)
+    x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m)) * 3
     fn = cpu_quant.w4_gemm if kind == "w4" else cpu_quant.w8_gemm
     for scales in (lin.cpu_scales, lin.cpu_scales.float()):
         stored = (lin.cpu_szeros.float() * scales.float()).to(scales.dtype)
         for z in (lin.cpu_szeros, lin.cpu_szeros.float()):
             z = z.to(scales.dtype)
-            got = torch.ops.llmopt_cpu.idot_gemm(x, lin.cpu_codes, scales, z, gs, 2 if kind == "w4" else 1)
-            want = torch.ops.llmopt_cpu.idot_gemm(x, lin.cpu_codes, scales, stored, gs, 2 if kind == "w4" else 1)
+            got = torch.ops.llmopt_cpu.idot_gemm(x, codes, scales, z, gs, 2 if kind == "w4" else 1)
+            want = torch.ops.llmopt_cpu.idot_gemm(x, codes, scales, stored, gs, 2 if kind == "w4" else 1)
             assert torch.equal(got, want)
-            y, y_stored = fn(x, lin.cpu_codes, scales, z, gs), fn(x, lin.cpu_codes, scales, stored, gs)
+            y, y_stored = fn(x, codes, scales, z, gs), fn(x, codes, scales, stored, gs)
             assert float((y - y_stored).abs().max()) <= 1e-6 * float(y_stored.abs().max())
 
 
@@ -175,3 +181,40 @@ def test_an_implied_zero_code_is_refused_where_it_cannot_hold():
         torch.ops.llmopt_cpu.w8_gemm(x, codes, torch.ones(4, 2), torch.zeros(1), 32)
     with pytest.raises(RuntimeError, match="needs scales"):
         torch.ops.llmopt_cpu.idot_gemm(x, codes, torch.ones(1), torch.ones(1), 64, 1)
+
+
+@pytest.mark.parametrize("idot_path", list(IDOT_PATHS), indirect=True)
+@pytest.mark.parametrize("type_name", K_QUANTS)
+@pytest.mark.parametrize("m", [1, 2, 16, 64])
+def test_k_quant_scales_as_stored_give_the_float32_scales_results(idot_path, type_name, m):
+    """A K-quant layer holds its file's byte sub-scales and fp16 d / dmin per 256 (Q6_K: signed
+    sub-scales, its codes signed with the implied 32 taken off): the int8-activation tiles and panels give bit
+    for bit what float32 copies of the multiplied-out scales give, the float paths the same within
+    float32 rounding, and the Python fallback multiplies them out the same way."""
+    k = 768
+    raw, ref = _tensor(type_name, 43, k, seed=m)
+    lin = GGMLLinear(decode(type_name, raw, k, pack=True), type_name)
+    kind, gs = lin._cpu
+    assert lin.cpu_scales.dtype == (torch.int8 if type_name == "Q6_K" else torch.uint8)
+    assert lin.cpu_scales.shape == (43, k // gs + 2 * k // 256)
+    s32 = cpu_quant.group_scales(lin.cpu_scales, k // gs)
+    z32 = cpu_quant.zero_term(lin.cpu_scales, lin.cpu_szeros, k // gs)
+    z32 = torch.empty(0) if z32 is None else z32    # (Q6_K: none)
+    assert torch.equal(cpu_quant.grouped_weight(cpu_quant.unpack_int4(lin.cpu_codes) if kind == "w4" else lin.cpu_codes,
+                                                s32, z32, gs).double(), ref)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
+    if gs % 32 == 0:
+        got = torch.ops.llmopt_cpu.idot_gemm(x, lin.cpu_codes, lin.cpu_scales, lin.cpu_szeros, gs, 2 if kind == "w4" else 1)
+        want = torch.ops.llmopt_cpu.idot_gemm(x, lin.cpu_codes, s32, z32, gs, 2 if kind == "w4" else 1)
+        assert torch.equal(got, want)
+    fn = cpu_quant.w4_gemm if kind == "w4" else cpu_quant.w8_gemm
+    y, y32 = fn(x, lin.cpu_codes, lin.cpu_scales, lin.cpu_szeros, gs), fn(x, lin.cpu_codes, s32, z32, gs)
+    assert float((y - y32).abs().max()) <= 1e-6 * float(y32.abs().max())
+
+
+def test_k_quant_sub_scales_are_checked():
+    codes = torch.zeros(4, 512, dtype=torch.int8)
+    x = torch.randn(1, 512)
+    bad = torch.zeros(4, 16 + 3, dtype=torch.uint8)   # 16 groups and 1.5 super-block scales a row
+    with pytest.raises(RuntimeError, match="super-blocks"):
+        torch.ops.llmopt_cpu.w8_gemm(x, codes, bad, torch.empty(0), 32)

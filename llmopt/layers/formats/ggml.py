@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from llmopt.ggml_types import BITS, ZERO_CODE
+from llmopt.ggml_types import BITS, IMPLIED_ZERO
 from llmopt.kernels import cpu_quant
 
 _F16 = "<f2"
@@ -44,10 +44,13 @@ BLOCKS = {   # type name -> one block as a numpy struct (field order and sizes a
 @dataclass
 class GroupedCodes:
     """W [rows, cols] = codes * scales - szeros per group of `group_size` columns; codes uint8 in
-    [0, 2**bits) (int8 for Q8_0), or with `packed` 4-bit codes in the int4 kernels' nibble layout
-    (llmopt.kernels.cpu_quant.pack_int4: uint8 [rows, cols / 2]); scales float32 [rows, cols / gs];
-    szeros like them, or empty (no zero point: Q8_0), or one zero code z for every group, sz = z *
-    scales (Q4_0's 8, Q5_0's 16: as llama.cpp, held from the file's d alone; cpu_quant.zero_term)."""
+    [0, 2**bits), or int8 (Q8_0's, and those of Q5_0 and Q6_K with their implied zero taken off,
+    szeros then empty), or with `packed` 4-bit codes in the int4 kernels' nibble layout
+    (llmopt.kernels.cpu_quant.pack_int4: uint8 [rows, cols / 2]: Q4_K's quants as stored); scales
+    float32 [rows, cols / gs], or a K-quant's as the file holds them (its sub-scales and fp16 d per
+    row: cpu_quant.group_scales); szeros like them, or empty (no zero point), or one zero code z for
+    every group, sz = z * scales (Q4_0's 8, as llama.cpp: from the file's d alone;
+    cpu_quant.zero_term)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -64,6 +67,18 @@ class GroupedCodes:
     def unpacked(self) -> torch.Tensor:
         """The codes [rows, cols], a byte each."""
         return cpu_quant.unpack_int4(self.codes) if self.packed else self.codes
+
+    @property
+    def groups(self) -> int:
+        return self.shape[1] // self.group_size
+
+    def float_scales(self) -> torch.Tensor:
+        """float32 [rows, groups]."""
+        return cpu_quant.group_scales(self.scales, self.groups)
+
+    def float_szeros(self) -> torch.Tensor | None:
+        """float32 [rows, groups], or None (no zero point)."""
+        return cpu_quant.zero_term(self.scales, self.szeros, self.groups)
 
     def dequantize(self) -> torch.Tensor:
         return cpu_quant.grouped_weight(self.unpacked(), self.scales, self.szeros, self.group_size)
@@ -128,28 +143,29 @@ def decode(type_name: str, raw: np.ndarray, cols: int, pack: bool = False) -> Gr
     d = b["d"].astype(np.float32)
     empty = torch.empty(0)
     if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
-        szero = _f32(-b["m"]) if type_name.endswith("_1") else torch.tensor([ZERO_CODE[type_name]])
+        szero = _f32(-b["m"]) if type_name.endswith("_1") else torch.tensor([float(IMPLIED_ZERO.get(type_name, 0))])
         if pack and type_name.startswith("Q4") and cols % 64 == 0:
             return GroupedCodes(_t(_packed_nibbles(b["qs"])), _f32(d), szero, 4, 32, packed=True)
         q = _nibbles(b["qs"])
         if type_name.startswith("Q5"):
             q = q | _high_bits(b["qh"])
+        if type_name == "Q5_0":
+            q, szero = _signed(q, type_name), empty
         return GroupedCodes(_t(q.reshape(rows, cols)), _f32(d), szero, BITS[type_name], 32)
     if type_name == "Q8_0":
         return GroupedCodes(_t(b["qs"].reshape(rows, cols)), _f32(d), empty, 8, 32)
     if type_name in ("Q4_K", "Q5_K"):
+        sc, mn = _k_scales(b["scales"])
+        scales, szeros = _sub_scales(sc, b["d"]), _sub_scales(mn, b["dmin"])
+        if pack and type_name == "Q4_K":   # its 4 chunks of 64 values, low then high nibbles: the int4 layout
+            return GroupedCodes(_t(b["qs"].reshape(rows, cols // 2)), scales, szeros, 4, 32, packed=True)
         qs = b["qs"].reshape(rows, -1, 4, 32)              # 4 chunks of 64 values: low then high nibbles
         q = np.stack((qs & 0xF, qs >> 4), axis=3)          # [rows, blocks, chunk, half, 32]
         if type_name == "Q5_K":                            # bit 2j (low half) and 2j + 1 (high) of qh
             qh = b["qh"][:, :, None, None, :]
             shift = (2 * np.arange(4)[:, None] + np.arange(2)[None, :]).astype(np.uint8)[None, None, :, :, None]
             q = q | (((qh >> shift) & 1) << 4)
-        sc, mn = _k_scales(b["scales"])
-        dmin = b["dmin"].astype(np.float32)
-        scale = d[..., None] * sc.astype(np.float32)       # [rows, blocks, 8]
-        szero = dmin[..., None] * mn.astype(np.float32)
-        return GroupedCodes(_t(q.reshape(rows, cols)), _f32(scale.reshape(rows, -1)),
-                            _f32(szero.reshape(rows, -1)), BITS[type_name], 32)
+        return GroupedCodes(_t(q.reshape(rows, cols)), scales, szeros, BITS[type_name], 32)
     # Q6_K: two halves of 128 values; in each, value 32k + l takes ql[l + 32 (k & 1)]'s low (k < 2)
     # or high nibble and bits 2k, 2k + 1 of qh[l]
     ql = b["ql"].reshape(rows, -1, 2, 2, 32)               # [rows, blocks, half, k & 1, l]
@@ -157,6 +173,18 @@ def decode(type_name: str, raw: np.ndarray, cols: int, pack: bool = False) -> Gr
     lo = np.concatenate((ql & 0xF, ql >> 4), axis=3)       # k = 0, 1, 2, 3
     shift = (2 * np.arange(4)).astype(np.uint8)[None, None, None, :, None]
     q = lo | (((qh >> shift) & 3) << 4)
-    scale = d[..., None] * b["scales"].astype(np.float32)  # [rows, blocks, 16]
-    return GroupedCodes(_t(q.reshape(rows, cols)), _f32(scale.reshape(rows, -1)),
-                        _f32(32 * scale.reshape(rows, -1)), 6, 16)
+    return GroupedCodes(_t(_signed(q, "Q6_K").reshape(rows, cols)), _sub_scales(b["scales"], b["d"]), empty, 6, 16)
+
+
+def _signed(q: np.ndarray, type_name: str) -> np.ndarray:
+    """Codes of a type whose zero point is implied (IMPLIED_ZERO) with it taken off: int8 q - z."""
+    return q.view(np.int8) - np.int8(IMPLIED_ZERO[type_name])
+
+
+def _sub_scales(sub: np.ndarray, d: np.ndarray) -> torch.Tensor:
+    """A K-quant's group scales as the file holds them (cpu_quant.group_scales' layout): per row, the
+    sub-scales [blocks, per] (uint8; int8 for Q6_K's signed ones) then the fp16 super-block scales."""
+    rows = sub.shape[0]
+    raw = np.concatenate((np.ascontiguousarray(sub).reshape(rows, -1).view(np.uint8),
+                          np.ascontiguousarray(d).view(np.uint8).reshape(rows, -1)), axis=1)
+    return _t(raw.view(sub.dtype))
