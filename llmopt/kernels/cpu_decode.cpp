@@ -185,12 +185,13 @@ void linear(const Lin& l, const float* x, int64_t M, float* y, int64_t ldy, bool
     const uint8_t* w = static_cast<const uint8_t*>(l.w.data_ptr());
     // int8 activations: the integer panels (VNNI) or tiles; without VNNI, from f32_panel_rows rows the
     // float panels (float activations) beat the AVX2 integer tiles
-    if (int8_act && l.idot && (use_vnni || M < f32_panel_rows)) {
+    const bool panels = use_vnni && l.gs % QB == 0;   // (groups of 16: the tiles only)
+    if (int8_act && l.idot && (panels || M < f32_panel_rows)) {
         quantize_x(xp, M, l.K, l.gs, t.q, t.d, t.bsum, t.xsum);
         QX qx{t.q.data(), t.d.data(), t.bsum.data()};
         a.sz = sz;
         if (has_zero(a)) a.xsum = t.xsum.data();
-        if (use_vnni && M >= panel_rows) {
+        if (panels && M >= panel_rows) {
             vnni::run_panels(a, qx, w, l.kind == KW4);
         } else if (use_vnni) {
             vnni::run_tiles(a, qx, w, l.kind == KW4);
@@ -537,13 +538,7 @@ Lin make_lin(int64_t kind, const at::Tensor& w, const at::Tensor& s, const at::T
     TORCH_CHECK(K % 8 == 0 && gs > 0 && gs % 8 == 0 && K % gs == 0, "K must be a multiple of 8 and of the group size");
     TORCH_CHECK(kind != KW4 || (K % 64 == 0 && (gs == 32 || gs % 64 == 0)), "int4 needs K % 64 == 0, group 32 or k*64");
     Lin l{kind, N, K, gs, w, {}, {}, {}, {}, false, 0.f, {}, {}};
-    if ((kind == KW8 || kind == KW4) && gs % QB == 0) {
-        l.idot = true;
-        if (kind == KW8 && scan) {
-            const int8_t* c = w.data_ptr<int8_t>();
-            for (int64_t i = 0; i < N * K && l.idot; ++i) l.idot = c[i] != -128;
-        }
-    }
+
     if (!is_float(kind)) {
         if (kind == KW4 || kind == KW8) l.ks = k_scales(s, N, K / gs, "scales");
         if (l.ks.p == nullptr) {
@@ -564,6 +559,16 @@ Lin make_lin(int64_t kind, const at::Tensor& w, const at::Tensor& s, const at::T
         TORCH_CHECK(sz.numel() == N * (K / gs) && sz.scalar_type() == s.scalar_type(),
                     "szeros must be [N, K / group_size], of the scales' dtype");
         l.sz = sz;
+    }
+    // the integer tiles: groups of 32 or more; groups of 16 (Q6_K) on int8 codes without a zero point
+    // (the tiles sum each half of a 32-column block apart), not the panels (idot_panels)
+    if ((kind == KW8 || kind == KW4) &&
+        (gs % QB == 0 || (kind == KW8 && gs == QB / 2 && !l.sz.defined() && l.zc == 0.f && l.kz.p == nullptr))) {
+        l.idot = true;
+        if (kind == KW8 && scan) {
+            const int8_t* c = w.data_ptr<int8_t>();
+            for (int64_t i = 0; i < N * K && l.idot; ++i) l.idot = c[i] != -128;
+        }
     }
     if (bias.defined() && bias.numel()) {
         check_f32(bias, "bias");
@@ -740,7 +745,7 @@ at::Tensor idot_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
     TORCH_CHECK(kind == KW8 || kind == KW4, "kind must be 1 (int8) or 2 (int4)");
     const at::Tensor none;
     Lin l = make_lin(kind, w, scales, szeros, none, none, gs, !checked);
-    TORCH_CHECK(l.idot, "int8 codes must be in [-127, 127] and the group size a multiple of 32");
+    TORCH_CHECK(l.idot, "int8 codes must be in [-127, 127] and the group size a multiple of 32 (16 without a zero point)");
     TORCH_CHECK(x.dim() == 2 && x.size(1) == l.K, "x must be [M, ", l.K, "]");
     at::Tensor y = at::empty({x.size(0), l.N}, x.options());
     Scratch t;

@@ -85,13 +85,22 @@ inline __m256i dot_lanes(__m256i u, __m256i s) {
 #endif
 }
 
-// the 8 lane vectors v[r] -> one vector of their totals, lane r = sum of v[r] (exact int32)
-inline __m256i totals8(const __m256i (&v)[8]) {
+// the 8 lane vectors v[r] -> their totals over lanes 0-3 (lo: a block's first 16 columns) and 4-7
+// (hi: the next 16), lane r of each for v[r] (exact int32)
+inline void totals8_halves(const __m256i (&v)[8], __m256i& lo, __m256i& hi) {
     const __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
     const __m256i h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);
     const __m256i q0 = _mm256_hadd_epi32(h01, h23), q1 = _mm256_hadd_epi32(h45, h67);
     // q0: [t0 t1 t2 t3 | t0' t1' t2' t3'] (low and high 128-bit halves of v0..v3), q1 the same for v4..v7
-    return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
+    lo = _mm256_permute2x128_si256(q0, q1, 0x20);
+    hi = _mm256_permute2x128_si256(q0, q1, 0x31);
+}
+
+// the 8 lane vectors v[r] -> one vector of their totals, lane r = sum of v[r] (exact int32)
+inline __m256i totals8(const __m256i (&v)[8]) {
+    __m256i lo, hi;
+    totals8_halves(v, lo, hi);
+    return _mm256_add_epi32(lo, hi);
 }
 
 // The tiles: 8 output rows (one float lane each) for MT (1 or 2) rows of x, straight from the
@@ -106,7 +115,9 @@ inline __m256i totals8(const __m256i (&v)[8]) {
 template <int MT>
 inline void itile(const Args& a, const QX& qx, const uint8_t* w, bool int4, int64_t n0, int64_t nr, int64_t m0,
                   const float* sp, const float* zp) {   // sp, zp: row n0's float32 scales, scaled zeros (or null)
-    const int64_t K = a.K, nb = K / QB, bpg = a.gs / QB, rowb = int4 ? K / 2 : K;
+    // groups of 16 (Q6_K's; int8 codes, no zero point): each block's halves end a group each
+    const bool halves = a.gs == QB / 2;
+    const int64_t K = a.K, nb = K / QB, bpg = halves ? 1 : a.gs / QB, rowb = int4 ? K / 2 : K;
     const uint8_t* row[8];
     for (int r = 0; r < 8; ++r) row[r] = w + (n0 + (r < nr ? r : 0)) * rowb;   // past N: row n0 again, not stored
     const __m256i low = _mm256_set1_epi8(0x0F);
@@ -144,9 +155,19 @@ inline void itile(const Args& a, const QX& qx, const uint8_t* w, bool int4, int6
                 const __m256i ax = _mm256_sign_epi8(xq, xq);
                 for (int r = 0; r < 8; ++r) lanes[r] = dot_lanes(ax, _mm256_sign_epi8(wv[r], xq));
             }
+            if (halves) {   // per half: total * dx, then * its group's scale, in that order
+                __m256i lo, hi;
+                totals8_halves(lanes, lo, hi);
+                const __m256 dx = _mm256_set1_ps(qx.d[(m0 + i) * nb + b]);
+                const __m256 s0 = _mm256_mask_i32gather_ps(_mm256_setzero_ps(), sp + 2 * b, sidx, valid, 4);
+                const __m256 s1 = _mm256_mask_i32gather_ps(_mm256_setzero_ps(), sp + 2 * b + 1, sidx, valid, 4);
+                acc[i] = _mm256_fmadd_ps(s0, _mm256_mul_ps(_mm256_cvtepi32_ps(lo), dx), acc[i]);
+                acc[i] = _mm256_fmadd_ps(s1, _mm256_mul_ps(_mm256_cvtepi32_ps(hi), dx), acc[i]);
+                continue;
+            }
             fb[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals8(lanes)), _mm256_set1_ps(qx.d[(m0 + i) * nb + b]), fb[i]);
         }
-        if ((b + 1) % bpg == 0) {   // the group's end
+        if (!halves && (b + 1) % bpg == 0) {   // the group's end
             const int64_t g = b / bpg;
             const __m256 sv = a.s_stride == 0 ? _mm256_set1_ps(sp[0])
                                               : _mm256_mask_i32gather_ps(_mm256_setzero_ps(), sp + g, sidx, valid, 4);
