@@ -119,7 +119,7 @@ struct Lin {
 struct Scratch {   // per-call buffers of the linears
     std::vector<float> xp, xsum, d;
     std::vector<int8_t> q;
-    std::vector<int32_t> bsum;
+    std::vector<int32_t> bsum, hsum;
 };
 
 // a linear with float activations: the tiles for few rows (their zero-point term needs the per-group
@@ -185,13 +185,13 @@ void linear(const Lin& l, const float* x, int64_t M, float* y, int64_t ldy, bool
     const uint8_t* w = static_cast<const uint8_t*>(l.w.data_ptr());
     // int8 activations: the integer panels (VNNI) or tiles; without VNNI, from f32_panel_rows rows the
     // float panels (float activations) beat the AVX2 integer tiles
-    const bool panels = use_vnni && l.gs % QB == 0;   // (groups of 16: the tiles only)
-    if (int8_act && l.idot && (panels || M < f32_panel_rows)) {
-        quantize_x(xp, M, l.K, l.gs, t.q, t.d, t.bsum, t.xsum);
-        QX qx{t.q.data(), t.d.data(), t.bsum.data()};
+    if (int8_act && l.idot && (use_vnni || M < f32_panel_rows)) {
+        const bool halves = l.gs == QB / 2 && use_vnni && M >= panel_rows;   // the panels' half-block sums
+        quantize_x(xp, M, l.K, l.gs, t.q, t.d, t.bsum, t.xsum, halves ? &t.hsum : nullptr);
+        QX qx{t.q.data(), t.d.data(), t.bsum.data(), halves ? t.hsum.data() : nullptr};
         a.sz = sz;
         if (has_zero(a)) a.xsum = t.xsum.data();
-        if (panels && M >= panel_rows) {
+        if (use_vnni && M >= panel_rows) {
             vnni::run_panels(a, qx, w, l.kind == KW4);
         } else if (use_vnni) {
             vnni::run_tiles(a, qx, w, l.kind == KW4);
@@ -560,8 +560,8 @@ Lin make_lin(int64_t kind, const at::Tensor& w, const at::Tensor& s, const at::T
                     "szeros must be [N, K / group_size], of the scales' dtype");
         l.sz = sz;
     }
-    // the integer tiles: groups of 32 or more; groups of 16 (Q6_K) on int8 codes without a zero point
-    // (the tiles sum each half of a 32-column block apart), not the panels (idot_panels)
+    // the integer tiles and panels: groups of 32 or more; groups of 16 (Q6_K) on int8 codes without a
+    // zero point (each half of a 32-column block summed apart)
     if ((kind == KW8 || kind == KW4) &&
         (gs % QB == 0 || (kind == KW8 && gs == QB / 2 && !l.sz.defined() && l.zc == 0.f && l.kz.p == nullptr))) {
         l.idot = true;

@@ -30,17 +30,20 @@ struct QX {
     const int8_t* q;    // [M, K]
     const float* d;     // [M, K / 32]
     const int32_t* b;   // [M, K / 32]: sum(q) per block
+    const int32_t* h = nullptr;   // [M, K / 16]: sum(q) per half block (int8 panels, groups of 16)
 };
 
 // x [M, K] (K % 32 == 0) -> q, d, bsum; gsum [M, K / gs] = sum over each group of d_b * sum(q_b).
 // q = round(x * (127 / max|x|)), half to even (cvtps under the default rounding mode, as nearbyint).
 inline void quantize_x(const float* x, int64_t M, int64_t K, int64_t gs, std::vector<int8_t>& q,
-                       std::vector<float>& d, std::vector<int32_t>& bsum, std::vector<float>& gsum) {
+                       std::vector<float>& d, std::vector<int32_t>& bsum, std::vector<float>& gsum,
+                       std::vector<int32_t>* hsum = nullptr) {   // hsum: QX::h
     const int64_t nb = K / QB, G = K / gs;
     q.resize(M * K);
     d.resize(M * nb);
     bsum.resize(M * nb);
     gsum.assign(M * G, 0.f);
+    if (hsum != nullptr) hsum->resize(M * nb * 2);
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);   // undo the packs' lane interleave
     for (int64_t m = 0; m < M; ++m)
@@ -66,6 +69,14 @@ inline void quantize_x(const float* x, int64_t M, int64_t K, int64_t gs, std::ve
             t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
             d[m * nb + b] = s;
             bsum[m * nb + b] = _mm_cvtsi128_si32(t);
+            if (hsum != nullptr) {   // the first 16 values are iv[0], iv[1]
+                __m256i h0 = _mm256_add_epi32(iv[0], iv[1]);
+                __m128i u = _mm_add_epi32(_mm256_castsi256_si128(h0), _mm256_extracti128_si256(h0, 1));
+                u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
+                u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1));
+                (*hsum)[(m * nb + b) * 2] = _mm_cvtsi128_si32(u);
+                (*hsum)[(m * nb + b) * 2 + 1] = _mm_cvtsi128_si32(t) - _mm_cvtsi128_si32(u);
+            }
             gsum[m * G + b * QB / gs] += s * (float)_mm_cvtsi128_si32(t);
         }
 }
@@ -280,7 +291,26 @@ inline void panel_pass(const Args& a, const QX& qx, const Panel& p, bool int8, i
     const int64_t K = a.K, nb = K / QB, bpg = a.gs / QB;
     __m256 acc[MT];
     for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < a.G; ++g) {
+    for (int64_t b = 0; a.gs == QB / 2 && b < nb; ++b) {   // groups of 16 (int8 codes, no zero point): as
+        const uint8_t* wb = p.w.data() + b * QB * PR;      // the tiles, each half's total * dx * its scale
+        for (int h = 0; h < 2; ++h) {
+            __m256i ia[MT];
+            for (int i = 0; i < MT; ++i) ia[i] = _mm256_set1_epi32(-128 * qx.h[((m0 + i) * nb + b) * 2 + h]);
+            for (int j = 4 * h; j < 4 * h + 4; ++j) {
+                const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));
+                for (int i = 0; i < MT; ++i) {
+                    int32_t xv;
+                    std::memcpy(&xv, qx.q + (m0 + i) * K + b * QB + 4 * j, 4);
+                    ia[i] = _mm256_dpbusd_epi32(ia[i], wv, _mm256_set1_epi32(xv));
+                }
+            }
+            const __m256 sv = _mm256_loadu_ps(p.s.data() + (2 * b + h) * PR);
+            for (int i = 0; i < MT; ++i)
+                acc[i] = _mm256_fmadd_ps(sv, _mm256_mul_ps(_mm256_cvtepi32_ps(ia[i]), _mm256_set1_ps(qx.d[(m0 + i) * nb + b])),
+                                         acc[i]);
+        }
+    }
+    for (int64_t g = 0; a.gs != QB / 2 && g < a.G; ++g) {
         __m256 fb[MT];
         for (int i = 0; i < MT; ++i) fb[i] = _mm256_setzero_ps();
         for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
@@ -318,7 +348,8 @@ inline void panel_pass(const Args& a, const QX& qx, const Panel& p, bool int8, i
     }
 }
 
-// y = quantize_x(x) @ W^T for int8 codes (int4 = false, no -128) or the int4 layout; gs % 32 == 0
+// y = quantize_x(x) @ W^T for int8 codes (int4 = false, no -128) or the int4 layout; gs % 32 == 0, or
+// 16 for int8 codes without a zero point (QX::h given)
 inline void run_panels(const Args& a, const QX& qx, const uint8_t* w, bool int4) {
     const int64_t P = (a.N + PR - 1) / PR;
 #pragma omp parallel

@@ -206,11 +206,12 @@ def test_integer_tiles_equal_float64_of_quantized_activations(idot_path, kind, g
     assert float(((x.double() @ w.t()) - want).abs().max() / want.abs().max()) > 1e-4   # the rounding is real
 
 
-@pytest.mark.parametrize("kind,gs", [("int8", 64), ("int4", 32), ("int4", 128)])
+@pytest.mark.parametrize("kind,gs", [("int8", 64), ("int8", 16), ("int4", 32), ("int4", 128)])
 def test_integer_paths_give_each_row_the_same_bits_at_any_row_count(kind, gs):
-    """AVX2 tiles, VNNI tiles and VNNI panels sum each 32-column block exactly and then scale in one
-    order: a row's output is the same bits on every path and at every M (a verified draft gets plain
-    decoding's logits; a sequence's logits do not depend on its step's batch)."""
+    """AVX2 tiles, VNNI tiles and VNNI panels sum each 32-column block (groups of 16, Q6_K's: each
+    half) exactly and then scale in one order: a row's output is the same bits on every path and at
+    every M (a verified draft gets plain decoding's logits; a sequence's logits do not depend on its
+    step's batch)."""
     g = torch.Generator().manual_seed(7)
     n, k = 43, 640
     x = torch.randn(21, k, generator=g) * 3
