@@ -123,11 +123,11 @@ inline __m256i totals8(const __m256i (&v)[8]) {
 // how many others share its step. int4: the grouped nibble layout of cpu_quant_tiles.h (per
 // 64-column block: low nibbles its first 32 columns, high nibbles the next 32); int8 codes in
 // [-127, 127] through the sign trick (|x| x sign(w, x)).
-template <int MT>
+template <int MT, bool HALVES>   // HALVES: groups of 16 (Q6_K's; int8 codes, no zero point): each block's
 inline void itile(const Args& a, const QX& qx, const uint8_t* w, bool int4, int64_t n0, int64_t nr, int64_t m0,
                   const float* sp, const float* zp) {   // sp, zp: row n0's float32 scales, scaled zeros (or null)
-    // groups of 16 (Q6_K's; int8 codes, no zero point): each block's halves end a group each
-    const bool halves = a.gs == QB / 2;
+    // halves end a group each (a template argument: the usual path keeps no branch for it)
+    constexpr bool halves = HALVES;
     const int64_t K = a.K, nb = K / QB, bpg = halves ? 1 : a.gs / QB, rowb = int4 ? K / 2 : K;
     const uint8_t* row[8];
     for (int r = 0; r < 8; ++r) row[r] = w + (n0 + (r < nr ? r : 0)) * rowb;   // past N: row n0 again, not stored
@@ -166,7 +166,7 @@ inline void itile(const Args& a, const QX& qx, const uint8_t* w, bool int4, int6
                 const __m256i ax = _mm256_sign_epi8(xq, xq);
                 for (int r = 0; r < 8; ++r) lanes[r] = dot_lanes(ax, _mm256_sign_epi8(wv[r], xq));
             }
-            if (halves) {   // per half: total * dx, then * its group's scale, in that order
+            if constexpr (halves) {   // per half: total * dx, then * its group's scale, in that order
                 __m256i lo, hi;
                 totals8_halves(lanes, lo, hi);
                 const __m256 dx = _mm256_set1_ps(qx.d[(m0 + i) * nb + b]);
@@ -220,8 +220,13 @@ inline void run_tiles(const Args& a0, const QX& qx, const uint8_t* w, bool int4)
             const float* sp = a.s_stride == 0 ? a.s : a.s + (n - a.s_row0) * a.s_stride;
             const float* zp = has_zero(a) ? a.sz + (n - a.s_row0) * a.G : nullptr;
             int64_t m = 0;
-            for (; m + 2 <= a.M; m += 2) itile<2>(a, qx, w, int4, n, nr, m, sp, zp);
-            if (m < a.M) itile<1>(a, qx, w, int4, n, nr, m, sp, zp);
+            if (a.gs == QB / 2) {
+                for (; m + 2 <= a.M; m += 2) itile<2, true>(a, qx, w, int4, n, nr, m, sp, zp);
+                if (m < a.M) itile<1, true>(a, qx, w, int4, n, nr, m, sp, zp);
+                continue;
+            }
+            for (; m + 2 <= a.M; m += 2) itile<2, false>(a, qx, w, int4, n, nr, m, sp, zp);
+            if (m < a.M) itile<1, false>(a, qx, w, int4, n, nr, m, sp, zp);
         }
     }, 8);
 }

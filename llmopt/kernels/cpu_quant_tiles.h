@@ -112,7 +112,7 @@ struct KScales {
     int64_t row = 0, G = 0;    // bytes a row: G + 2 (G >> shift)
     int shift = 0;
     bool sgn = false;          // signed sub-scales (Q6_K)
-    float at(int64_t n, int64_t g) const {
+    __attribute__((noinline)) float at(int64_t n, int64_t g) const {   // (out of line: the tiles' scale_at stays small)
         const uint8_t* r = p + n * row;
         uint16_t h;
         std::memcpy(&h, r + G + 2 * (g >> shift), 2);
@@ -140,13 +140,13 @@ struct Args {
 inline bool has_zero(const Args& a) { return a.sz != nullptr || a.zc != 0.f || a.kz.p != nullptr; }
 
 // the scale and scaled zero of row n, group g (float32, or fp16 / K-quant sub-scales widened as read)
-inline float scale_at(const Args& a, int64_t n, int64_t g) {
-    if (a.ks.p != nullptr) return a.ks.at(n, g);
+__attribute__((always_inline)) inline float scale_at(const Args& a, int64_t n, int64_t g) {
+    if (__builtin_expect(a.ks.p != nullptr, 0)) return a.ks.at(n, g);
     const int64_t i = (n - a.s_row0) * a.s_stride + g;
     return a.half ? _cvtsh_ss(reinterpret_cast<const uint16_t*>(a.s)[i]) : a.s[i];
 }
-inline float szero_at(const Args& a, int64_t n, int64_t g) {
-    if (a.kz.p != nullptr) return a.kz.at(n, g);
+__attribute__((always_inline)) inline float szero_at(const Args& a, int64_t n, int64_t g) {
+    if (__builtin_expect(a.kz.p != nullptr, 0)) return a.kz.at(n, g);
     if (a.sz == nullptr) return a.zc * scale_at(a, n, g);
     const int64_t i = (n - a.s_row0) * a.G + g;
     return a.half ? _cvtsh_ss(reinterpret_cast<const uint16_t*>(a.sz)[i]) : a.sz[i];
@@ -232,9 +232,9 @@ template <int NR, int MT>
 inline void store(const Args& a, __m256 (&acc)[NR][MT], int64_t n0, int64_t m0) {
     for (int r = 0; r < NR; ++r)
         for (int i = 0; i < MT; ++i) {
-            float corr = 0.f;   // (fused multiply-adds spelled out: the same bits in every tile shape)
+            float corr = 0.f;
             if (has_zero(a))
-                for (int64_t g = 0; g < a.G; ++g) corr = std::fma(szero_at(a, n0 + r, g), a.xsum[(m0 + i) * a.G + g], corr);
+                for (int64_t g = 0; g < a.G; ++g) corr += szero_at(a, n0 + r, g) * a.xsum[(m0 + i) * a.G + g];
             a.y[(m0 + i) * a.ldy + n0 + r] = hsum(acc[r][i]) - corr;
         }
 }
@@ -414,29 +414,35 @@ inline void f32_rows(const Args& a, const uint8_t* w) {
 }
 
 template <class Fn>
+void run_rows(const Args& a, int64_t n0, int64_t n1, Fn fn) {   // rows n0..n1 of one thread
+    if (a.M == 1) {
+        rows<4, 1>(a, n0, n1, 0, fn);
+        return;
+    }
+    for (int64_t b0 = n0; b0 < n1; b0 += RB) {   // a block of RB rows stays in cache while every 4 rows of x pass over it
+        const int64_t b1 = std::min(n1, b0 + RB);
+        int64_t m = 0;
+        for (; m + 4 <= a.M; m += 4) rows<1, 4>(a, b0, b1, m, fn);
+        switch (a.M - m) {
+            case 3: rows<1, 3>(a, b0, b1, m, fn); break;
+            case 2: rows<2, 2>(a, b0, b1, m, fn); break;
+            case 1: rows<4, 1>(a, b0, b1, m, fn); break;
+            default: break;
+        }
+    }
+}
+
+template <class Fn>
 void run(const Args& a0, Fn fn) {
-    split_rows(a0.N, [&](int64_t n0, int64_t n1) {
-        // K-quant scales and implied zeros: made float32 64 rows at a time (Widened)
-        const bool wide = Widened::needed(a0, false);
+    if (!Widened::needed(a0, false)) {
+        split_rows(a0.N, [&](int64_t n0, int64_t n1) { run_rows(a0, n0, n1, fn); });
+        return;
+    }
+    split_rows(a0.N, [&](int64_t n0, int64_t n1) {   // K-quant scales, implied zeros: float32 64 rows at a time
         Widened wb;
-        for (int64_t c0 = n0; c0 < n1; c0 += wide ? 64 : n1 - n0) {
-            const int64_t c1 = wide ? std::min(n1, c0 + 64) : n1;
-            const Args a = wide ? wb.rows(a0, c0, c1) : a0;
-            if (a.M == 1) {
-                rows<4, 1>(a, c0, c1, 0, fn);
-                continue;
-            }
-            for (int64_t b0 = c0; b0 < c1; b0 += RB) {   // a block of RB rows stays in cache while every 4 rows of x pass over it
-                const int64_t b1 = std::min(c1, b0 + RB);
-                int64_t m = 0;
-                for (; m + 4 <= a.M; m += 4) rows<1, 4>(a, b0, b1, m, fn);
-                switch (a.M - m) {
-                    case 3: rows<1, 3>(a, b0, b1, m, fn); break;
-                    case 2: rows<2, 2>(a, b0, b1, m, fn); break;
-                    case 1: rows<4, 1>(a, b0, b1, m, fn); break;
-                    default: break;
-                }
-            }
+        for (int64_t c0 = n0; c0 < n1; c0 += 64) {
+            const int64_t c1 = std::min(n1, c0 + 64);
+            run_rows(wb.rows(a0, c0, c1), c0, c1, fn);
         }
     });
 }
