@@ -355,14 +355,17 @@ inline void panel_pass(const Args& a, const QX& qx, const Panel& p, bool int8, i
 
 // y = quantize_x(x) @ W^T for int8 codes (int4 = false, no -128) or the int4 layout; gs % 32 == 0, or
 // 16 for int8 codes without a zero point (QX::h given)
-inline void run_panels(const Args& a, const QX& qx, const uint8_t* w, bool int4) {
-    const int64_t P = (a.N + PR - 1) / PR;
+inline void run_panels(const Args& a0, const QX& qx, const uint8_t* w, bool int4) {
+    const int64_t P = (a0.N + PR - 1) / PR;
+    const bool wide = Widened::needed(a0, false);
 #pragma omp parallel
     {
         Panel p;
+        Widened wb;
 #pragma omp for schedule(static)
         for (int64_t pi = 0; pi < P; ++pi) {
-            const int64_t n0 = pi * PR, nr = std::min<int64_t>(PR, a.N - n0);
+            const int64_t n0 = pi * PR, nr = std::min<int64_t>(PR, a0.N - n0);
+            const Args a = wide ? wb.rows(a0, n0, n0 + nr) : a0;   // (K-quant scales, implied zeros)
             pack_panel(a, w, int4, n0, p);
             int64_t m = 0;
             for (; m + 8 <= a.M; m += 8) panel_pass<8>(a, qx, p, !int4, n0, nr, m);

@@ -112,12 +112,6 @@ struct KScales {
     int64_t row = 0, G = 0;    // bytes a row: G + 2 (G >> shift)
     int shift = 0;
     bool sgn = false;          // signed sub-scales (Q6_K)
-    __attribute__((noinline)) float at(int64_t n, int64_t g) const {   // (out of line: the tiles' scale_at stays small)
-        const uint8_t* r = p + n * row;
-        uint16_t h;
-        std::memcpy(&h, r + G + 2 * (g >> shift), 2);
-        return _cvtsh_ss(h) * (sgn ? static_cast<float>(static_cast<int8_t>(r[g])) : static_cast<float>(r[g]));
-    }
 };
 
 struct Args {
@@ -132,34 +126,22 @@ struct Args {
     float zc = 0.f;                     // with sz null, an implied zero code: sz = zc * s per group, as
                                         // llama.cpp derives Q4_0's 8d and Q5_0's 16d (held as the file: d only)
     KScales ks, kz;                     // with ks.p / kz.p set: the scales / scaled zeros as a K-quant
-                                        // holds them (s / sz unused; s_stride G)
+                                        // holds them (s / sz unused), read through Widened only
     int64_t s_row0 = 0;                 // s and sz hold rows from this one on (Widened's buffers)
 };
 
 // whether a has a zero-point term (stored, or implied by zc)
 inline bool has_zero(const Args& a) { return a.sz != nullptr || a.zc != 0.f || a.kz.p != nullptr; }
 
-// the scale and scaled zero of row n, group g, float32 or fp16 (no K-quant sub-scales: the float tiles
-// see those widened by run(); a possible call in their loops kept the accumulators out of registers,
-// 0.09 -> 0.12 ms for a 3072 x 576 Q4_1 layer)
-inline float plain_scale(const Args& a, int64_t n, int64_t g) {
+// the scale and scaled zero of row n, group g: float32, or fp16 widened as read, an implied zero as
+// zc x the scale. K-quant scales (ks, kz) are never read here: every kernel takes them through
+// Widened's buffers (a call into a K-quant reader inside the float tiles' loops kept their
+// accumulators out of registers: 0.09 -> 0.12 ms for a 3072 x 576 Q4_1 layer)
+inline float scale_at(const Args& a, int64_t n, int64_t g) {
     const int64_t i = (n - a.s_row0) * a.s_stride + g;
     return a.half ? _cvtsh_ss(reinterpret_cast<const uint16_t*>(a.s)[i]) : a.s[i];
 }
-inline float plain_szero(const Args& a, int64_t n, int64_t g) {
-    if (a.sz == nullptr) return a.zc * plain_scale(a, n, g);
-    const int64_t i = (n - a.s_row0) * a.G + g;
-    return a.half ? _cvtsh_ss(reinterpret_cast<const uint16_t*>(a.sz)[i]) : a.sz[i];
-}
-
-// the scale and scaled zero of row n, group g (float32, or fp16 / K-quant sub-scales widened as read)
-__attribute__((always_inline)) inline float scale_at(const Args& a, int64_t n, int64_t g) {
-    if (__builtin_expect(a.ks.p != nullptr, 0)) return a.ks.at(n, g);
-    const int64_t i = (n - a.s_row0) * a.s_stride + g;
-    return a.half ? _cvtsh_ss(reinterpret_cast<const uint16_t*>(a.s)[i]) : a.s[i];
-}
-__attribute__((always_inline)) inline float szero_at(const Args& a, int64_t n, int64_t g) {
-    if (__builtin_expect(a.kz.p != nullptr, 0)) return a.kz.at(n, g);
+inline float szero_at(const Args& a, int64_t n, int64_t g) {
     if (a.sz == nullptr) return a.zc * scale_at(a, n, g);
     const int64_t i = (n - a.s_row0) * a.G + g;
     return a.half ? _cvtsh_ss(reinterpret_cast<const uint16_t*>(a.sz)[i]) : a.sz[i];
@@ -247,7 +229,7 @@ inline void store(const Args& a, __m256 (&acc)[NR][MT], int64_t n0, int64_t m0) 
         for (int i = 0; i < MT; ++i) {
             float corr = 0.f;
             if (has_zero(a))
-                for (int64_t g = 0; g < a.G; ++g) corr += plain_szero(a, n0 + r, g) * a.xsum[(m0 + i) * a.G + g];
+                for (int64_t g = 0; g < a.G; ++g) corr += szero_at(a, n0 + r, g) * a.xsum[(m0 + i) * a.G + g];
             a.y[(m0 + i) * a.ldy + n0 + r] = hsum(acc[r][i]) - corr;
         }
 }
@@ -311,7 +293,7 @@ inline void tile8(const Args& a, const uint8_t* w, int64_t n0, int64_t m0) {
             }
         }
         for (int r = 0; r < NR; ++r) {
-            __m256 sv = _mm256_set1_ps(plain_scale(a, n0 + r, g));
+            __m256 sv = _mm256_set1_ps(scale_at(a, n0 + r, g));
             for (int i = 0; i < MT; ++i) acc[r][i] = _mm256_fmadd_ps(sv, d[r][i], acc[r][i]);
         }
     }
@@ -326,11 +308,11 @@ inline void add_scaled_halves(const Args& a, __m256 (&acc)[NR][MT], __m256 (&lo)
     for (int r = 0; r < NR; ++r) {
         const int64_t n = n0 + r;
         if (two) {
-            __m256 sl = _mm256_set1_ps(plain_scale(a, n, 2 * b0)), sh = _mm256_set1_ps(plain_scale(a, n, 2 * b0 + 1));
+            __m256 sl = _mm256_set1_ps(scale_at(a, n, 2 * b0)), sh = _mm256_set1_ps(scale_at(a, n, 2 * b0 + 1));
             for (int i = 0; i < MT; ++i)
                 acc[r][i] = _mm256_fmadd_ps(sh, hi[r][i], _mm256_fmadd_ps(sl, lo[r][i], acc[r][i]));
         } else {
-            __m256 sv = _mm256_set1_ps(plain_scale(a, n, g));
+            __m256 sv = _mm256_set1_ps(scale_at(a, n, g));
             for (int i = 0; i < MT; ++i)
                 acc[r][i] = _mm256_fmadd_ps(sv, _mm256_add_ps(lo[r][i], hi[r][i]), acc[r][i]);
         }
@@ -587,14 +569,17 @@ struct SrcQ4 {   // the int4 layout [N, K / 2]; k0 and kc multiples of 64
 
 // y = x @ W^T over a.M rows (a.x, a.y, a.ldy), W from src a K-chunk of 16 rows at a time
 template <class Src>
-void f32_panels(const Args& a, Src src) {
-    const int64_t M = a.M, K = a.K, N = a.N, P = (N + FN - 1) / FN;
+void f32_panels(const Args& a0, Src src) {
+    const int64_t M = a0.M, K = a0.K, N = a0.N, P = (N + FN - 1) / FN;
+    const bool wide = Widened::needed(a0, false);
 #pragma omp parallel
     {
         std::vector<float> wp(FK * FN), tmp(FK * FN);
+        Widened wb;
 #pragma omp for schedule(static)
         for (int64_t pi = 0; pi < P; ++pi) {
             const int64_t n0 = pi * FN, nr = std::min<int64_t>(FN, N - n0);
+            const Args a = wide ? wb.rows(a0, n0, n0 + nr) : a0;   // (K-quant scales, implied zeros)
             for (int64_t k0 = 0; k0 < K; k0 += FK) {
                 const int64_t kc = std::min<int64_t>(FK, K - k0);
                 src(a, n0, nr, k0, kc, wp.data(), tmp.data());
