@@ -48,10 +48,8 @@ def kernel_layout(g: GroupedCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     n, k = g.shape
     bits = 4 if g.bits <= 4 else 8
     codes = g.unpacked().to(torch.int32).view(n, k // g.group_size, g.group_size)
-    scales, szeros = g.float_scales().clone(), g.float_szeros()
-    if cpu_quant.is_zero_code(g.szeros):   # an implied zero code (Q4_0): w = (code - z) * d
-        zeros = torch.full_like(scales, float(g.szeros))
-    elif szeros is not None:
+    scales, szeros = g.float_scales().clone(), g.float_szeros()   # (Q4_0's implied zero: 8 d)
+    if szeros is not None:
         flat = scales == 0
         zeros = torch.where(flat, torch.zeros_like(scales), szeros / torch.where(flat, 1.0, scales))
         codes = torch.where(flat[..., None], torch.ones_like(codes), codes)
