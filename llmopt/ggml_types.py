@@ -11,20 +11,19 @@ FLOAT16_TYPES = ("F16", "BF16")   # matrices of these run as stored too (llmopt.
 # K-quants' are held as their files hold them too: byte sub-scales and an fp16 d per 256
 HALF_SCALE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 # the zero point: a scaled zero per group (m; a K-quant's dmin x min), none (Q8_0), or implied by the
-# scale, one zero code for every group as llama.cpp has it: Q4_0's 4-bit codes keep it as one zero
-# code (the int4 kernels' nibbles are unsigned); 5- and 6-bit codes, held a byte each, have it taken
-# off (signed int8: no zero-point term)
+# scale, one zero code for every group as llama.cpp has it (held as one fp16 value a tensor)
 IMPLIED_ZERO = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32}
 
 
 def held_bytes(type_name: str, shape: tuple[int, ...], float_bytes: int = 4, device: str = "cpu") -> int:
-    """The bytes the CPU engine holds for a GGUF tensor (GGMLLinear's buffers): 4-bit codes packed
-    two a byte where the width is a multiple of 64, else a byte a code; per group the file's scale
+    """The bytes the CPU engine holds for a GGUF tensor (GGMLLinear's buffers): 4-, 5- and 6-bit codes
+    at their bits where the width is a multiple of 64, else a byte a code; per group the file's scale
     and scaled zero (fp16 d and m; a K-quant's byte sub-scales with its fp16 d and dmin per super-block
     of 256), the scale alone where the zero is implied (one fp16 zero code a tensor) or none; an F16 /
     BF16 matrix as stored; a tensor of another type, or not 2-D, dequantized to `float_bytes` an
-    element. (A Q4_0 or Q4_1 matrix 64 wide or more: the file's bytes; Q4_K: 148 bytes a 256 to the
-    file's 144.) IMPLIED_ZERO says where the scale alone is held.
+    element. (A Q4_0, Q4_1, Q5_0, Q5_1 or Q6_K matrix 64 wide or more: the file's bytes, plus 2 where
+    the zero is implied; Q4_K and Q5_K: 4 bytes a 256 more than the file.) IMPLIED_ZERO says where the
+    scale alone is held.
     On CUDA (`device` not "cpu"): 4-bit codes (Q4_x, Q4_K) or 8-bit ones in int32 words, a float32
     scale and zero point per group; every other tensor in the model's dtype (`float_bytes`)."""
     numel = 1
@@ -40,12 +39,13 @@ def held_bytes(type_name: str, shape: tuple[int, ...], float_bytes: int = 4, dev
     if type_name not in RUN_TYPES or len(shape) != 2:
         return numel * float_bytes
     rows, cols = shape
-    packed = BITS[type_name] == 4 and cols % 64 == 0
+    bits = BITS[type_name]
+    packed = bits <= 6 and cols % 64 == 0
     groups = rows * (cols // GROUP[type_name])
     if type_name in HALF_SCALE_TYPES:   # an fp16 scale a group
         one = groups * 2
     else:                               # a byte a group, an fp16 d a super-block of 256
         one = groups + rows * (cols // 256) * 2
     stored_zero = type_name != "Q8_0" and type_name not in IMPLIED_ZERO
-    zero_code = 2 if type_name == "Q4_0" else 0   # one fp16 value
-    return (numel // 2 if packed else numel) + one * (2 if stored_zero else 1) + zero_code
+    zero_code = 2 if type_name in IMPLIED_ZERO else 0   # one fp16 value
+    return (numel * bits // 8 if packed else numel) + one * (2 if stored_zero else 1) + zero_code

@@ -7,7 +7,7 @@
 //
 // Why: at batch 1 the Python layer costs ~100 small ops (~13 ms of a 23 ms int8 step on this CPU);
 // here the layer is one call, its linears are the tiles and panels of cpu_quant_tiles.h and
-// cpu_idot_tiles.h (float32, bfloat16, float16, int8, int4, fp8 weights decoded in the loop; see
+// cpu_idot_tiles.h (float32, bfloat16, float16, int8, int4, 5- and 6-bit, fp8 weights decoded in the loop; see
 // `linear` for which runs when) and the elementwise work runs in place on small buffers.
 //
 // Arithmetic follows llmopt/models/llama.py in float32 (sums in another order: results agree within
@@ -46,7 +46,11 @@ namespace {
 
 using namespace llmopt_cpu_tiles;
 
-enum Kind : int64_t { KF32 = 0, KW8 = 1, KW4 = 2, KF8 = 3, KBF16 = 4, KF16 = 5 };
+enum Kind : int64_t { KF32 = 0, KW8 = 1, KW4 = 2, KF8 = 3, KBF16 = 4, KF16 = 5, KW5 = 6, KW6 = 7 };
+
+// grouped integer codes (int8, int4, 5- and 6-bit: cpu_quant.cpp's layouts) and their bits
+inline bool is_grouped(int64_t kind) { return kind == KW8 || kind == KW4 || kind == KW5 || kind == KW6; }
+inline int code_bits(int64_t kind) { return kind == KW4 ? 4 : kind == KW5 ? 5 : kind == KW6 ? 6 : 8; }
 
 // float weights: float32, or 16-bit ones widened in the loop (scale 1, one group, no zero)
 inline bool is_float(int64_t kind) { return kind == KF32 || kind == KBF16 || kind == KF16; }
@@ -154,6 +158,14 @@ void float_linear(Args a, int64_t kind, const uint8_t* w, std::vector<float>& xs
             if (panels) f32_panels(a, SrcQ4{w});
             else run(a, Fn4{w});
             break;
+        case KW5:
+            if (panels) f32_panels(a, SrcQ8<HB<1>>{w});
+            else run(a, FnHB<1>{w});
+            break;
+        case KW6:
+            if (panels) f32_panels(a, SrcQ8<HB<2>>{w});
+            else run(a, FnHB<2>{w});
+            break;
         default:
             if (panels) f32_panels(a, SrcQ8<F8>{w});
             else run(a, Fn8<F8>{w});
@@ -186,17 +198,17 @@ void linear(const Lin& l, const float* x, int64_t M, float* y, int64_t ldy, bool
     // int8 activations: the integer panels (VNNI) or tiles; without VNNI, from f32_panel_rows rows the
     // float panels (float activations) beat the AVX2 integer tiles
     if (int8_act && l.idot && (use_vnni || M < f32_panel_rows)) {
-        const bool halves = l.gs == QB / 2 && use_vnni && M >= panel_rows;   // the panels' half-block sums
+        const bool halves = l.gs == QB / 2;   // half-block sums (the panels'; 5- and 6-bit codes' zero code)
         quantize_x(xp, M, l.K, l.gs, t.q, t.d, t.bsum, t.xsum, halves ? &t.hsum : nullptr);
         QX qx{t.q.data(), t.d.data(), t.bsum.data(), halves ? t.hsum.data() : nullptr};
         a.sz = sz;
         if (has_zero(a)) a.xsum = t.xsum.data();
         if (use_vnni && M >= panel_rows) {
-            vnni::run_panels(a, qx, w, l.kind == KW4);
+            vnni::run_panels(a, qx, w, code_bits(l.kind));
         } else if (use_vnni) {
-            vnni::run_tiles(a, qx, w, l.kind == KW4);
+            vnni::run_tiles(a, qx, w, code_bits(l.kind));
         } else {
-            avx2::run_tiles(a, qx, w, l.kind == KW4);
+            avx2::run_tiles(a, qx, w, code_bits(l.kind));
         }
     } else {
         a.sz = sz;
@@ -475,9 +487,9 @@ void check_f32(const at::Tensor& t, const char* what) {
                 what, " must be a contiguous float32 CPU tensor");
 }
 
-// group scales of int4 / int8 codes may be fp16 (a GGUF's, as stored); every other kind's are float32
+// group scales of grouped codes may be fp16 (a GGUF's, as stored); every other kind's are float32
 void check_scales(const at::Tensor& t, int64_t kind, const char* what) {
-    if ((kind == KW4 || kind == KW8) && t.scalar_type() == at::kHalf) {
+    if (is_grouped(kind) && t.scalar_type() == at::kHalf) {
         TORCH_CHECK(t.is_contiguous() && t.device().is_cpu(), what, " must be a contiguous CPU tensor");
         return;
     }
@@ -529,10 +541,13 @@ Cache make_cache(const at::Tensor& kc, const at::Tensor& vc, double ks, double v
 // it the caller vouches for [-127, 127] (the int8 head's codes).
 Lin make_lin(int64_t kind, const at::Tensor& w, const at::Tensor& s, const at::Tensor& sz, const at::Tensor& bias,
              const at::Tensor& perm, int64_t gs, bool scan) {
-    TORCH_CHECK(kind >= KF32 && kind <= KF16, "bad kind");
+    TORCH_CHECK(kind >= KF32 && kind <= KW6, "bad kind");
     TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(), "weight must be a contiguous 2-d CPU tensor");
-    const int64_t N = w.size(0), K = kind == KW4 ? w.size(1) * 2 : w.size(1);
-    const at::ScalarType want[] = {at::kFloat, at::kChar, at::kByte, at::kByte, at::kBFloat16, at::kHalf};
+    const int bits = code_bits(kind);
+    const bool hb = kind == KW5 || kind == KW6;   // 8 * bits bytes a 64-column block
+    TORCH_CHECK(!hb || w.size(1) % (8 * bits) == 0, "5- and 6-bit codes need K % 64 == 0");
+    const int64_t N = w.size(0), K = kind == KW4 ? w.size(1) * 2 : hb ? w.size(1) / (8 * bits) * 64 : w.size(1);
+    const at::ScalarType want[] = {at::kFloat, at::kChar, at::kByte, at::kByte, at::kBFloat16, at::kHalf, at::kByte, at::kByte};
     TORCH_CHECK(w.scalar_type() == want[kind], "weight dtype does not match its kind");
     if (is_float(kind) || kind == KF8) gs = K;
     TORCH_CHECK(K % 8 == 0 && gs > 0 && gs % 8 == 0 && K % gs == 0, "K must be a multiple of 8 and of the group size");
@@ -540,15 +555,15 @@ Lin make_lin(int64_t kind, const at::Tensor& w, const at::Tensor& s, const at::T
     Lin l{kind, N, K, gs, w, {}, {}, {}, {}, false, 0.f, {}, {}};
 
     if (!is_float(kind)) {
-        if (kind == KW4 || kind == KW8) l.ks = k_scales(s, N, K / gs, "scales");
+        if (is_grouped(kind)) l.ks = k_scales(s, N, K / gs, "scales");
         if (l.ks.p == nullptr) {
             check_scales(s, kind, "scales");
-            TORCH_CHECK(s.numel() == N * (K / gs) || (kind != KW4 && s.numel() == 1) ||
+            TORCH_CHECK(s.numel() == N * (K / gs) || (kind != KW4 && !hb && s.numel() == 1) ||
                         (kind == KF8 && s.numel() == N), "scales must be [N, K / group_size] (or one)");
         }
         l.s = s;
     }
-    if ((kind == KW4 || kind == KW8) && sz.defined()) l.kz = k_scales(sz, N, K / gs, "szeros");
+    if (is_grouped(kind) && sz.defined()) l.kz = k_scales(sz, N, K / gs, "szeros");
     if (l.kz.p != nullptr) {
         l.sz = sz;
     } else if (is_zero_code(sz)) {   // an implied zero code: sz = z * s per group
@@ -560,10 +575,12 @@ Lin make_lin(int64_t kind, const at::Tensor& w, const at::Tensor& s, const at::T
                     "szeros must be [N, K / group_size], of the scales' dtype");
         l.sz = sz;
     }
-    // the integer tiles and panels: groups of 32 or more; groups of 16 (Q6_K) on int8 codes without a
-    // zero point (each half of a 32-column block summed apart)
-    if ((kind == KW8 || kind == KW4) &&
-        (gs % QB == 0 || (kind == KW8 && gs == QB / 2 && !l.sz.defined() && l.zc == 0.f && l.kz.p == nullptr))) {
+    // the integer tiles and panels: groups of 32 or more; groups of 16 (Q6_K) on signed codes without a
+    // zero point (int8 ones; 5- and 6-bit ones with their zero code taken off: each half of a 32-column
+    // block summed apart)
+    const bool sgn = (kind == KW8 && l.zc == 0.f) || (hb && zero_code_off(l.zc, bits) != 0);
+    if (is_grouped(kind) &&
+        (gs % QB == 0 || (gs == QB / 2 && kind != KW4 && sgn && !l.sz.defined() && l.kz.p == nullptr))) {
         l.idot = true;
         if (kind == KW8 && scan) {
             const int8_t* c = w.data_ptr<int8_t>();
@@ -737,12 +754,12 @@ at::Tensor f32_gemm(const at::Tensor& x, const at::Tensor& w) {
 }
 
 // y = quantize_x(x) @ W^T through the integer tiles: kind 1 int8 codes [N, K] (no -128), kind 2 the
-// int4 layout [N, K / 2]; what the decode layer's linears compute with int8 activations (tests)
+// int4 layout [N, K / 2], 6 and 7 the 5- and 6-bit one (HB); what the decode layer's linears compute with int8 activations (tests)
 // (checked: the caller knows int8 codes hold no -128, e.g. the int8 LM head; else every call scans them)
 at::Tensor idot_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& szeros,
                      int64_t gs, int64_t kind, bool checked) {
     check_f32(x, "x");
-    TORCH_CHECK(kind == KW8 || kind == KW4, "kind must be 1 (int8) or 2 (int4)");
+    TORCH_CHECK(is_grouped(kind), "kind must be 1 (int8), 2 (int4), 6 (5-bit) or 7 (6-bit)");
     const at::Tensor none;
     Lin l = make_lin(kind, w, scales, szeros, none, none, gs, !checked);
     TORCH_CHECK(l.idot, "int8 codes must be in [-127, 127] and the group size a multiple of 32 (16 without a zero point)");

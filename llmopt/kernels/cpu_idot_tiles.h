@@ -30,7 +30,7 @@ struct QX {
     const int8_t* q;    // [M, K]
     const float* d;     // [M, K / 32]
     const int32_t* b;   // [M, K / 32]: sum(q) per block
-    const int32_t* h = nullptr;   // [M, K / 16]: sum(q) per half block (int8 panels, groups of 16)
+    const int32_t* h = nullptr;   // [M, K / 16]: sum(q) per half block (groups of 16)
 };
 
 // x [M, K] (K % 32 == 0) -> q, d, bsum; gsum [M, K / gs] = sum over each group of d_b * sum(q_b).
@@ -81,6 +81,17 @@ inline void quantize_x(const float* x, int64_t M, int64_t K, int64_t gs, std::ve
         }
 }
 
+// 5- and 6-bit codes with an implied zero code (Q5_0's 16, Q6_K's 32: Args::zc, a whole number in
+// (0, 2^bits)) have it taken off as they are decoded: the sign trick's int8 codes, no zero-point
+// term (groups of 16 need it so). Otherwise 0: codes as stored, the zero point (if any) its term.
+inline int zero_code_off(float zc, int bits) {
+    const bool whole = zc > 0.f && zc < float(1 << bits) && zc == std::floor(zc);
+    return (bits == 5 || bits == 6) && whole ? int(zc) : 0;
+}
+inline int code_off(const Args& a, int bits) {
+    return a.sz == nullptr && a.kz.p == nullptr ? zero_code_off(a.zc, bits) : 0;
+}
+
 }  // namespace llmopt_cpu_tiles
 #endif  // LLMOPT_IDOT_PRELUDE
 
@@ -122,13 +133,16 @@ inline __m256i totals8(const __m256i (&v)[8]) {
 // path: a verified draft gets plain decoding's logits, and a sequence's logits do not depend on
 // how many others share its step. int4: the grouped nibble layout of cpu_quant_tiles.h (per
 // 64-column block: low nibbles its first 32 columns, high nibbles the next 32); int8 codes in
-// [-127, 127] through the sign trick (|x| x sign(w, x)).
-template <int MT, bool HALVES>   // HALVES: groups of 16 (Q6_K's; int8 codes, no zero point): each block's
+// [-127, 127] through the sign trick (|x| x sign(w, x)); 5- and 6-bit codes (P = 1, 2 high bits:
+// HB<P>) decoded to bytes per block (hb_codes), unsigned as int4's; their implied zero code `off`
+// (then no zero-point term) comes off each block's exact total as off x sum(xq), the same int32
+// as the signed codes' sum.
+template <int MT, bool HALVES, int P>   // HALVES: groups of 16 (Q6_K's; no zero point): each block's
 inline void itile(const Args& a, const QX& qx, const uint8_t* w, bool int4, int64_t n0, int64_t nr, int64_t m0,
-                  const float* sp, const float* zp) {   // sp, zp: row n0's float32 scales, scaled zeros (or null)
+                  const float* sp, const float* zp, int off) {   // sp, zp: row n0's float32 scales, scaled zeros (or null)
     // halves end a group each (a template argument: the usual path keeps no branch for it)
     constexpr bool halves = HALVES;
-    const int64_t K = a.K, nb = K / QB, bpg = halves ? 1 : a.gs / QB, rowb = int4 ? K / 2 : K;
+    const int64_t K = a.K, nb = K / QB, bpg = halves ? 1 : a.gs / QB, rowb = P ? HB<P>::rowb(K) : int4 ? K / 2 : K;
     const uint8_t* row[8];
     for (int r = 0; r < 8; ++r) row[r] = w + (n0 + (r < nr ? r : 0)) * rowb;   // past N: row n0 again, not stored
     const __m256i low = _mm256_set1_epi8(0x0F);
@@ -142,7 +156,12 @@ inline void itile(const Args& a, const QX& qx, const uint8_t* w, bool int4, int6
     for (int i = 0; i < MT; ++i) fb[i] = _mm256_setzero_ps();
     __m256i wv[8];
     for (int64_t b = 0; b < nb; ++b) {
-        if (int4) {   // block b: the low (b even) or high (b odd) nibbles of 64-column block b / 2
+        if constexpr (P > 0) {
+            for (int r = 0; r < 8; ++r) {
+                if ((b & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row[r] + 8 * rowb + (b >> 1) * HB<P>::BLK), _MM_HINT_T0);
+                wv[r] = hb_codes<P>(row[r], b, 0);   // (unsigned: `off` comes off the totals)
+            }
+        } else if (int4) {   // block b: the low (b even) or high (b odd) nibbles of 64-column block b / 2
             if ((b & 1) == 0) {
                 for (int r = 0; r < 8; ++r) {
                     _mm_prefetch(reinterpret_cast<const char*>(row[r] + 8 * rowb + 16 * b), _MM_HINT_T0);
@@ -158,8 +177,10 @@ inline void itile(const Args& a, const QX& qx, const uint8_t* w, bool int4, int6
         for (int i = 0; i < MT; ++i) {
             const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.q + (m0 + i) * K + b * QB));
             __m256i lanes[8];
-            if (int4) {   // nibbles taken per x row: kept across rows they cost the AVX2 path (16
-                          // registers) 5-10% at 2 and 4 rows, for 2-7% on VNNI
+            if (P > 0) {   // 5- or 6-bit codes, unsigned (sum (c - off) x = sum c x - off sum x: below)
+                for (int r = 0; r < 8; ++r) lanes[r] = dot_lanes(wv[r], xq);
+            } else if (P == 0 && int4) {   // nibbles taken per x row: kept across rows they cost the AVX2
+                                           // path (16 registers) 5-10% at 2 and 4 rows, for 2-7% on VNNI
                 for (int r = 0; r < 8; ++r)
                     lanes[r] = dot_lanes(_mm256_and_si256((b & 1) ? _mm256_srli_epi16(wv[r], 4) : wv[r], low), xq);
             } else {
@@ -169,6 +190,10 @@ inline void itile(const Args& a, const QX& qx, const uint8_t* w, bool int4, int6
             if constexpr (halves) {   // per half: total * dx, then * its group's scale, in that order
                 __m256i lo, hi;
                 totals8_halves(lanes, lo, hi);
+                if (P > 0 && off) {
+                    lo = _mm256_sub_epi32(lo, _mm256_set1_epi32(off * qx.h[((m0 + i) * nb + b) * 2]));
+                    hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(off * qx.h[((m0 + i) * nb + b) * 2 + 1]));
+                }
                 const __m256 dx = _mm256_set1_ps(qx.d[(m0 + i) * nb + b]);
                 const __m256 s0 = _mm256_mask_i32gather_ps(_mm256_setzero_ps(), sp + 2 * b, sidx, valid, 4);
                 const __m256 s1 = _mm256_mask_i32gather_ps(_mm256_setzero_ps(), sp + 2 * b + 1, sidx, valid, 4);
@@ -176,7 +201,9 @@ inline void itile(const Args& a, const QX& qx, const uint8_t* w, bool int4, int6
                 acc[i] = _mm256_fmadd_ps(s1, _mm256_mul_ps(_mm256_cvtepi32_ps(hi), dx), acc[i]);
                 continue;
             }
-            fb[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals8(lanes)), _mm256_set1_ps(qx.d[(m0 + i) * nb + b]), fb[i]);
+            __m256i tot = totals8(lanes);
+            if (P > 0 && off) tot = _mm256_sub_epi32(tot, _mm256_set1_epi32(off * qx.b[(m0 + i) * nb + b]));
+            fb[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_set1_ps(qx.d[(m0 + i) * nb + b]), fb[i]);
         }
         if (!halves && (b + 1) % bpg == 0) {   // the group's end
             const int64_t g = b / bpg;
@@ -206,7 +233,8 @@ inline void itile(const Args& a, const QX& qx, const uint8_t* w, bool int4, int6
 }
 
 // y = quantize_x(x) @ W^T through the tiles: each thread a range of 8-row tiles, x's rows two by two
-inline void run_tiles(const Args& a0, const QX& qx, const uint8_t* w, bool int4) {
+template <int P>
+inline void run_tiles_p(const Args& a0, const QX& qx, const uint8_t* w, bool int4, int off) {
     split_rows(a0.N, [&](int64_t n0, int64_t n1) {
         // fp16 scales (a GGUF's d and m, as stored), K-quant sub-scales and implied zeros: made float32
         // 64 rows at a time into buffers that stay in L1 (Widened)
@@ -221,14 +249,25 @@ inline void run_tiles(const Args& a0, const QX& qx, const uint8_t* w, bool int4)
             const float* zp = has_zero(a) ? a.sz + (n - a.s_row0) * a.G : nullptr;
             int64_t m = 0;
             if (a.gs == QB / 2) {
-                for (; m + 2 <= a.M; m += 2) itile<2, true>(a, qx, w, int4, n, nr, m, sp, zp);
-                if (m < a.M) itile<1, true>(a, qx, w, int4, n, nr, m, sp, zp);
+                for (; m + 2 <= a.M; m += 2) itile<2, true, P>(a, qx, w, int4, n, nr, m, sp, zp, off);
+                if (m < a.M) itile<1, true, P>(a, qx, w, int4, n, nr, m, sp, zp, off);
                 continue;
             }
-            for (; m + 2 <= a.M; m += 2) itile<2, false>(a, qx, w, int4, n, nr, m, sp, zp);
-            if (m < a.M) itile<1, false>(a, qx, w, int4, n, nr, m, sp, zp);
+            for (; m + 2 <= a.M; m += 2) itile<2, false, P>(a, qx, w, int4, n, nr, m, sp, zp, off);
+            if (m < a.M) itile<1, false, P>(a, qx, w, int4, n, nr, m, sp, zp, off);
         }
     }, 8);
+}
+
+// codes of `bits`: 8 int8 codes [N, K], 4 the int4 layout, 5 and 6 the HB layout (their implied
+// zero code, if any, taken off in the decode: code_off)
+inline void run_tiles(const Args& a0, const QX& qx, const uint8_t* w, int bits) {
+    const int off = code_off(a0, bits);
+    Args a = a0;
+    if (off) a.zc = 0.f;
+    if (bits == 5) run_tiles_p<1>(a, qx, w, false, off);
+    else if (bits == 6) run_tiles_p<2>(a, qx, w, false, off);
+    else run_tiles_p<0>(a, qx, w, bits == 4, 0);
 }
 
 #ifdef LLMOPT_IDOT_VNNI
@@ -255,9 +294,11 @@ inline void interleave8(const __m256i (&v)[8], uint8_t* out) {
     for (int j = 0; j < 8; ++j) _mm256_storeu_ps(reinterpret_cast<float*>(out + 32 * j), r[j]);
 }
 
-// rows n0..n0+7 (past N: zeros) of int8 codes (int4 = false) or the int4 layout into p
-inline void pack_panel(const Args& a, const uint8_t* w, bool int4, int64_t n0, Panel& p) {
-    const int64_t K = a.K, G = a.G, rowb = int4 ? K / 2 : K;
+// rows n0..n0+7 (past N: zeros) of codes of `bits` (run_tiles; 5 and 6 less `off`: signed then, held
+// + 128 as int8 codes are) into p
+inline void pack_panel(const Args& a, const uint8_t* w, int bits, int off, int64_t n0, Panel& p) {
+    const bool int4 = bits == 4;
+    const int64_t K = a.K, G = a.G, rowb = bits == 5 ? HB<1>::rowb(K) : bits == 6 ? HB<2>::rowb(K) : bits == 4 ? K / 2 : K;
     p.w.resize(K * PR);
     p.s.assign(G * PR, 0.f);
     p.sz.assign(G * PR, 0.f);
@@ -270,7 +311,15 @@ inline void pack_panel(const Args& a, const uint8_t* w, bool int4, int64_t n0, P
                 continue;
             }
             const uint8_t* row = w + (n0 + r) * rowb;
-            if (int4) {
+            if (bits == 5 || bits == 6) {
+                const int64_t b = c / QB;
+                v0[r] = bits == 5 ? hb_codes<1>(row, b, off) : hb_codes<2>(row, b, off);
+                v1[r] = bits == 5 ? hb_codes<1>(row, b + 1, off) : hb_codes<2>(row, b + 1, off);
+                if (off) {
+                    v0[r] = _mm256_xor_si256(v0[r], flip);
+                    v1[r] = _mm256_xor_si256(v1[r], flip);
+                }
+            } else if (int4) {
                 __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c / 2));
                 v0[r] = _mm256_and_si256(v, low);
                 v1[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
@@ -353,10 +402,14 @@ inline void panel_pass(const Args& a, const QX& qx, const Panel& p, bool int8, i
     }
 }
 
-// y = quantize_x(x) @ W^T for int8 codes (int4 = false, no -128) or the int4 layout; gs % 32 == 0, or
-// 16 for int8 codes without a zero point (QX::h given)
-inline void run_panels(const Args& a0, const QX& qx, const uint8_t* w, bool int4) {
-    const int64_t P = (a0.N + PR - 1) / PR;
+// y = quantize_x(x) @ W^T for codes of `bits` (run_tiles; int8 ones without -128); gs % 32 == 0, or
+// 16 for signed codes without a zero point (QX::h given)
+inline void run_panels(const Args& a1, const QX& qx, const uint8_t* w, int bits) {
+    const int64_t P = (a1.N + PR - 1) / PR;
+    const int off = code_off(a1, bits);
+    Args a0 = a1;
+    if (off) a0.zc = 0.f;
+    const bool sgn = bits == 8 || off != 0;   // codes held + 128 (panel_pass's int8)
     const bool wide = Widened::needed(a0, false);
 #pragma omp parallel
     {
@@ -366,17 +419,17 @@ inline void run_panels(const Args& a0, const QX& qx, const uint8_t* w, bool int4
         for (int64_t pi = 0; pi < P; ++pi) {
             const int64_t n0 = pi * PR, nr = std::min<int64_t>(PR, a0.N - n0);
             const Args a = wide ? wb.rows(a0, n0, n0 + nr) : a0;   // (K-quant scales, implied zeros)
-            pack_panel(a, w, int4, n0, p);
+            pack_panel(a, w, bits, off, n0, p);
             int64_t m = 0;
-            for (; m + 8 <= a.M; m += 8) panel_pass<8>(a, qx, p, !int4, n0, nr, m);
+            for (; m + 8 <= a.M; m += 8) panel_pass<8>(a, qx, p, sgn, n0, nr, m);
             switch (a.M - m) {
-                case 7: panel_pass<7>(a, qx, p, !int4, n0, nr, m); break;
-                case 6: panel_pass<6>(a, qx, p, !int4, n0, nr, m); break;
-                case 5: panel_pass<5>(a, qx, p, !int4, n0, nr, m); break;
-                case 4: panel_pass<4>(a, qx, p, !int4, n0, nr, m); break;
-                case 3: panel_pass<3>(a, qx, p, !int4, n0, nr, m); break;
-                case 2: panel_pass<2>(a, qx, p, !int4, n0, nr, m); break;
-                case 1: panel_pass<1>(a, qx, p, !int4, n0, nr, m); break;
+                case 7: panel_pass<7>(a, qx, p, sgn, n0, nr, m); break;
+                case 6: panel_pass<6>(a, qx, p, sgn, n0, nr, m); break;
+                case 5: panel_pass<5>(a, qx, p, sgn, n0, nr, m); break;
+                case 4: panel_pass<4>(a, qx, p, sgn, n0, nr, m); break;
+                case 3: panel_pass<3>(a, qx, p, sgn, n0, nr, m); break;
+                case 2: panel_pass<2>(a, qx, p, sgn, n0, nr, m); break;
+                case 1: panel_pass<1>(a, qx, p, sgn, n0, nr, m); break;
                 default: break;
             }
         }

@@ -7,6 +7,8 @@
 // - w8: int8 codes c [N, K]; W[n, k] = (c - z') * s with per-group s, and sz = s * z' [N, G].
 // - w4: uint8 [N, K / 2], 64-column blocks: byte 32b + j holds column 64b + j in its low nibble and
 //       column 64b + 32 + j in its high nibble (no interleave to undo); W = (q - z) * s, sz = s * z.
+// - w5, w6: 5- or 6-bit codes at their bits [N, K * bits / 8]: per 64-column block the int4 layout's
+//       nibbles, then the high bits in 8 (bits - 4) bytes (cpu_quant_tiles.h: HB); W = (q - z) * s.
 // szeros (sz) may also be empty (no zero point) or one value z: the same zero code for every group,
 // sz = s * z formed where read (llama.cpp's Q4_0 and Q5_0, held as the file holds them: d alone).
 // scales and szeros may also come as a K-quant's sub-scales (uint8 / int8 [N, G + 2 G / per]: KScales).
@@ -121,6 +123,22 @@ at::Tensor w4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
     return y;
 }
 
+// y = x @ ((q - z) * s)^T; q: 5- or 6-bit codes (`bits`) in the HB layout [N, K * bits / 8] (K % 64 == 0)
+at::Tensor wh_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                   const at::Tensor& szeros, int64_t gs, int64_t bits) {
+    TORCH_CHECK(bits == 5 || bits == 6, "bits must be 5 or 6");
+    const int64_t blk = 8 * bits;   // bytes a 64-column block
+    TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                packed.size(1) % blk == 0, "packed must be contiguous uint8 [N, K * bits / 8] with K a multiple of 64");
+    int64_t N = packed.size(0), K = packed.size(1) / blk * 64;
+    std::vector<float> xsum;
+    at::Tensor y;
+    Args a = make_args(x, N, K, gs, scales, szeros, xsum, y);
+    if (bits == 5) run(a, FnHB<1>{packed.data_ptr<uint8_t>()});
+    else run(a, FnHB<2>{packed.data_ptr<uint8_t>()});
+    return y;
+}
+
 // y = x @ (f8 * s)^T; codes: e4m3fn bytes viewed as uint8 [N, K]; scales float32 [N] or [1]
 at::Tensor f8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
     TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
@@ -160,6 +178,7 @@ at::Tensor w8_rows(const at::Tensor& ids, const at::Tensor& codes, const at::Ten
 TORCH_LIBRARY(llmopt_cpu, m) {
     m.def("w8_gemm(Tensor x, Tensor codes, Tensor scales, Tensor szeros, int gs) -> Tensor");
     m.def("w4_gemm(Tensor x, Tensor packed, Tensor scales, Tensor szeros, int gs) -> Tensor");
+    m.def("wh_gemm(Tensor x, Tensor packed, Tensor scales, Tensor szeros, int gs, int bits) -> Tensor");
     m.def("f8_gemm(Tensor x, Tensor codes, Tensor scales) -> Tensor");
     m.def("w8_rows(Tensor ids, Tensor codes, Tensor scales) -> Tensor");
 }
@@ -167,6 +186,7 @@ TORCH_LIBRARY(llmopt_cpu, m) {
 TORCH_LIBRARY_IMPL(llmopt_cpu, CPU, m) {
     m.impl("w8_gemm", &w8_gemm);
     m.impl("w4_gemm", &w4_gemm);
+    m.impl("wh_gemm", &wh_gemm);
     m.impl("f8_gemm", &f8_gemm);
     m.impl("w8_rows", &w8_rows);
 }

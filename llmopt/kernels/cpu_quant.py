@@ -1,5 +1,5 @@
 """CPU kernels for quantized weights (cpu_quant.cpp): GEMV/GEMM that decode int8, int4 (grouped
-nibble layout) and FP8 weights inside the loop (and widen bfloat16 / float16 ones: cpu_decode.cpp's
+nibble layout), 5- and 6-bit (the nibbles and high-bit planes) and FP8 weights inside the loop (and widen bfloat16 / float16 ones: cpu_decode.cpp's
 f32_gemm), float32 activations and accumulation.
 
 The C++ file is compiled on first use with torch.utils.cpp_extension (g++, AVX2 + FMA, OpenMP over
@@ -8,7 +8,8 @@ hash, and loaded as torch.ops.llmopt_cpu.*, so eager code and torch.compile grap
 ops. Without a compiler (or AVX2) the same functions run in PyTorch, dequantizing a slice of rows
 at a time (never the whole weight), after one warning line.
 
-Layouts and the arithmetic: see the header of cpu_quant.cpp; `pack_int4` writes the int4 layout.
+Layouts and the arithmetic: see the header of cpu_quant.cpp; `pack_int4` writes the int4 layout,
+`pack_hb` the 5- and 6-bit one; `pack_codes` picks a layout ("kind") for codes of some bits.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def _register_fakes() -> None:
 
     torch.library.register_fake("llmopt_cpu::w8_gemm")(lambda x, codes, s, sz, gs: out(x, codes.shape[0]))
     torch.library.register_fake("llmopt_cpu::w4_gemm")(lambda x, packed, s, sz, gs: out(x, packed.shape[0]))
+    torch.library.register_fake("llmopt_cpu::wh_gemm")(lambda x, packed, s, sz, gs, bits: out(x, packed.shape[0]))
     torch.library.register_fake("llmopt_cpu::f8_gemm")(lambda x, codes, s: out(x, codes.shape[0]))
     torch.library.register_fake("llmopt_cpu::f32_gemm")(lambda x, w: out(x, w.shape[0]))
     torch.library.register_fake("llmopt_cpu::w8_rows")(
@@ -108,6 +110,60 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     n, half = packed.shape
     p = packed.view(n, half // 32, 32)
     return torch.stack((p & 0xF, p >> 4), dim=2).reshape(n, half * 2)
+
+
+def high_fields(high: torch.Tensor, bits: int) -> torch.Tensor:
+    """The high bits (code >> 4) of 64-column blocks [..., 64] -> pack_hb's 8P bytes [..., 8P] (P =
+    bits - 4): column c's in field c // 8P (P bits at bit P (c // 8P)) of byte c % 8P."""
+    p = bits - 4
+    h = high.to(torch.uint8).reshape(*high.shape[:-1], 8 // p, 8 * p)
+    shift = (p * torch.arange(8 // p, dtype=torch.uint8)).view(-1, 1)
+    return (h << shift).sum(-2, dtype=torch.uint8)   # (fields apart: the sum is their OR)
+
+
+def pack_hb(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes [N, K] in [0, 2**bits), bits 5 or 6 (K a multiple of 64) -> uint8 [N, K * bits / 8]: per
+    64-column block the int4 layout's 32 bytes (pack_int4), then the high bits' 8 (bits - 4) bytes
+    (high_fields)."""
+    n, k = codes.shape
+    c = codes.to(torch.uint8).view(n, k // 64, 64)
+    nib = pack_int4(c.reshape(n, k) & 0xF).view(n, k // 64, 32)
+    return torch.cat([nib, high_fields(c >> 4, bits)], dim=2).reshape(n, k * bits // 8).contiguous()
+
+
+def unpack_hb(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """pack_hb's inverse: uint8 codes [N, K]."""
+    n, width = packed.shape
+    p, blocks = bits - 4, width // (8 * bits)
+    b = packed.view(n, blocks, 8 * bits)
+    codes = unpack_int4(b[:, :, :32].reshape(n, blocks * 32)).view(n, blocks, 64)
+    shift = (p * torch.arange(8 // p, dtype=torch.uint8)).view(-1, 1)
+    high = (b[:, :, None, 32:] >> shift) & ((1 << p) - 1)     # [n, blocks, field, byte]
+    return (codes | (high.reshape(n, blocks, 64) << 4)).reshape(n, blocks * 64)
+
+
+# the kernels' layouts of grouped codes: kind -> (bits a code, cpu_decode.cpp's Kind)
+KINDS = {"w8": (8, 1), "w4": (4, 2), "w5": (5, 6), "w6": (6, 7)}
+
+
+def packed_kind(bits: int, width: int) -> str:
+    """The layout codes of `bits` (at most 8) and `width` columns are held in: 4 to 6 bits at their
+    bits where the width is a multiple of 64, else a byte a code."""
+    return f"w{bits}" if 4 <= bits <= 6 and width % 64 == 0 else "w8"
+
+
+def pack_codes(codes: torch.Tensor, kind: str) -> torch.Tensor:
+    """Unsigned codes [N, K] (int8 ones for "w8", as given) in `kind`'s layout."""
+    bits = KINDS[kind][0]
+    if kind == "w8":
+        return codes.to(torch.int8).contiguous()
+    return pack_int4(codes) if bits == 4 else pack_hb(codes, bits)
+
+
+def unpack(kind: str, packed: torch.Tensor) -> torch.Tensor:
+    """Codes [N, K], a byte each, of a layer held in `kind`'s layout."""
+    bits = KINDS[kind][0]
+    return packed if kind == "w8" else unpack_int4(packed) if bits == 4 else unpack_hb(packed, bits)
 
 
 # -- the entry points -----------------------------------------------------------------------------
@@ -195,6 +251,25 @@ def w4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, szeros:
         return o.w4_gemm(x, packed, scales, szeros, gs)
     return _sliced(x, packed.shape[0], lambda a, b: grouped_weight(unpack_int4(packed[a:b]), scales[a:b],
                                                              _rows(szeros, a, b), gs))
+
+
+def wh_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, szeros: torch.Tensor, gs: int, bits: int):
+    """x [M, K] float32 @ ((q - z) * s)^T with q from pack_hb's layout of `bits` [N, K * bits / 8]."""
+    o = _kernel(x)
+    if o is not None:
+        return o.wh_gemm(x, packed, scales, szeros, gs, bits)
+    return _sliced(x, packed.shape[0], lambda a, b: grouped_weight(unpack_hb(packed[a:b], bits), scales[a:b],
+                                                             _rows(szeros, a, b), gs))
+
+
+def grouped_gemm(kind: str, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, szeros: torch.Tensor,
+                 gs: int) -> torch.Tensor:
+    """x @ W^T for a layer held in `kind`'s layout (KINDS)."""
+    if kind == "w4":
+        return w4_gemm(x, packed, scales, szeros, gs)
+    if kind == "w8":
+        return w8_gemm(x, packed, scales, szeros, gs)
+    return wh_gemm(x, packed, scales, szeros, gs, KINDS[kind][0])
 
 
 def f8_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor):

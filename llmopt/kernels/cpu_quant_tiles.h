@@ -35,17 +35,25 @@ inline float hsum(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
-// 8 codes at column c of a row (B bytes per element), as floats (before scale and zero)
-struct I8 {
-    static constexpr int64_t B = 1;
+// The float tiles' decoders: D::at(row, c) gives the 8 values at column c of a row (codes before
+// scale and zero, or floats), D::rowb(K) a row's bytes, D::off(c) the byte of column c (prefetches,
+// every D::PFC columns). Formats of B bytes an element take Bytes<B>.
+template <int64_t B_>
+struct Bytes {
+    static constexpr int64_t B = B_, PFC = 64 / B_;
+    static inline int64_t rowb(int64_t K) { return K * B_; }
+    static inline int64_t off(int64_t c) { return c * B_; }
+};
+
+// 8 codes at column c of a row, as floats (before scale and zero)
+struct I8 : Bytes<1> {
     static inline __m256 at(const uint8_t* row, int64_t c) {
         __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c));
         return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
     }
 };
 
-struct F32 {  // float weights (the fused decode layer's unquantized linears): scale 1, one group
-    static constexpr int64_t B = 4;
+struct F32 : Bytes<4> {  // float weights (the fused decode layer's unquantized linears): scale 1, one group
     static inline __m256 at(const uint8_t* row, int64_t c) {
         return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + c);
     }
@@ -56,8 +64,7 @@ struct F32 {  // float weights (the fused decode layer's unquantized linears): s
 };
 
 // 16-bit float weights, widened exactly to float32 in the loop (f32 accumulation, as F32 sums)
-struct BF16 {   // bfloat16: the high half of a float32
-    static constexpr int64_t B = 2;
+struct BF16 : Bytes<2> {   // bfloat16: the high half of a float32
     static inline __m256 at(const uint8_t* row, int64_t c) {
         __m256i i = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * c)));
         return _mm256_castsi256_ps(_mm256_slli_epi32(i, 16));
@@ -79,8 +86,7 @@ struct BF16 {   // bfloat16: the high half of a float32
     }
 };
 
-struct F16 {   // IEEE half (F16C, which every AVX2 CPU has)
-    static constexpr int64_t B = 2;
+struct F16 : Bytes<2> {   // IEEE half (F16C, which every AVX2 CPU has)
     static inline __m256 at(const uint8_t* row, int64_t c) {
         return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * c)));
     }
@@ -91,10 +97,9 @@ struct F16 {   // IEEE half (F16C, which every AVX2 CPU has)
     }
 };
 
-struct F8 {   // e4m3fn bits -> float32 exactly: moved up into f16 bits (value * 2^-8), widened by F16C,
+struct F8 : Bytes<1> {   // e4m3fn bits -> float32 exactly: moved up into f16 bits (value * 2^-8), widened by F16C,
               // times 256. (Building the float32 bits and scaling by 2^120 made the format's subnormals,
               // common in a K/V cache, float32 denormals: a microcode assist each, 0.58x the speed.)
-    static constexpr int64_t B = 1;
     static inline __m256 at(const uint8_t* row, int64_t c) {
         const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c)));
         const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
@@ -102,6 +107,51 @@ struct F8 {   // e4m3fn bits -> float32 exactly: moved up into f16 bits (value *
         return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
     }
 };
+
+// 5- and 6-bit codes (GGUF's Q5_x, Q5_K, Q6_K), held at their bits: per 64-column block, the int4
+// layout's 32 bytes of nibbles (low nibble column j, high nibble column 32 + j), then 8P bytes of
+// their high P = bits - 4 bits: column c's are field c / 8P (P bits at bit P (c / 8P)) of byte
+// c % 8P. 32 + 8P bytes a block: 5 or 6 bits a code. So any 8 (P = 1) or 16 (P = 2) consecutive
+// columns have theirs in one field of consecutive bytes: one 64-bit shift and a mask decode them.
+template <int P>
+struct HB {
+    static constexpr int64_t B = 0, BLK = 32 + 8 * P, PFC = 64;
+    static inline int64_t rowb(int64_t K) { return K / 64 * BLK; }
+    static inline int64_t off(int64_t c) { return c / 64 * BLK; }
+    static inline __m256 at(const uint8_t* row, int64_t c) {   // c a multiple of 8
+        const uint8_t* blk = row + (c >> 6) * BLK;
+        const int64_t j = c & 63;
+        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + (j & 31))));
+        v = (j & 32) ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(0xF));
+        uint64_t u;
+        std::memcpy(&u, blk + 32 + (P == 1 ? 0 : (j & 8)), 8);
+        u = (u >> (P == 1 ? (j >> 3) : 2 * (j >> 4))) & (P == 1 ? 0x0101010101010101ULL : 0x0303030303030303ULL);
+        const __m256i hi = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)u));
+        return _mm256_cvtepi32_ps(_mm256_or_si256(v, _mm256_slli_epi32(hi, 4)));
+    }
+};
+
+// the 32 codes (bytes) of 32-column block b of an HB<P> row, less `off` (a zero code taken off: signed)
+template <int P>
+inline __m256i hb_codes(const uint8_t* row, int64_t b, int off) {
+    const uint8_t* blk = row + (b >> 1) * HB<P>::BLK;
+    const int64_t h = b & 1;
+    __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk));
+    v = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
+    __m256i hi;
+    if constexpr (P == 1) {   // 64-bit lane L (columns 8L..8L+7 of the half): bit 4h + L of the 8 bytes
+        uint64_t u;
+        std::memcpy(&u, blk + 32, 8);
+        hi = _mm256_srlv_epi64(_mm256_set1_epi64x((long long)u), _mm256_setr_epi64x(4 * h, 4 * h + 1, 4 * h + 2, 4 * h + 3));
+        hi = _mm256_and_si256(hi, _mm256_set1_epi8(1));
+    } else {                  // 128-bit lane l (16 columns): bits 2 (2h + l) of the 16 bytes
+        hi = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32)));
+        hi = _mm256_srlv_epi64(hi, _mm256_setr_epi64x(4 * h, 4 * h, 4 * h + 2, 4 * h + 2));
+        hi = _mm256_and_si256(hi, _mm256_set1_epi8(3));
+    }
+    v = _mm256_or_si256(v, _mm256_slli_epi16(hi, 4));   // (bits 0-1 of each byte to 4-5: no carry across)
+    return off ? _mm256_sub_epi8(v, _mm256_set1_epi8((char)off)) : v;
+}
 
 // A K-quant's group scales (or scaled zeros) as its GGUF holds them: per row, G sub-scales (a byte
 // each: Q4_K/Q5_K's 6-bit scales and mins, Q6_K's signed 8-bit scales) then G >> shift fp16
@@ -272,7 +322,7 @@ inline void row_f32(const Args& a, const uint8_t* w, int64_t n, int64_t m0) {
 // Rows n0..n0+NR of the output for x rows m0..m0+MT; int8 / fp8 codes or floats, K a multiple of 8.
 template <class D, int NR, int MT>
 inline void tile8(const Args& a, const uint8_t* w, int64_t n0, int64_t m0) {
-    const int64_t K = a.K, RB = K * D::B;   // bytes per row
+    const int64_t K = a.K, RB = D::rowb(K);   // bytes per row
     const uint8_t* row[NR];
     for (int r = 0; r < NR; ++r) row[r] = w + (n0 + r) * RB;
     const float* x = a.x + m0 * K;
@@ -282,9 +332,9 @@ inline void tile8(const Args& a, const uint8_t* w, int64_t n0, int64_t m0) {
         __m256 d[NR][MT];
         zero(d);
         for (int64_t c = c0; c < c0 + a.gs; c += 8) {
-            if (((c * D::B) & 63) == 0)   // each cache line of this tile's rows, PF tiles ahead (x2 streamed GB/s)
+            if ((c & (D::PFC - 1)) == 0)   // each cache line of this tile's rows, PF tiles ahead (x2 streamed GB/s)
                 for (int r = 0; r < NR; ++r)
-                    _mm_prefetch(reinterpret_cast<const char*>(row[r] + PF * NR * RB + c * D::B), _MM_HINT_T0);
+                    _mm_prefetch(reinterpret_cast<const char*>(row[r] + PF * NR * RB + D::off(c)), _MM_HINT_T0);
             __m256 xv[MT];
             for (int i = 0; i < MT; ++i) xv[i] = _mm256_loadu_ps(x + i * K + c);
             for (int r = 0; r < NR; ++r) {
@@ -357,6 +407,48 @@ inline void tile4(const Args& a, const uint8_t* w, int64_t n0, int64_t m0) {
                 }
             }
         add_scaled_halves<NR, MT>(a, acc, lo, hi, n0, b0, g, two);
+    }
+    store<NR, MT>(a, acc, n0, m0);
+}
+
+// 5- and 6-bit codes (HB<P>): tile8's sums, each 32-column block's codes decoded to bytes at once
+// (hb_codes) and widened 8 at a time (HB::at decodes 8 codes alone: twice the instructions)
+template <int P, int NR, int MT>
+inline void tile_hb(const Args& a, const uint8_t* w, int64_t n0, int64_t m0) {
+    const int64_t K = a.K, RB = HB<P>::rowb(K);
+    const uint8_t* row[NR];
+    for (int r = 0; r < NR; ++r) row[r] = w + (n0 + r) * RB;
+    const float* x = a.x + m0 * K;
+    __m256 acc[NR][MT], d[NR][MT];
+    zero(acc);
+    zero(d);
+    for (int64_t b = 0, g = 0, end = a.gs; b < K / 32; ++b) {   // end: group g's last column + 1
+        if ((b & 1) == 0)
+            for (int r = 0; r < NR; ++r)
+                _mm_prefetch(reinterpret_cast<const char*>(row[r] + PF * NR * RB + (b >> 1) * HB<P>::BLK), _MM_HINT_T0);
+        __m256i q[NR];
+        for (int r = 0; r < NR; ++r) q[r] = hb_codes<P>(row[r], b, 0);
+        for (int k = 0; k < 4; ++k) {
+            const int64_t c = 32 * b + 8 * k;
+            __m256 xv[MT];
+            for (int i = 0; i < MT; ++i) xv[i] = _mm256_loadu_ps(x + i * K + c);
+            for (int r = 0; r < NR; ++r) {
+                const __m128i h = k < 2 ? _mm256_castsi256_si128(q[r]) : _mm256_extracti128_si256(q[r], 1);
+                const __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32((k & 1) ? _mm_srli_si128(h, 8) : h));
+                for (int i = 0; i < MT; ++i) d[r][i] = _mm256_fmadd_ps(wv, xv[i], d[r][i]);
+            }
+            if (c + 8 == end) {   // the group's end
+                for (int r = 0; r < NR; ++r) {
+                    const __m256 sv = _mm256_set1_ps(scale_at(a, n0 + r, g));
+                    for (int i = 0; i < MT; ++i) {
+                        acc[r][i] = _mm256_fmadd_ps(sv, d[r][i], acc[r][i]);
+                        d[r][i] = _mm256_setzero_ps();
+                    }
+                }
+                ++g;
+                end += a.gs;
+            }
+        }
     }
     store<NR, MT>(a, acc, n0, m0);
 }
@@ -527,12 +619,12 @@ struct SrcF32 {   // float weights [N, K]
 
 // quantized weights decoded to floats, (code * s - sz) per group, row by row into tmp [16, FK]
 template <class D>
-struct SrcQ8 {   // int8 / fp8 codes [N, K]; 16-bit floats too (scale 1, no zero: the values themselves)
+struct SrcQ8 {   // int8 / fp8 codes [N, K], 5- and 6-bit ones (HB); 16-bit floats too (scale 1, no zero)
     const uint8_t* w;
     void operator()(const Args& a, int64_t n0, int64_t nr, int64_t k0, int64_t kc, float* wp, float* tmp) const {
         for (int64_t r = 0; r < nr; ++r) {
             const int64_t n = n0 + r;
-            const uint8_t* row = w + n * a.K * D::B;
+            const uint8_t* row = w + n * D::rowb(a.K);
             for (int64_t k = k0; k < k0 + kc; k += 8) {
                 const int64_t g = k / a.gs;
                 __m256 v = _mm256_mul_ps(D::at(row, k), _mm256_set1_ps(scale_at(a, n, g)));
@@ -606,6 +698,13 @@ struct Fn8 {
     const uint8_t* w;
     template <int NR, int MT>
     void operator()(const Args& a, int64_t n, int64_t m) const { tile8<D, NR, MT>(a, w, n, m); }
+};
+
+template <int P>
+struct FnHB {
+    const uint8_t* w;
+    template <int NR, int MT>
+    void operator()(const Args& a, int64_t n, int64_t m) const { tile_hb<P, NR, MT>(a, w, n, m); }
 };
 
 struct Fn4 {

@@ -75,7 +75,7 @@ class PackedIntLinear(QuantLinear):
         gs = in_features if group_size == -1 else group_size
         self.n_groups = -(-in_features // gs)
         self._kernel: tuple | None = None   # (qweight [in/per, out], scales [G, out], zeros [G, out], perm, gs)
-        self._cpu: tuple | None = None      # ("w4" | "w8", group size): cpu_codes/cpu_scales/... buffers
+        self._cpu: tuple | None = None      # (cpu_quant.KINDS key, group size): cpu_codes/cpu_scales/... buffers
 
     def canonical(self) -> IntQuantized:
         raise NotImplementedError
@@ -125,16 +125,14 @@ class PackedIntLinear(QuantLinear):
         kind, gs = self._cpu
         if self.cpu_perm is not None:
             x2 = x2[:, self.cpu_perm]
-        fn = cpu_quant.w4_gemm if kind == "w4" else cpu_quant.w8_gemm
-        return fn(x2, self.cpu_codes, self.cpu_scales, self.cpu_szeros, gs)
+        return cpu_quant.grouped_gemm(kind, x2, self.cpu_codes, self.cpu_scales, self.cpu_szeros, gs)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight [out, in] (a new tensor each call: tests and references, never the forward)."""
         if self._cpu is None:
             return dequantize_fast(self.canonical(), dtype)
         kind, gs = self._cpu
-        codes = cpu_quant.unpack_int4(self.cpu_codes) if kind == "w4" else self.cpu_codes
-        w = cpu_quant.grouped_weight(codes, self.cpu_scales, self.cpu_szeros, gs)
+        w = cpu_quant.grouped_weight(cpu_quant.unpack(kind, self.cpu_codes), self.cpu_scales, self.cpu_szeros, gs)
         if self.cpu_perm is not None:
             w = torch.empty_like(w).index_copy_(1, self.cpu_perm, w)
         return w.to(dtype)

@@ -1,18 +1,20 @@
 """Runtime modules for GGUF tensors run as stored (llmopt.models.gguf_weights builds them).
 
-GGMLLinear: a GGML block-format weight (llmopt.layers.formats.ggml) repacked once into the CPU
-kernels' grouped layout: 4-bit codes as the int4 tiles' nibbles (uint8 [out, in / 2]) where the
-width is a multiple of 64 (Q4_0 and Q4_1 decoded straight into it), other widths as int8 codes
-[out, in]; a scale per group of 32 (16 for Q6_K) and a scaled zero as the file stores them, widened
-by the kernels where read: the fp16 d and m of Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, a K-quant's 6- or 8-bit
-sub-scales with its fp16 d and dmin per 256. Q4_0's, Q5_0's and Q6_K's zero is implied by the scale
-(8, 16, 32 x d): one zero code beside Q4_0's codes, taken off Q5_0's and Q6_K's (held a byte each,
-signed: no zero-point term). So a Q4_0 or Q4_1 matrix holds the file's bytes, a Q4_K one 4.625 bits a weight
-against the file's 4.5 (sub-scales a byte each, not 6 bits). It is a PackedIntLinear, so the fused q/k/v and gate/up,
-the C++ decode layers and the int8-activation tiles take it as they take AWQ and GPTQ layers.
+GGMLLinear: a GGML block-format weight (llmopt.layers.formats.ggml) in the CPU kernels' grouped
+layouts, decoded straight into them at load: where the width is a multiple of 64, 4-bit codes as
+the int4 tiles' nibbles (uint8 [out, in / 2]), 5- and 6-bit ones as those nibbles and planes of
+their high bits (uint8 [out, in * bits / 8]); other widths as a byte a code. A scale per group of
+32 (16 for Q6_K) and a scaled zero as the file stores them, widened by the kernels where read: the
+fp16 d and m of Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, a K-quant's 6- or 8-bit sub-scales with its fp16 d and
+dmin per 256. Q4_0's, Q5_0's and Q6_K's zero is implied by the scale (8, 16, 32 x d): one zero
+code for the layer (the int8-activation kernels take it off 5- and 6-bit codes as they decode
+them). So Q4_0, Q4_1, Q5_0, Q5_1 and Q6_K matrices hold the file's bytes, Q4_K and Q5_K ones an
+eighth of a bit a weight more (sub-scales a byte each, not 6 bits). It is a PackedIntLinear, so the
+fused q/k/v and gate/up, the C++ decode layers and the int8-activation tiles take it as they take
+AWQ and GPTQ layers.
 
 On CUDA the same codes are repacked once for the Triton dequantize-GEMM (llmopt.kernels.w4a16):
-int32 words of 4-bit codes (Q4_0, Q4_1, Q4_K) or 8-bit ones (Q5_x, Q5_K, Q6_K, Q8_0 shifted by
+int32 words of 4-bit codes (Q4_0, Q4_1, Q4_K) or 8-bit ones (Q5_x, Q5_K, Q6_K; Q8_0 shifted by
 128) along the input, float32 scales and zero points [groups, out] with W = (code - zero) * scale,
 the zero point szero / scale (kernel_layout).
 
@@ -33,14 +35,6 @@ from llmopt.layers.formats.packing import pack_codes, unpack_codes
 from llmopt.layers.modules import PackedIntLinear
 
 
-def _store(g: GroupedCodes) -> tuple[str, torch.Tensor]:
-    if g.packed:
-        return "w4", g.codes
-    if g.bits == 4 and g.shape[1] % 64 == 0:
-        return "w4", cpu_quant.pack_int4(g.codes)
-    return "w8", g.codes.to(torch.int8).contiguous()
-
-
 def kernel_layout(g: GroupedCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """(qweight int32 [in / per, out], scales [G, out], zeros [G, out], bits): the Triton kernel's
     layout of `g`, W = (code - zero) * scale within float32 rounding of codes * scale - szero. A
@@ -54,7 +48,7 @@ def kernel_layout(g: GroupedCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Te
         zeros = torch.where(flat, torch.zeros_like(scales), szeros / torch.where(flat, 1.0, scales))
         codes = torch.where(flat[..., None], torch.ones_like(codes), codes)
         scales = torch.where(flat, -szeros, scales)
-    else:   # signed codes (Q8_0, Q5_0, Q6_K), shifted into [0, 256)
+    else:   # signed codes (Q8_0), shifted into [0, 256)
         codes, zeros = codes + 128, torch.full_like(scales, 128.0)
     qweight = pack_codes(codes.view(n, k).t(), bits, dim=0)
     return qweight, scales.t().contiguous(), zeros.t().contiguous(), bits
@@ -72,9 +66,9 @@ class GGMLLinear(PackedIntLinear):
             self.ggml_type = ggml_type
             self._kernel = (qweight, scales, zeros, None, g.group_size)
             return
-        kind, codes = _store(g)
-        super().__init__(in_features, out_features, False, bits=4 if kind == "w4" else 8,
-                         group_size=g.group_size, sym=False)
+        kind, codes = g.kind, g.kernel_codes()
+        super().__init__(in_features, out_features, False, bits=4 if kind == "w4" else 8,   # (int32 words' bits:
+                         group_size=g.group_size, sym=False)                               # CUDA's, unused here)
         self.ggml_type = ggml_type
         # the file's d and m as fp16, a K-quant's sub-scales and d as stored, a zero code as fp16 (all exact)
         held = torch.float16 if ggml_type in HALF_SCALE_TYPES else None
@@ -125,9 +119,7 @@ class GGMLEmbedding(nn.Module):
             return t.kernel_rows(ids.reshape(-1)).view(*ids.shape, self.embedding_dim).to(self.dtype)
         kind, gs = t._cpu
         flat = ids.reshape(-1)
-        codes = t.cpu_codes[flat]
-        if kind == "w4":
-            codes = cpu_quant.unpack_int4(codes)
+        codes = cpu_quant.unpack(kind, t.cpu_codes[flat])
         szeros = t.cpu_szeros[flat] if t.cpu_szeros.dim() == 2 else t.cpu_szeros
         w = cpu_quant.grouped_weight(codes, t.cpu_scales[flat], szeros, gs)
         return w.view(*ids.shape, self.embedding_dim).to(self.dtype)

@@ -27,7 +27,7 @@ from llmopt.kernels import cpu_quant
 
 log = logging.getLogger("llmopt.engine")
 
-KF32, KW8, KW4, KF8, KBF16, KF16 = range(6)   # cpu_decode.cpp's Kind
+KF32, KW8, KF8, KBF16, KF16 = 0, 1, 3, 4, 5   # cpu_decode.cpp's Kind (grouped codes': cpu_quant.KINDS)
 _FLOAT_KINDS = {torch.float32: KF32, torch.bfloat16: KBF16, torch.float16: KF16}
 _EMPTY = torch.empty(0)
 
@@ -55,7 +55,7 @@ def linear_spec(lin) -> tuple | None:
     if isinstance(lin, PackedIntLinear) and lin._cpu is not None:
         kind, gs = lin._cpu
         perm = _EMPTY if lin.cpu_perm is None else lin.cpu_perm.long().contiguous()
-        return (KW4 if kind == "w4" else KW8, lin.cpu_codes, lin.cpu_scales, lin.cpu_szeros, bias, perm, gs)
+        return (cpu_quant.KINDS[kind][1], lin.cpu_codes, lin.cpu_scales, lin.cpu_szeros, bias, perm, gs)
     if type(lin) is W8Linear and lin.activations != "dynamic" and not lin.weight.is_meta:
         s, k = _f32(lin.weight_scale).reshape(-1), lin.in_features
         if lin.kind == "fp8":

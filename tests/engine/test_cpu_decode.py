@@ -178,8 +178,30 @@ def test_cpu_decode_quantized_checkpoints(tiny_factory, tmp_path, name):
         assert 1e-4 < _rel(got, want) <= 0.05
 
 
+def _grouped_case(kind: str, n: int, k: int, gs: int, g):
+    """(codes in the kernels' layout, scales, szeros, Kind, float64 W) of random grouped codes: int8
+    (no zero point), int4 with stored zeros, 5- and 6-bit ones with stored zeros ("w5z") or one
+    zero code, half their range ("w5c": what the integer kernels take off as they decode)."""
+    scales = torch.rand(n, k // gs, generator=g) * 0.1 + 0.01
+    if kind == "int8":
+        codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        return codes, scales, torch.empty(0), 1, (codes.double().view(n, -1, gs) * scales.double()[..., None]).view(n, k)
+    bits = 4 if kind == "int4" else int(kind[1])
+    q = torch.randint(0, 2 ** bits, (n, k), generator=g)
+    if kind.endswith("c"):
+        zeros = torch.full((n, k // gs), 2.0 ** (bits - 1))
+        szeros = zeros[0, :1].clone()
+    else:
+        zeros = torch.randint(0, 2 ** bits, (n, k // gs), generator=g).float()
+        szeros = scales * zeros
+    w = (q.double().view(n, -1, gs) - zeros.double()[..., None]) * scales.double()[..., None]
+    packed = cpu_quant.pack_int4(q) if bits == 4 else cpu_quant.pack_hb(q, bits)
+    return packed, scales, szeros, cpu_quant.KINDS[f"w{bits}"][1], w.view(n, k)
+
+
 @pytest.mark.parametrize("idot_path", list(IDOT_PATHS), indirect=True)
-@pytest.mark.parametrize("kind,gs", [("int8", 576), ("int8", 64), ("int4", 32), ("int4", 64), ("int4", 128)])
+@pytest.mark.parametrize("kind,gs", [("int8", 576), ("int8", 64), ("int4", 32), ("int4", 64), ("int4", 128),
+                                     ("w5c", 32), ("w5z", 64), ("w6c", 16), ("w6z", 32), ("w6c", 128)])
 @pytest.mark.parametrize("m", [1, 3, 16, 21])
 def test_integer_tiles_equal_float64_of_quantized_activations(idot_path, kind, gs, m):
     g = torch.Generator().manual_seed(gs + m)
@@ -188,25 +210,15 @@ def test_integer_tiles_equal_float64_of_quantized_activations(idot_path, kind, g
     x[:, 5] = 0.0
     if m > 1:
         x[1, :64] = 0.0                    # an all-zero block: scale 0
-    scales = torch.rand(n, k // gs, generator=g) * 0.1 + 0.01
-    if kind == "int8":
-        codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
-        w = codes.double().view(n, -1, gs) * scales.double()[..., None]
-        szeros, packed, code = torch.empty(0), codes, 1
-    else:
-        q = torch.randint(0, 16, (n, k), generator=g)
-        zeros = torch.randint(0, 16, (n, k // gs), generator=g).float()
-        szeros = scales * zeros
-        w = (q.double().view(n, -1, gs) - zeros.double()[..., None]) * scales.double()[..., None]
-        packed, code = cpu_quant.pack_int4(q), 2
-    w = w.reshape(n, k)
+    packed, scales, szeros, code, w = _grouped_case(kind, n, k, gs, g)
     y = torch.ops.llmopt_cpu.idot_gemm(x, packed, scales, szeros, gs, code)
     want = quantize_x(x) @ w.t()
     assert float((y.double() - want).abs().max() / want.abs().max()) <= 2e-6
     assert float(((x.double() @ w.t()) - want).abs().max() / want.abs().max()) > 1e-4   # the rounding is real
 
 
-@pytest.mark.parametrize("kind,gs", [("int8", 64), ("int8", 16), ("int4", 32), ("int4", 128)])
+@pytest.mark.parametrize("kind,gs", [("int8", 64), ("int8", 16), ("int4", 32), ("int4", 128), ("w5c", 32),
+                                     ("w5z", 64), ("w6c", 16), ("w6z", 32)])
 def test_integer_paths_give_each_row_the_same_bits_at_any_row_count(kind, gs):
     """AVX2 tiles, VNNI tiles and VNNI panels sum each 32-column block (groups of 16, Q6_K's: each
     half) exactly and then scale in one order: a row's output is the same bits on every path and at
@@ -215,12 +227,7 @@ def test_integer_paths_give_each_row_the_same_bits_at_any_row_count(kind, gs):
     g = torch.Generator().manual_seed(7)
     n, k = 43, 640
     x = torch.randn(21, k, generator=g) * 3
-    scales = torch.rand(n, k // gs, generator=g) * 0.1 + 0.01
-    if kind == "int8":
-        packed, szeros, code = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), torch.empty(0), 1
-    else:
-        packed = cpu_quant.pack_int4(torch.randint(0, 16, (n, k), generator=g))
-        szeros, code = scales * torch.randint(0, 16, (n, k // gs), generator=g).float(), 2
+    packed, scales, szeros, code, _ = _grouped_case(kind, n, k, gs, g)
     outs = []
     try:
         for isa, panel in IDOT_PATHS.values():

@@ -39,6 +39,18 @@ def _case(ops, fmt: str, n: int, gs: int, seed: int):
         packed = cpu_quant.pack_int4(q)
         w = (q.double().view(n, G, gs) * s.double()[..., None] - sz.double()[..., None]).view(n, K)
         return (lambda x, r: ops.w4_gemm(x, packed[r], s[r], sz[r], gs)), w
+    if fmt in ("w5", "w6"):   # stored zeros, or one zero code for every group (w5c, w6c)
+        bits = int(fmt[1])
+        q = torch.randint(0, 2 ** bits, (n, K), generator=g)
+        packed = cpu_quant.pack_hb(q, bits)
+        w = (q.double().view(n, G, gs) * s.double()[..., None] - sz.double()[..., None]).view(n, K)
+        return (lambda x, r: ops.wh_gemm(x, packed[r], s[r], sz[r], gs, bits)), w
+    if fmt in ("w5c", "w6c"):
+        bits = int(fmt[1])
+        q = torch.randint(0, 2 ** bits, (n, K), generator=g)
+        packed, z = cpu_quant.pack_hb(q, bits), torch.tensor([2.0 ** (bits - 1)])
+        w = ((q.double() - float(z)).view(n, G, gs) * s.double()[..., None]).view(n, K)
+        return (lambda x, r: ops.wh_gemm(x, packed[r], s[r], z, gs, bits)), w
     if fmt == "f8":
         f = torch.randn(n, K, generator=g).to(torch.float8_e4m3fn)
         sf = s[:, 0].contiguous()
@@ -52,7 +64,7 @@ def _case(ops, fmt: str, n: int, gs: int, seed: int):
 
 
 @pytest.mark.parametrize("fmt,gs", [("w8", K), ("w8z", 32), ("w8z", 128), ("w4", 32), ("w4", 64), ("w4", 128),
-                                    ("f8", K)])
+                                    ("w5", 32), ("w5c", 64), ("w6", 128), ("w6c", 16), ("f8", K)])
 def test_ragged_rows_and_every_m_tile(ops, fmt, gs):
     for n in NS:
         call, w = _case(ops, fmt, n, gs, seed=n)

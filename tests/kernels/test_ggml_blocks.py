@@ -46,16 +46,13 @@ def test_decode_equals_the_gguf_dequantizers(type_name, k):
     raw, ref = _tensor(type_name, 7, k)
     g = decode(type_name, raw, k)
     assert g.codes.shape == (7, k)
-    if type_name in IMPLIED_ZERO and type_name != "Q4_0":   # signed, the zero taken off: no zero-point term
-        z = IMPLIED_ZERO[type_name]
-        assert g.codes.dtype == torch.int8 and g.szeros.numel() == 0
-        assert int(g.codes.min()) >= -z and int(g.codes.max()) < 2 ** g.bits - z
-    else:
-        assert int(g.codes.min()) >= (-127 if type_name == "Q8_0" else 0)
-        assert int(g.codes.max()) < (128 if type_name == "Q8_0" else 2 ** g.bits)
+    assert int(g.codes.min()) >= (-127 if type_name == "Q8_0" else 0)
+    assert int(g.codes.max()) < (128 if type_name == "Q8_0" else 2 ** g.bits)
+    if type_name in IMPLIED_ZERO:   # one zero code, as the file: d alone
+        assert g.szeros.tolist() == [IMPLIED_ZERO[type_name]]
     assert torch.equal(g.dequantize().double(), ref)
     lin = GGMLLinear(g, type_name)
-    assert lin._cpu[0] == ("w4" if g.bits == 4 and k % 64 == 0 else "w8")
+    assert lin._cpu[0] == (f"w{g.bits}" if g.bits <= 6 and k % 64 == 0 else "w8")
     assert torch.equal(lin.dequantized().double(), ref)
     held = sum(b.numel() * b.element_size() for b in lin.buffers())
     assert held == held_bytes(type_name, (7, k))           # what kv-estimate counts for it
@@ -84,7 +81,7 @@ def test_int8_activations_equal_float64_of_the_quantized_activations(idot_path, 
     kind, gs = lin._cpu
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
     y = torch.ops.llmopt_cpu.idot_gemm(x, lin.cpu_codes, lin.cpu_scales, lin.cpu_szeros, gs,
-                                       2 if kind == "w4" else 1)
+                                       cpu_quant.KINDS[kind][1])
     exact = x.double() @ ref.t()
     if idot_path == "avx2-tiles" and m >= defaults.CPU_F32_PANEL_MIN_ROWS:   # without VNNI: the float panels
         assert float((y.double() - exact).abs().max() / exact.abs().max()) <= 2e-6
@@ -125,28 +122,48 @@ def test_fp16_scales_as_stored_give_the_float32_scales_results(idot_path, type_n
 
     s32, z32 = lin.cpu_scales.float(), lin.cpu_szeros.float()
     for scales, szeros in ((lin.cpu_scales, lin.cpu_szeros), (odd(lin.cpu_scales), odd(lin.cpu_szeros))):
-        got = torch.ops.llmopt_cpu.idot_gemm(x, lin.cpu_codes, scales, szeros, gs, 2 if kind == "w4" else 1)
-        want = torch.ops.llmopt_cpu.idot_gemm(x, lin.cpu_codes, s32, z32, gs, 2 if kind == "w4" else 1)
+        got = torch.ops.llmopt_cpu.idot_gemm(x, lin.cpu_codes, scales, szeros, gs, cpu_quant.KINDS[kind][1])
+        want = torch.ops.llmopt_cpu.idot_gemm(x, lin.cpu_codes, s32, z32, gs, cpu_quant.KINDS[kind][1])
         assert torch.equal(got, want)
-        fn = cpu_quant.w4_gemm if kind == "w4" else cpu_quant.w8_gemm
-        y16, y32 = fn(x, lin.cpu_codes, scales, szeros, gs), fn(x, lin.cpu_codes, s32, z32, gs)
+        y16 = cpu_quant.grouped_gemm(kind, x, lin.cpu_codes, scales, szeros, gs)
+        y32 = cpu_quant.grouped_gemm(kind, x, lin.cpu_codes, s32, z32, gs)
         assert float((y16 - y32).abs().max()) <= 1e-6 * float(y32.abs().max())
 
 
-@pytest.mark.parametrize("type_name,k", [("Q4_0", 576), ("Q4_0", 1024), ("Q4_1", 576), ("Q4_K", 768)])
-def test_4bit_blocks_decode_straight_into_the_int4_layout(type_name, k):
-    """At load, Q4_0/Q4_1 nibbles go straight into the int4 kernels' packed layout (no byte-a-code
-    copy; Q4_K's quants are that layout as stored): the same bytes pack_int4 makes of the codes, the
-    same layer, and q/k's row unpermutation moves packed rows as it moves codes."""
+@pytest.mark.parametrize("type_name,k", [("Q4_0", 576), ("Q4_0", 1024), ("Q4_1", 576), ("Q4_K", 768),
+                                         ("Q5_0", 576), ("Q5_1", 1024), ("Q5_K", 768), ("Q6_K", 768)])
+def test_blocks_decode_straight_into_the_kernels_layout(type_name, k):
+    """At load, codes of 4 to 6 bits go straight into the CPU kernels' packed layout (no byte-a-code
+    copy; Q4_K's quants are the int4 layout as stored, Q5_0/Q5_1's qh the high-bit plane): the same
+    bytes pack_int4 / pack_hb make of the codes, which unpack to them, the same layer, and q/k's row
+    unpermutation moves packed rows as it moves codes."""
+    from llmopt.ggml_types import BITS
+    bits = BITS[type_name]
     raw, ref = _tensor(type_name, 12, k)
     plain, packed = decode(type_name, raw, k), decode(type_name, raw, k, pack=True)
-    assert packed.packed and packed.shape == (12, k) and packed.codes.shape == (12, k // 2)
-    assert torch.equal(packed.codes, cpu_quant.pack_int4(plain.codes))
+    assert packed.packed and packed.shape == (12, k) and packed.codes.shape == (12, k * bits // 8)
+    want = cpu_quant.pack_int4(plain.codes) if bits == 4 else cpu_quant.pack_hb(plain.codes, bits)
+    assert torch.equal(packed.codes, want)
+    assert torch.equal(cpu_quant.unpack(f"w{bits}", want), plain.codes)
     assert torch.equal(packed.unpacked(), plain.codes) and torch.equal(packed.dequantize().double(), ref)
     a, b = GGMLLinear(plain, type_name), GGMLLinear(packed, type_name)
     assert all(torch.equal(x, y) for x, y in zip(a.buffers(), b.buffers()))
     from llmopt.models.gguf_weights import unpermute_rope
-    assert torch.equal(cpu_quant.unpack_int4(unpermute_rope(packed.codes, 3)), unpermute_rope(plain.codes, 3))
+    assert torch.equal(cpu_quant.unpack(f"w{bits}", unpermute_rope(packed.codes, 3)), unpermute_rope(plain.codes, 3))
+
+
+def test_high_bits_are_held_in_fields_of_consecutive_bytes():
+    """pack_hb's layout by its definition: per 64 columns the int4 nibbles (low: column j, high:
+    column 32 + j), then 8P bytes (P = bits - 4): column c's high bits are field c // 8P of byte c % 8P."""
+    codes = torch.zeros(1, 64, dtype=torch.uint8)
+    codes[0, 3], codes[0, 40], codes[0, 33] = 0b010111, 0b100001, 0b110000
+    p = cpu_quant.pack_hb(codes, 6)[0]
+    assert p.shape == (48,) and p[3] == 0x7 and p[8] == 0x1 << 4 and p[1] == 0
+    # 6 bits: column 3 -> byte 3, bits 0-1 = 1; column 33 -> byte 1, bits 4-5 = 3; column 40 -> byte 8, bits 4-5 = 2
+    assert p[32:].tolist() == [0, 3 << 4, 0, 1, 0, 0, 0, 0, 2 << 4, 0, 0, 0, 0, 0, 0, 0]
+    p5 = cpu_quant.pack_hb(codes & 31, 5)[0]
+    # 5 bits: column 3 -> byte 3, bit 0; column 33 -> byte 1, bit 4 (column 40's bit 4 is 0)
+    assert p5.shape == (40,) and p5[32:].tolist() == [0, 1 << 4, 0, 1, 0, 0, 0, 0]
 
 
 @pytest.mark.parametrize("idot_path", list(IDOT_PATHS), indirect=True)
@@ -168,8 +185,8 @@ def test_an_implied_zero_code_gives_what_stored_zeros_give(idot_path, kind, m):
         stored = (lin.cpu_szeros.float() * scales.float()).to(scales.dtype)
         for z in (lin.cpu_szeros, lin.cpu_szeros.float()):
             z = z.to(scales.dtype)
-            got = torch.ops.llmopt_cpu.idot_gemm(x, codes, scales, z, gs, 2 if kind == "w4" else 1)
-            want = torch.ops.llmopt_cpu.idot_gemm(x, codes, scales, stored, gs, 2 if kind == "w4" else 1)
+            got = torch.ops.llmopt_cpu.idot_gemm(x, codes, scales, z, gs, cpu_quant.KINDS[kind][1])
+            want = torch.ops.llmopt_cpu.idot_gemm(x, codes, scales, stored, gs, cpu_quant.KINDS[kind][1])
             assert torch.equal(got, want)
             y, y_stored = fn(x, codes, scales, z, gs), fn(x, codes, scales, stored, gs)
             assert float((y - y_stored).abs().max()) <= 1e-6 * float(y_stored.abs().max())
@@ -199,16 +216,15 @@ def test_k_quant_scales_as_stored_give_the_float32_scales_results(idot_path, typ
     assert lin.cpu_scales.dtype == (torch.int8 if type_name == "Q6_K" else torch.uint8)
     assert lin.cpu_scales.shape == (43, k // gs + 2 * k // 256)
     s32 = cpu_quant.group_scales(lin.cpu_scales, k // gs)
-    z32 = cpu_quant.zero_term(lin.cpu_scales, lin.cpu_szeros, k // gs)
-    z32 = torch.empty(0) if z32 is None else z32    # (Q6_K: none)
-    assert torch.equal(cpu_quant.grouped_weight(cpu_quant.unpack_int4(lin.cpu_codes) if kind == "w4" else lin.cpu_codes,
-                                                s32, z32, gs).double(), ref)
+    # (Q6_K: its zero code, taken off its codes in the int8-activation kernels, with either scales)
+    z32 = lin.cpu_szeros if cpu_quant.is_zero_code(lin.cpu_szeros) else cpu_quant.zero_term(lin.cpu_scales, lin.cpu_szeros, k // gs)
+    assert torch.equal(cpu_quant.grouped_weight(cpu_quant.unpack(kind, lin.cpu_codes), s32, z32, gs).double(), ref)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
-    got = torch.ops.llmopt_cpu.idot_gemm(x, lin.cpu_codes, lin.cpu_scales, lin.cpu_szeros, gs, 2 if kind == "w4" else 1)
-    want = torch.ops.llmopt_cpu.idot_gemm(x, lin.cpu_codes, s32, z32, gs, 2 if kind == "w4" else 1)
+    got = torch.ops.llmopt_cpu.idot_gemm(x, lin.cpu_codes, lin.cpu_scales, lin.cpu_szeros, gs, cpu_quant.KINDS[kind][1])
+    want = torch.ops.llmopt_cpu.idot_gemm(x, lin.cpu_codes, s32, z32, gs, cpu_quant.KINDS[kind][1])
     assert torch.equal(got, want)
-    fn = cpu_quant.w4_gemm if kind == "w4" else cpu_quant.w8_gemm
-    y, y32 = fn(x, lin.cpu_codes, lin.cpu_scales, lin.cpu_szeros, gs), fn(x, lin.cpu_codes, s32, z32, gs)
+    y = cpu_quant.grouped_gemm(kind, x, lin.cpu_codes, lin.cpu_scales, lin.cpu_szeros, gs)
+    y32 = cpu_quant.grouped_gemm(kind, x, lin.cpu_codes, s32, z32, gs)
     assert float((y - y32).abs().max()) <= 1e-6 * float(y32.abs().max())
 
 

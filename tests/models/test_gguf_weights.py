@@ -61,6 +61,16 @@ def test_each_block_type_runs_as_stored_and_matches_its_float_copy(tmp_path, qty
     assert linears and all(type(mod) is GGMLLinear and mod.ggml_type == qtype for mod in linears)
     assert isinstance(m.model.embed_tokens, GGMLEmbedding) and lm.gguf == path
     assert not list(lm.path.glob("*.safetensors"))                            # the cache holds no weights
+    # the weights held: the file's tensor bytes (codes at their bits, scales as stored; K-quants' 6-bit
+    # sub-scales a byte each: 4 bytes a 256 more), as kv-estimate counts them
+    import gguf
+    from llmopt.estimate import resolve_model_arch
+    from llmopt.estimate.weights import weight_memory
+    held = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in [*m.parameters(), *m.buffers()]
+                                                       if t is not m.inv_freq}.values())
+    file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
+    assert held == weight_memory(resolve_model_arch(str(path)), device="cpu").bytes_total
+    assert file_bytes <= held <= 1.03 * file_bytes, (held, file_bytes)
     float_copy = convert_gguf(path, tmp_path / "float", weights=True)
     ref = load_model(str(float_copy), dtype="float32", device="cpu", tokenizer=False).model
     for name, mod in m.named_modules():

@@ -2,9 +2,9 @@
 integer form the CPU kernels multiply: w = codes * scale - szero, per group of `gs` columns.
 
 Every format below maps onto that form exactly (its block scale, and its minimum or implied zero
-point, are fp16 numbers times small integers, exact in float32), so a GGUF layer runs on the int4
-tiles (4-bit codes) or the int8 tiles (5, 6 and 8-bit codes) of llmopt.kernels.cpu_quant with no
-float copy of the weight. Layouts follow ggml-common.h: each struct is one block of a row.
+point, are fp16 numbers times small integers, exact in float32), so a GGUF layer runs on the CPU
+kernels of llmopt.kernels.cpu_quant with no float copy of the weight, its codes held at their bits
+(4, 5, 6 and 8). Layouts follow ggml-common.h: each struct is one block of a row.
 
 | type | values a block | code bits | group | w                         |
 |------|---------------:|----------:|------:|---------------------------|
@@ -44,13 +44,13 @@ BLOCKS = {   # type name -> one block as a numpy struct (field order and sizes a
 @dataclass
 class GroupedCodes:
     """W [rows, cols] = codes * scales - szeros per group of `group_size` columns; codes uint8 in
-    [0, 2**bits), or int8 (Q8_0's, and those of Q5_0 and Q6_K with their implied zero taken off,
-    szeros then empty), or with `packed` 4-bit codes in the int4 kernels' nibble layout
-    (llmopt.kernels.cpu_quant.pack_int4: uint8 [rows, cols / 2]: Q4_K's quants as stored); scales
-    float32 [rows, cols / gs], or a K-quant's as the file holds them (its sub-scales and fp16 d per
-    row: cpu_quant.group_scales); szeros like them, or empty (no zero point), or one zero code z for
-    every group, sz = z * scales (Q4_0's 8, as llama.cpp: from the file's d alone;
-    cpu_quant.zero_term)."""
+    [0, 2**bits) (Q8_0's int8), or with `packed` in the CPU kernels' layout for their bits
+    (llmopt.kernels.cpu_quant.pack_codes: 4-bit codes two a byte, Q4_K's quants as stored; 5- and
+    6-bit ones as nibbles and high-bit planes, Q5_0/Q5_1's qh as stored); scales float32 [rows,
+    cols / gs], or a K-quant's as the file holds them (its sub-scales and fp16 d per row:
+    cpu_quant.group_scales); szeros like them, or empty (no zero point), or one zero code z for
+    every group, sz = z * scales (Q4_0's 8, Q5_0's 16, Q6_K's 32, as llama.cpp: from the file's d
+    alone; cpu_quant.zero_term)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -60,13 +60,22 @@ class GroupedCodes:
     packed: bool = False
 
     @property
+    def kind(self) -> str:
+        """The layout the CPU kernels hold the codes in (cpu_quant.KINDS)."""
+        return cpu_quant.packed_kind(self.bits, self.shape[1])
+
+    @property
     def shape(self) -> tuple[int, int]:
         rows, width = self.codes.shape
-        return rows, width * 2 if self.packed else width
+        return rows, width * 8 // self.bits if self.packed else width
 
     def unpacked(self) -> torch.Tensor:
         """The codes [rows, cols], a byte each."""
-        return cpu_quant.unpack_int4(self.codes) if self.packed else self.codes
+        return cpu_quant.unpack(self.kind, self.codes) if self.packed else self.codes
+
+    def kernel_codes(self) -> torch.Tensor:
+        """The codes in the CPU kernels' layout (self.kind)."""
+        return self.codes if self.packed else cpu_quant.pack_codes(self.codes, self.kind)
 
     @property
     def groups(self) -> int:
@@ -103,6 +112,55 @@ def _high_bits(qh: np.ndarray) -> np.ndarray:
     return bits << 4
 
 
+ROWS_AT_ONCE = 256   # rows decoded at a time into a packed layout (bounds the temporaries)
+
+
+def _by_rows(b: np.ndarray, width: int, fill) -> torch.Tensor:
+    """uint8 [rows, width], fill(blocks of some rows) giving those rows' bytes a few rows at a time."""
+    out = np.empty((b.shape[0], width), np.uint8)
+    for r in range(0, b.shape[0], ROWS_AT_ONCE):
+        part = b[r:r + ROWS_AT_ONCE]
+        out[r:r + part.shape[0]] = fill(part).reshape(part.shape[0], width)
+    return torch.from_numpy(out)
+
+
+def _hb(nib: np.ndarray, high: np.ndarray, bits: int) -> np.ndarray:
+    """pack_hb's layout from the int4 nibbles [..., 32] and the high bits [..., 64] of 64-column blocks."""
+    fields = cpu_quant.high_fields(torch.from_numpy(high), bits).numpy()
+    return np.concatenate((nib, fields), axis=-1)
+
+
+def _hb_q5(b: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1 blocks [rows, blocks] (blocks even) -> pack_hb's layout: per pair of blocks (64
+    columns) the int4 layout's nibbles; bit j of a block's qh (little-endian) is its column j's bit 4."""
+    rows, blocks = b.shape
+    nib = _packed_nibbles(b["qs"]).reshape(rows, blocks // 2, 32)
+    high = np.unpackbits(b["qh"], axis=-1, bitorder="little").reshape(rows, blocks // 2, 64)
+    return _hb(nib, high, 5)
+
+
+def _hb_q5_k(b: np.ndarray) -> np.ndarray:
+    """Q5_K -> pack_hb's layout: its 4 chunks of 64 values are already the int4 layout; chunk c's
+    value l (l < 32) takes bit 2c of qh[l], value 32 + l bit 2c + 1."""
+    rows, blocks = b.shape
+    shift = np.arange(8, dtype=np.uint8).reshape(4, 2, 1)                      # [chunk, half, 1]
+    high = (b["qh"][:, :, None, None, :] >> shift) & 1                        # [.., chunk, half, l]
+    return _hb(b["qs"].reshape(rows, blocks, 4, 32), high.reshape(rows, blocks, 4, 64), 5)
+
+
+def _hb_q6_k(b: np.ndarray) -> np.ndarray:
+    """Q6_K -> pack_hb's layout. In each half of 128 values, value 32k + l takes ql[l + 32 (k & 1)]'s
+    low (k < 2) or high nibble and bits 2k, 2k + 1 of qh[l]: its first 64 values (k = 0, 1) are the
+    low nibbles, its next 64 the high ones."""
+    rows, blocks = b.shape
+    ql = b["ql"].reshape(rows, blocks, 2, 2, 32)              # [.., half, k & 1, l]
+    lo, hi = ql[:, :, :, 0], ql[:, :, :, 1]
+    nib = np.stack(((lo & 0xF) | (hi << 4), (lo >> 4) | (hi & 0xF0)), axis=3)    # [.., half, chunk, 32]
+    shift = (2 * np.arange(4, dtype=np.uint8)).reshape(2, 2, 1)                 # [chunk, k & 1, 1]
+    high = (b["qh"].reshape(rows, blocks, 2, 1, 1, 32) >> shift) & 3           # [.., half, chunk, k & 1, l]
+    return _hb(nib, high.reshape(rows, blocks, 2, 2, 64), 6)
+
+
 def _k_scales(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K/Q5_K: 12 bytes -> the 8 sub-blocks' 6-bit scales and mins (ggml's get_scale_min_k4)."""
     sc = sc.astype(np.uint8)
@@ -134,51 +192,38 @@ def _packed_nibbles(qs: np.ndarray) -> np.ndarray:
 
 def decode(type_name: str, raw: np.ndarray, cols: int, pack: bool = False) -> GroupedCodes:
     """A tensor's rows of blocks (uint8 [rows, bytes a row], e.g. a GGUFReader tensor's data) as
-    grouped codes [rows, cols]; `pack`: 4-bit codes (Q4_0, Q4_1) of a width that is a multiple of 64
-    come straight in the int4 kernels' packed layout."""
+    grouped codes [rows, cols]; `pack`: codes of 4 to 6 bits of a width that is a multiple of 64 come
+    straight in the CPU kernels' layout (GroupedCodes.packed), never a byte a code."""
     if type_name not in BLOCKS:
         raise ValueError(f"GGML type {type_name} has no grouped-integer decoder")
-    rows = raw.shape[0]
+    rows, bits = raw.shape[0], BITS[type_name]
     b = np.ascontiguousarray(raw).reshape(rows, -1).view(BLOCKS[type_name])   # [rows, blocks]
     d = b["d"].astype(np.float32)
-    empty = torch.empty(0)
-    if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
-        szero = _f32(-b["m"]) if type_name.endswith("_1") else torch.tensor([float(IMPLIED_ZERO.get(type_name, 0))])
-        if pack and type_name.startswith("Q4") and cols % 64 == 0:
-            return GroupedCodes(_t(_packed_nibbles(b["qs"])), _f32(d), szero, 4, 32, packed=True)
-        q = _nibbles(b["qs"])
-        if type_name.startswith("Q5"):
-            q = q | _high_bits(b["qh"])
-        if type_name == "Q5_0":
-            q, szero = _signed(q, type_name), empty
-        return GroupedCodes(_t(q.reshape(rows, cols)), _f32(d), szero, BITS[type_name], 32)
+    zero_code = torch.tensor([float(IMPLIED_ZERO[type_name])]) if type_name in IMPLIED_ZERO else None
+    packable = cpu_quant.packed_kind(bits, cols) != "w8"
     if type_name == "Q8_0":
-        return GroupedCodes(_t(b["qs"].reshape(rows, cols)), _f32(d), empty, 8, 32)
-    if type_name in ("Q4_K", "Q5_K"):
+        return GroupedCodes(_t(b["qs"].reshape(rows, cols)), _f32(d), torch.empty(0), 8, 32)
+    if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        szero = _f32(-b["m"]) if type_name.endswith("_1") else zero_code
+        if pack and packable:
+            codes = torch.from_numpy(_packed_nibbles(b["qs"])) if bits == 4 else _by_rows(b, cols * 5 // 8, _hb_q5)
+            return GroupedCodes(codes, _f32(d), szero, bits, 32, packed=True)
+        q = _nibbles(b["qs"])
+        if bits == 5:
+            q = q | _high_bits(b["qh"])
+        return GroupedCodes(_t(q.reshape(rows, cols)), _f32(d), szero, bits, 32)
+    if type_name in ("Q4_K", "Q5_K"):   # (widths of whole 256-value super-blocks: always packable)
         sc, mn = _k_scales(b["scales"])
         scales, szeros = _sub_scales(sc, b["d"]), _sub_scales(mn, b["dmin"])
-        if pack and type_name == "Q4_K":   # its 4 chunks of 64 values, low then high nibbles: the int4 layout
-            return GroupedCodes(_t(b["qs"].reshape(rows, cols // 2)), scales, szeros, 4, 32, packed=True)
-        qs = b["qs"].reshape(rows, -1, 4, 32)              # 4 chunks of 64 values: low then high nibbles
-        q = np.stack((qs & 0xF, qs >> 4), axis=3)          # [rows, blocks, chunk, half, 32]
-        if type_name == "Q5_K":                            # bit 2j (low half) and 2j + 1 (high) of qh
-            qh = b["qh"][:, :, None, None, :]
-            shift = (2 * np.arange(4)[:, None] + np.arange(2)[None, :]).astype(np.uint8)[None, None, :, :, None]
-            q = q | (((qh >> shift) & 1) << 4)
-        return GroupedCodes(_t(q.reshape(rows, cols)), scales, szeros, BITS[type_name], 32)
-    # Q6_K: two halves of 128 values; in each, value 32k + l takes ql[l + 32 (k & 1)]'s low (k < 2)
-    # or high nibble and bits 2k, 2k + 1 of qh[l]
-    ql = b["ql"].reshape(rows, -1, 2, 2, 32)               # [rows, blocks, half, k & 1, l]
-    qh = b["qh"].reshape(rows, -1, 2, 1, 32)
-    lo = np.concatenate((ql & 0xF, ql >> 4), axis=3)       # k = 0, 1, 2, 3
-    shift = (2 * np.arange(4)).astype(np.uint8)[None, None, None, :, None]
-    q = lo | (((qh >> shift) & 3) << 4)
-    return GroupedCodes(_t(_signed(q, "Q6_K").reshape(rows, cols)), _sub_scales(b["scales"], b["d"]), empty, 6, 16)
-
-
-def _signed(q: np.ndarray, type_name: str) -> np.ndarray:
-    """Codes of a type whose zero point is implied (IMPLIED_ZERO) with it taken off: int8 q - z."""
-    return q.view(np.int8) - np.int8(IMPLIED_ZERO[type_name])
+        if type_name == "Q4_K":   # its 4 chunks of 64 values, low then high nibbles: the int4 layout
+            codes = _t(b["qs"].reshape(rows, cols // 2))
+        else:
+            codes = _by_rows(b, cols * 5 // 8, _hb_q5_k)
+        g = GroupedCodes(codes, scales, szeros, bits, 32, packed=True)
+    else:   # Q6_K
+        g = GroupedCodes(_by_rows(b, cols * 6 // 8, _hb_q6_k), _sub_scales(b["scales"], b["d"]), zero_code, 6, 16,
+                         packed=True)
+    return g if pack else GroupedCodes(g.unpacked(), g.scales, g.szeros, g.bits, g.group_size)
 
 
 def _sub_scales(sub: np.ndarray, d: np.ndarray) -> torch.Tensor:
