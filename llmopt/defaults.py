@@ -54,6 +54,10 @@ CPU_DECODE_MAX_ROWS = MAX_NUM_BATCHED_TOKENS
 CPU_IDOT_PANEL_MIN_ROWS = 5
 # the C++ layer's float linears: float panels from this many rows (beat MKL there), else the float tile
 CPU_F32_PANEL_MIN_ROWS = 32
+# bfloat16 weights in those float panels (prefill): AMX tiles, else AVX-512 BF16 dot products, where the
+# CPU has them, x rounded to bfloat16 as llama.cpp does for BF16 weights (cpu_bf16_panels.h: AMX 3-9x
+# the float32 products on the Xeon; False: float32 products, equal to a float32 copy's)
+CPU_BF16_DOT_PRODUCTS = True
 # float linears of 1 to this many rows (at most 8) read each weight row once, front to back
 # (cpu_quant_tiles.h row_f32: 1.5-2x the tiles on the AMD EPYC machine)
 CPU_F32_STREAM_MAX_ROWS = 8

@@ -6,8 +6,9 @@ Models (written once under --workdir):
   the same values for every system. llmopt runs each folder with `--dtype auto` (held 16-bit) and
   the float16 one with `--dtype float32` too (what `auto` did before);
 - `1.5b`: a synthetic SmolLM2-1.7B-shaped checkpoint (hidden 2048, 24 layers, 32 heads, MLP 8192,
-  vocabulary 49152, tied; random float16 weights), its F16 GGUF, and its `llmopt quantize --method rtn
-  --asym --format gguf` Q4_1 export (groups of 32); llama-bench and llmopt on the float model and on the export.
+  vocabulary 49152, tied; random float16 weights), a bfloat16 copy, its F16 GGUF, and its `llmopt
+  quantize --method rtn --asym --format gguf` Q4_1 export (groups of 32); llama-bench and llmopt on
+  the float model (llmopt: both folders) and on the export.
 
 Each system alone on the machine, in its own process, alternating (scripts/bench_gguf.py's runs:
 tg128 and pp512 tokens/s, the medians of 3; the peak resident memory; llmopt's weights held, load
@@ -143,15 +144,18 @@ def main() -> None:
             bf16, f16 = float_copy(f32, work / "default-bf16", "bfloat16"), float_copy(f32, work / "default-f16", "float16")
             gg = f16_gguf(f16, work / "default-F16.gguf")
             runs = [("llama-bench F16 GGUF", lambda gg=gg: llama_bench(Path(a.llama_bench), gg, a.threads)),
-                    ("llmopt bf16 folder, --dtype auto", lambda: llmopt(bf16, a.threads, "float", "auto")),
-                    ("llmopt f16 folder, --dtype auto", lambda: llmopt(f16, a.threads, "float", "auto")),
-                    ("llmopt f16 folder, --dtype float32", lambda: llmopt(f16, a.threads, "float", "float32"))]
+                    ("llmopt bf16 folder, --dtype auto", lambda bf16=bf16: llmopt(bf16, a.threads, "float", "auto")),
+                    ("llmopt f16 folder, --dtype auto", lambda f16=f16: llmopt(f16, a.threads, "float", "auto")),
+                    ("llmopt f16 folder, --dtype float32", lambda f16=f16: llmopt(f16, a.threads, "float", "float32"))]
         elif model == "1.5b":
             f16 = synthetic(work / "synthetic-1.7b-f16")
+            bf16 = float_copy(f16, work / "synthetic-1.7b-bf16", "bfloat16")
             gg, q4 = f16_gguf(f16, work / "synthetic-1.7b-F16.gguf"), q4_1_export(f16, work / "synthetic-1.7b-Q4_1.gguf")
             runs = [("llama-bench F16 GGUF", lambda gg=gg: llama_bench(Path(a.llama_bench), gg, a.threads)),
                     ("llmopt f16 folder, --dtype auto",
                      lambda f16=f16: llmopt(f16, a.threads, "float", "auto", kv_bytes=KV_1_5B)),
+                    ("llmopt bf16 copy, --dtype auto",
+                     lambda bf16=bf16: llmopt(bf16, a.threads, "float", "auto", kv_bytes=KV_1_5B)),
                     ("llama-bench Q4_1 export", lambda q4=q4: llama_bench(Path(a.llama_bench), q4, a.threads)),
                     ("llmopt Q4_1 export (float activations)",
                      lambda q4=q4: llmopt(q4, a.threads, "float", kv_bytes=KV_1_5B)),

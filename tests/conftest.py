@@ -153,6 +153,18 @@ def idot_path(request):
     torch.ops.llmopt_cpu.tiles_config(-1, defaults.CPU_IDOT_PANEL_MIN_ROWS)
 
 
+@pytest.fixture
+def float32_products():
+    """bfloat16 weights' panels multiply in float32 (no AMX / AVX-512 BF16 rounding of x) for the test."""
+    import torch
+    from llmopt import defaults
+    from llmopt.kernels import cpu_quant
+    cpu_quant.ops()
+    torch.ops.llmopt_cpu.tiles_config(-1, 0, 0, -1, 0)
+    yield
+    torch.ops.llmopt_cpu.tiles_config(-1, 0, 0, -1, int(defaults.CPU_BF16_DOT_PRODUCTS))
+
+
 @pytest.fixture(scope="session")
 def smollm2_float(tmp_path_factory) -> Path:
     """The default model's GGUF dequantized to a float32 safetensors folder (the engine runs the file

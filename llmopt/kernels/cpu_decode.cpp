@@ -7,8 +7,9 @@
 //
 // Why: at batch 1 the Python layer costs ~100 small ops (~13 ms of a 23 ms int8 step on this CPU);
 // here the layer is one call, its linears are the tiles and panels of cpu_quant_tiles.h and
-// cpu_idot_tiles.h (float32, bfloat16, float16, int8, int4, 5- and 6-bit, fp8 weights decoded in the loop; see
-// `linear` for which runs when) and the elementwise work runs in place on small buffers.
+// cpu_idot_tiles.h (float32, bfloat16, float16, int8, int4, 5- and 6-bit, fp8 weights decoded in the loop;
+// bfloat16 ones by AMX or AVX-512 BF16 for many rows, cpu_bf16_panels.h; see `linear` for which runs
+// when) and the elementwise work runs in place on small buffers.
 //
 // Arithmetic follows llmopt/models/llama.py in float32 (sums in another order: results agree within
 // float32 rounding, as tests/engine/test_cpu_decode.py checks against the Python path).
@@ -41,6 +42,30 @@ KScales k_scales(const at::Tensor& t, int64_t N, int64_t G, const char* what);
 #undef LLMOPT_IDOT_VNNI
 #undef LLMOPT_IDOT_NS
 #pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")
+#include "cpu_bf16_panels.h"
+#pragma GCC pop_options
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <cpuid.h>
+
+namespace llmopt_cpu_tiles {
+namespace bf16dot {
+namespace amx {
+// AMX-TILE and AMX-BF16 (CPUID 7.0 EDX bits 24, 22), and the kernel's leave to use the tile data
+// state (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), asked once for the process
+bool available() {
+    static const bool ok = [] {
+        unsigned a, b, c, d;
+        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22))) return false;
+        return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+    }();
+    return ok;
+}
+}  // namespace amx
+}  // namespace bf16dot
+}  // namespace llmopt_cpu_tiles
 
 namespace {
 
@@ -107,10 +132,16 @@ bool cpu_has_vnni() {
     return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
 }
 
+bool cpu_has_bf16() {
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
+}
+
 // the linears' kernel choices, set from llmopt/defaults.py when the library loads (tiles_config)
 bool use_vnni = cpu_has_vnni();   // the integer kernels: AVX-512 VNNI where the CPU has it
 int64_t panel_rows = 5;           // with VNNI, int8-activation linears of this many rows take the panels
 int64_t f32_panel_rows = 32;      // float linears of this many rows take the float panels
+bool use_bf16dot = false;   // ... and bfloat16 ones AVX-512 BF16 dot products there (tiles_config), or
+bool use_amx = false;       // AMX tiles
 
 struct Lin {
     int64_t kind, N, K, gs;
@@ -141,7 +172,9 @@ void float_linear(Args a, int64_t kind, const uint8_t* w, std::vector<float>& xs
             else run(a, Fn8<F32>{w});
             break;
         case KBF16:
-            if (panels) f32_panels(a, SrcQ8<BF16>{w});
+            if (panels && use_bf16dot && a.K % 2 == 0 && use_amx) bf16dot::amx::panels(a, w);
+            else if (panels && use_bf16dot && a.K % 2 == 0) bf16dot::panels(a, w);
+            else if (panels) f32_panels(a, SrcQ8<BF16>{w});
             else if (a.M <= f32_stream_rows) f32_rows<BF16>(a, w);
             else run(a, Fn8<BF16>{w});
             break;
@@ -775,10 +808,17 @@ at::Tensor idot_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 // CPU has; panel: with VNNI, int8-activation linears of at least this many rows take the integer
 // panels; f32_panel: float linears of at least this many rows take the float panels (0: keep a
 // setting); f32_stream: float linears of at most this many rows (8 at most) stream each weight row
-// alone (row_f32; 0 = never, -1: keep). Returns the instruction set in use.
-int64_t tiles_config(int64_t isa, int64_t panel, int64_t f32_panel, int64_t f32_stream) {
+// alone (row_f32; 0 = never, -1: keep); bf16: bfloat16 weights' float panels by AMX tiles, else
+// AVX-512 BF16 dot products, where the CPU has them (cpu_bf16_panels.h, x rounded to bfloat16), 1,
+// or float32 products, 0 (-1: keep). Returns the instruction set in use.
+int64_t tiles_config(int64_t isa, int64_t panel, int64_t f32_panel, int64_t f32_stream, int64_t bf16) {
     TORCH_CHECK(panel >= 0 && f32_panel >= 0, "panel and f32_panel must be >= 0");
     TORCH_CHECK(f32_stream >= -1 && f32_stream <= 8, "f32_stream must be -1 (keep) or 0 to 8");
+    TORCH_CHECK(bf16 >= -1 && bf16 <= 1, "bf16 must be -1 (keep), 0 or 1");
+    if (bf16 >= 0) {
+        use_bf16dot = bf16 == 1 && cpu_has_bf16();
+        use_amx = use_bf16dot && bf16dot::amx::available();
+    }
     if (panel > 0) panel_rows = panel;
     if (f32_panel > 0) f32_panel_rows = f32_panel;
     if (f32_stream >= 0) f32_stream_rows = f32_stream;
@@ -792,7 +832,8 @@ int64_t tiles_config(int64_t isa, int64_t panel, int64_t f32_panel, int64_t f32_
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmopt_cpu, m) {
-    m.def("tiles_config(int isa=-1, int panel=0, int f32_panel=0, int f32_stream=-1) -> int", TORCH_FN(tiles_config));   // no tensors: a catch-all kernel
+    m.def("tiles_config(int isa=-1, int panel=0, int f32_panel=0, int f32_stream=-1, int bf16=-1) -> int",
+          TORCH_FN(tiles_config));   // no tensors: a catch-all kernel
     m.def("decode_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
           "float scale, int window, float k_scale=1.0, float v_scale=1.0, Tensor? k_scale_cache=None, "
           "Tensor? v_scale_cache=None) -> Tensor");

@@ -1,5 +1,5 @@
 """CPU kernels for quantized weights (cpu_quant.cpp): GEMV/GEMM that decode int8, int4 (grouped
-nibble layout), 5- and 6-bit (the nibbles and high-bit planes) and FP8 weights inside the loop (and widen bfloat16 / float16 ones: cpu_decode.cpp's
+nibble layout), 5- and 6-bit (the nibbles and their high bits) and FP8 weights inside the loop (and widen bfloat16 / float16 ones: cpu_decode.cpp's
 f32_gemm), float32 activations and accumulation.
 
 The C++ file is compiled on first use with torch.utils.cpp_extension (g++, AVX2 + FMA, OpenMP over
@@ -28,7 +28,7 @@ from llmopt import defaults
 log = logging.getLogger("llmopt.kernels")
 SOURCE = Path(__file__).with_name("cpu_quant.cpp")
 SOURCES = (SOURCE, SOURCE.with_name("cpu_decode.cpp"))   # one library: the GEMMs and the fused decode layer
-HEADERS = (SOURCE.with_name("cpu_quant_tiles.h"), SOURCE.with_name("cpu_idot_tiles.h"))
+HEADERS = tuple(SOURCE.with_name(h) for h in ("cpu_quant_tiles.h", "cpu_idot_tiles.h", "cpu_bf16_panels.h"))
 ROWS_PER_SLICE = 4096   # fallback: rows of a weight dequantized at once
 
 
@@ -90,7 +90,7 @@ def ops():
         if available():
             _register_fakes()
             torch.ops.llmopt_cpu.tiles_config(-1, defaults.CPU_IDOT_PANEL_MIN_ROWS, defaults.CPU_F32_PANEL_MIN_ROWS,
-                                              defaults.CPU_F32_STREAM_MAX_ROWS)
+                                              defaults.CPU_F32_STREAM_MAX_ROWS, int(defaults.CPU_BF16_DOT_PRODUCTS))
             _OPS.append(torch.ops.llmopt_cpu)
         else:
             _OPS.append(None)

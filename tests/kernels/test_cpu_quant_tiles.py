@@ -130,10 +130,11 @@ def test_float_rows_streamed_or_tiled_give_the_same_bits(ops, k):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_16bit_weights_multiply_as_their_float32_copy(ops, dtype):
+def test_16bit_weights_multiply_as_their_float32_copy(ops, dtype, float32_products):
     """bfloat16 / float16 weights widened inside the loop: for 1, 3, 16 and 64 rows of x (the row
     streamer, the tiles, the panels) and odd widths, the same bits as the float32 copy of the same
-    values, and within float32 rounding of a float64 product."""
+    values, and within float32 rounding of a float64 product (bfloat16 panels in float32 products:
+    the next test has their AMX / AVX-512 BF16 products)."""
     g = torch.Generator().manual_seed(16)
     for n, k in ((1, 8), (7, 40), (193, 200), (64, 576), (40, 1544)):
         w = torch.randn(n, k, generator=g).to(dtype)
@@ -146,3 +147,34 @@ def test_16bit_weights_multiply_as_their_float32_copy(ops, dtype):
             assert bool(((y.double() - ref).abs() <= bound).all()), (n, k, m)
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
         ops.f32_gemm(torch.randn(1, 8), torch.zeros(2, 8, dtype=torch.int8))
+
+
+def test_bfloat16_panels_take_bfloat16_products_where_the_cpu_has_them(ops):
+    """bfloat16 weights times 32 rows of x or more (prefill): with AMX or AVX-512 BF16 (CPUID), x is
+    rounded to bfloat16 and the products summed in float32: within float32 rounding of the float64
+    product of bf16(x) and W, for odd widths and row counts (padded tiles); each row's output the
+    same bits at any row count. Without them, the float32 products (the float32 copy's bits)."""
+    from llmopt import defaults
+    flags = open("/proc/cpuinfo").read()
+    has = "avx512_bf16" in flags and "avx512bw" in flags and "avx512vl" in flags
+    g = torch.Generator().manual_seed(3)
+    try:
+        for n, k in ((1, 8), (49, 200), (193, 40), (64, 576), (40, 1544)):
+            w = torch.randn(n, k, generator=g).bfloat16()
+            x = torch.randn(70, k, generator=g)
+            ops.tiles_config(-1, 0, 0, -1, 0)
+            exact = ops.f32_gemm(x, w)
+            ops.tiles_config(-1, 0, 0, -1, 1)
+            for m in (32, 33, 70):
+                y = ops.f32_gemm(x[:m].contiguous(), w)
+                assert torch.equal(y, ops.f32_gemm(x, w)[:m]), (n, k, m)   # a row's bits, whatever M
+                if not has:
+                    assert torch.equal(y, exact[:m])
+                    continue
+                xb = x[:m].bfloat16().double()
+                ref = xb @ w.double().t()
+                bound = 1e-6 * (xb.abs() @ w.double().abs().t()) + 1e-7
+                assert bool(((y.double() - ref).abs() <= bound).all()), (n, k, m)
+                assert not torch.equal(y, exact[:m])   # the rounding of x is real
+    finally:
+        ops.tiles_config(-1, 0, 0, -1, int(defaults.CPU_BF16_DOT_PRODUCTS))
