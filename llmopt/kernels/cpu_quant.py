@@ -1,6 +1,7 @@
 """CPU kernels for quantized weights (cpu_quant.cpp): GEMV/GEMM that decode int8, int4 (grouped
-nibble layout), 5- and 6-bit (the nibbles and their high bits) and FP8 weights inside the loop (and widen bfloat16 / float16 ones: cpu_decode.cpp's
-f32_gemm), float32 activations and accumulation.
+nibble layout), 5- and 6-bit (the nibbles and their high bits) and FP8 weights inside the loop
+(and widen bfloat16 / float16 ones: cpu_decode.cpp's f32_gemm), float32 activations and
+accumulation.
 
 The C++ file is compiled on first use with torch.utils.cpp_extension (g++, AVX2 + FMA, OpenMP over
 output rows), cached under TORCH_EXTENSIONS_DIR or CACHE_DIR/torch_extensions keyed by the source's

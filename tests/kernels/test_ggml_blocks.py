@@ -217,7 +217,8 @@ def test_k_quant_scales_as_stored_give_the_float32_scales_results(idot_path, typ
     assert lin.cpu_scales.shape == (43, k // gs + 2 * k // 256)
     s32 = cpu_quant.group_scales(lin.cpu_scales, k // gs)
     # (Q6_K: its zero code, taken off its codes in the int8-activation kernels, with either scales)
-    z32 = lin.cpu_szeros if cpu_quant.is_zero_code(lin.cpu_szeros) else cpu_quant.zero_term(lin.cpu_scales, lin.cpu_szeros, k // gs)
+    z32 = lin.cpu_szeros if cpu_quant.is_zero_code(lin.cpu_szeros) else \
+        cpu_quant.zero_term(lin.cpu_scales, lin.cpu_szeros, k // gs)
     assert torch.equal(cpu_quant.grouped_weight(cpu_quant.unpack(kind, lin.cpu_codes), s32, z32, gs).double(), ref)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
     got = torch.ops.llmopt_cpu.idot_gemm(x, lin.cpu_codes, lin.cpu_scales, lin.cpu_szeros, gs, cpu_quant.KINDS[kind][1])
