@@ -11,7 +11,10 @@
 // two products into each of the 16 outputs. Each output sums its chunks in order: independent of
 // M, N and the threads.
 #pragma once
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -25,12 +28,13 @@ namespace bf16dot {
 constexpr int64_t BN = FN, BK = FK;   // 16 outputs a panel; K-chunks of 256 (128 pairs)
 constexpr int64_t MR = 8;              // rows of x a pass (8 accumulators of 16 lanes)
 
-// x [M, K] -> bfloat16 pairs xb [M, K / 2] (rounded to nearest even, as BF16::put)
-inline void round_x(const float* x, int64_t M, int64_t K, std::vector<uint32_t>& xb) {
-    xb.resize(M * K / 2);
+// x [M, K] -> bfloat16 pairs xb [rows, stride] (rounded to nearest even, as BF16::put): row m's K / 2
+// pairs at xb[m * stride]; the rest of xb (rows past M, pairs past K / 2) zeros
+inline void round_x(const float* x, int64_t M, int64_t K, int64_t rows, int64_t stride, std::vector<uint32_t>& xb) {
+    xb.assign(rows * stride, 0);
     for (int64_t m = 0; m < M; ++m) {
         const float* xr = x + m * K;
-        uint16_t* o = reinterpret_cast<uint16_t*>(xb.data() + m * K / 2);
+        uint16_t* o = reinterpret_cast<uint16_t*>(xb.data() + m * stride);
         int64_t k = 0;
         for (; k + 16 <= K; k += 16)
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xr + k)));
@@ -60,7 +64,7 @@ inline void block(const uint32_t* xb, int64_t K2, const uint32_t* wp, int64_t kc
 inline void panels(const Args& a, const uint8_t* w) {
     const int64_t M = a.M, K = a.K, N = a.N, K2 = K / 2, P = (N + BN - 1) / BN;
     std::vector<uint32_t> xb;
-    round_x(a.x, M, K, xb);
+    round_x(a.x, M, K, M, K2, xb);
     const float* wd = reinterpret_cast<const float*>(w);   // bf16 pairs as 32-bit words [N, K / 2]
 #pragma omp parallel
     {
@@ -107,7 +111,16 @@ struct alignas(64) TileCfg {
     uint8_t rows[16] = {};
 };
 
-bool available();   // (cpu_decode.cpp: CPUID and the kernel's permission, asked once)
+// AMX-TILE and AMX-BF16 (CPUID 7.0 EDX bits 24, 22), and the kernel's leave to use the tile data
+// state (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), asked once for the process
+inline bool available() {
+    static const bool ok = [] {
+        unsigned a, b, c, d;
+        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22))) return false;
+        return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+    }();
+    return ok;
+}
 
 inline void store_tile(const float* c, float* y, int64_t ldy, int64_t mr, int64_t nr) {
     for (int64_t i = 0; i < mr; ++i) std::memcpy(y + i * ldy, c + i * 16, nr * sizeof(float));
@@ -116,9 +129,8 @@ inline void store_tile(const float* c, float* y, int64_t ldy, int64_t mr, int64_
 inline void panels(const Args& a, const uint8_t* w) {
     const int64_t M = a.M, K = a.K, N = a.N, K2 = K / 2, K2p = (K2 + 15) / 16 * 16, Mp = (M + 31) / 32 * 32;
     const int64_t P = (N + 31) / 32;
-    std::vector<uint32_t> xr, xb(Mp * K2p, 0);   // x's pairs, rows and pairs zero-padded
-    round_x(a.x, M, K, xr);
-    for (int64_t m = 0; m < M; ++m) std::memcpy(xb.data() + m * K2p, xr.data() + m * K2, K2 * 4);
+    std::vector<uint32_t> xb;   // x's pairs, rows and pairs zero-padded
+    round_x(a.x, M, K, Mp, K2p, xb);
     const float* wd = reinterpret_cast<const float*>(w);
 #pragma omp parallel
     {
@@ -177,5 +189,11 @@ inline void panels(const Args& a, const uint8_t* w) {
 }
 
 }  // namespace amx
+
+// y = bf16(a.x) @ W^T for bfloat16 W [N, K], K even: AMX tiles (amx: available()), else vdpbf16ps
+inline void run(const Args& a, const uint8_t* w, bool amx) {
+    if (amx) amx::panels(a, w);
+    else panels(a, w);
+}
 }  // namespace bf16dot
 }  // namespace llmopt_cpu_tiles

@@ -46,26 +46,6 @@ KScales k_scales(const at::Tensor& t, int64_t N, int64_t G, const char* what);
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")
 #include "cpu_bf16_panels.h"
 #pragma GCC pop_options
-#include <sys/syscall.h>
-#include <unistd.h>
-#include <cpuid.h>
-
-namespace llmopt_cpu_tiles {
-namespace bf16dot {
-namespace amx {
-// AMX-TILE and AMX-BF16 (CPUID 7.0 EDX bits 24, 22), and the kernel's leave to use the tile data
-// state (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), asked once for the process
-bool available() {
-    static const bool ok = [] {
-        unsigned a, b, c, d;
-        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22))) return false;
-        return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-    }();
-    return ok;
-}
-}  // namespace amx
-}  // namespace bf16dot
-}  // namespace llmopt_cpu_tiles
 
 namespace {
 
@@ -172,8 +152,7 @@ void float_linear(Args a, int64_t kind, const uint8_t* w, std::vector<float>& xs
             else run(a, Fn8<F32>{w});
             break;
         case KBF16:
-            if (panels && use_bf16dot && a.K % 2 == 0 && use_amx) bf16dot::amx::panels(a, w);
-            else if (panels && use_bf16dot && a.K % 2 == 0) bf16dot::panels(a, w);
+            if (panels && use_bf16dot && a.K % 2 == 0) bf16dot::run(a, w, use_amx);
             else if (panels) f32_panels(a, SrcQ8<BF16>{w});
             else if (a.M <= f32_stream_rows) f32_rows<BF16>(a, w);
             else run(a, Fn8<BF16>{w});

@@ -82,14 +82,17 @@ inline void quantize_x(const float* x, int64_t M, int64_t K, int64_t gs, std::ve
 }
 
 // 5- and 6-bit codes with an implied zero code (Q5_0's 16, Q6_K's 32: Args::zc, a whole number in
-// (0, 2^bits)) have it taken off as they are decoded: the sign trick's int8 codes, no zero-point
-// term (groups of 16 need it so). Otherwise 0: codes as stored, the zero point (if any) its term.
+// (0, 2^bits)) have it taken off each block's exact sum (tiles) or their codes (panels): no
+// zero-point term (groups of 16 need it so). Otherwise 0: the zero point (if any) its term.
 inline int zero_code_off(float zc, int bits) {
     const bool whole = zc > 0.f && zc < float(1 << bits) && zc == std::floor(zc);
     return (bits == 5 || bits == 6) && whole ? int(zc) : 0;
 }
-inline int code_off(const Args& a, int bits) {
-    return a.sz == nullptr && a.kz.p == nullptr ? zero_code_off(a.zc, bits) : 0;
+// for the integer kernels: that zero code, taken out of a (its zero-point term gone), or 0
+inline int take_zero_code(Args& a, int bits) {
+    const int off = a.sz == nullptr && a.kz.p == nullptr ? zero_code_off(a.zc, bits) : 0;
+    if (off) a.zc = 0.f;
+    return off;
 }
 
 }  // namespace llmopt_cpu_tiles
@@ -158,7 +161,7 @@ inline void itile(const Args& a, const QX& qx, const uint8_t* w, bool int4, int6
     for (int64_t b = 0; b < nb; ++b) {
         if constexpr (P > 0) {
             for (int r = 0; r < 8; ++r) {
-                if ((b & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row[r] + 8 * rowb + (b >> 1) * HB<P>::BLK), _MM_HINT_T0);
+                if ((b & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row[r] + 8 * rowb + (b >> 1) * hb_block<P>), _MM_HINT_T0);
                 wv[r] = hb_codes<P>(row[r], b, 0);   // (unsigned: `off` comes off the totals)
             }
         } else if (int4) {   // block b: the low (b even) or high (b odd) nibbles of 64-column block b / 2
@@ -179,8 +182,8 @@ inline void itile(const Args& a, const QX& qx, const uint8_t* w, bool int4, int6
             __m256i lanes[8];
             if (P > 0) {   // 5- or 6-bit codes, unsigned (sum (c - off) x = sum c x - off sum x: below)
                 for (int r = 0; r < 8; ++r) lanes[r] = dot_lanes(wv[r], xq);
-            } else if (P == 0 && int4) {   // nibbles taken per x row: kept across rows they cost the AVX2
-                                           // path (16 registers) 5-10% at 2 and 4 rows, for 2-7% on VNNI
+            } else if (int4) {   // nibbles taken per x row: kept across rows they cost the AVX2 path (16
+                                 // registers) 5-10% at 2 and 4 rows, for 2-7% on VNNI
                 for (int r = 0; r < 8; ++r)
                     lanes[r] = dot_lanes(_mm256_and_si256((b & 1) ? _mm256_srli_epi16(wv[r], 4) : wv[r], low), xq);
             } else {
@@ -260,11 +263,10 @@ inline void run_tiles_p(const Args& a0, const QX& qx, const uint8_t* w, bool int
 }
 
 // codes of `bits`: 8 int8 codes [N, K], 4 the int4 layout, 5 and 6 the HB layout (their implied
-// zero code, if any, taken off in the decode: code_off)
+// zero code, if any, taken off in the decode: take_zero_code)
 inline void run_tiles(const Args& a0, const QX& qx, const uint8_t* w, int bits) {
-    const int off = code_off(a0, bits);
     Args a = a0;
-    if (off) a.zc = 0.f;
+    const int off = take_zero_code(a, bits);
     if (bits == 5) run_tiles_p<1>(a, qx, w, false, off);
     else if (bits == 6) run_tiles_p<2>(a, qx, w, false, off);
     else run_tiles_p<0>(a, qx, w, bits == 4, 0);
@@ -406,9 +408,8 @@ inline void panel_pass(const Args& a, const QX& qx, const Panel& p, bool int8, i
 // 16 for signed codes without a zero point (QX::h given)
 inline void run_panels(const Args& a1, const QX& qx, const uint8_t* w, int bits) {
     const int64_t P = (a1.N + PR - 1) / PR;
-    const int off = code_off(a1, bits);
     Args a0 = a1;
-    if (off) a0.zc = 0.f;
+    const int off = take_zero_code(a0, bits);
     const bool sgn = bits == 8 || off != 0;   // codes held + 128 (panel_pass's int8)
     const bool wide = Widened::needed(a0, false);
 #pragma omp parallel

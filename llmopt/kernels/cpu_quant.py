@@ -113,13 +113,17 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((p & 0xF, p >> 4), dim=2).reshape(n, half * 2)
 
 
+def _field_shifts(p: int) -> torch.Tensor:
+    """[8 / p, 1]: where each of a byte's fields of p bits starts."""
+    return (p * torch.arange(8 // p, dtype=torch.uint8)).view(-1, 1)
+
+
 def high_fields(high: torch.Tensor, bits: int) -> torch.Tensor:
     """The high bits (code >> 4) of 64-column blocks [..., 64] -> pack_hb's 8P bytes [..., 8P] (P =
     bits - 4): column c's in field c // 8P (P bits at bit P (c // 8P)) of byte c % 8P."""
     p = bits - 4
     h = high.to(torch.uint8).reshape(*high.shape[:-1], 8 // p, 8 * p)
-    shift = (p * torch.arange(8 // p, dtype=torch.uint8)).view(-1, 1)
-    return (h << shift).sum(-2, dtype=torch.uint8)   # (fields apart: the sum is their OR)
+    return (h << _field_shifts(p)).sum(-2, dtype=torch.uint8)   # (fields apart: the sum is their OR)
 
 
 def pack_hb(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -138,8 +142,7 @@ def unpack_hb(packed: torch.Tensor, bits: int) -> torch.Tensor:
     p, blocks = bits - 4, width // (8 * bits)
     b = packed.view(n, blocks, 8 * bits)
     codes = unpack_int4(b[:, :, :32].reshape(n, blocks * 32)).view(n, blocks, 64)
-    shift = (p * torch.arange(8 // p, dtype=torch.uint8)).view(-1, 1)
-    high = (b[:, :, None, 32:] >> shift) & ((1 << p) - 1)     # [n, blocks, field, byte]
+    high = (b[:, :, None, 32:] >> _field_shifts(p)) & ((1 << p) - 1)     # [n, blocks, field, byte]
     return (codes | (high.reshape(n, blocks, 64) << 4)).reshape(n, blocks * 64)
 
 

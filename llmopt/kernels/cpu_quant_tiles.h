@@ -35,14 +35,12 @@ inline float hsum(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
-// The float tiles' decoders: D::at(row, c) gives the 8 values at column c of a row (codes before
-// scale and zero, or floats), D::rowb(K) a row's bytes, D::off(c) the byte of column c (prefetches,
-// every D::PFC columns). Formats of B bytes an element take Bytes<B>.
+// The float kernels' decoders: D::at(row, c) gives the 8 values at column c of a row (codes before
+// scale and zero, or floats), D::rowb(K) a row's bytes. Formats of B bytes an element take Bytes<B>.
 template <int64_t B_>
 struct Bytes {
-    static constexpr int64_t B = B_, PFC = 64 / B_;
+    static constexpr int64_t B = B_;
     static inline int64_t rowb(int64_t K) { return K * B_; }
-    static inline int64_t off(int64_t c) { return c * B_; }
 };
 
 // 8 codes at column c of a row, as floats (before scale and zero)
@@ -114,27 +112,12 @@ struct F8 : Bytes<1> {   // e4m3fn bits -> float32 exactly: moved up into f16 bi
 // c % 8P. 32 + 8P bytes a block: 5 or 6 bits a code. So any 8 (P = 1) or 16 (P = 2) consecutive
 // columns have theirs in one field of consecutive bytes: one 64-bit shift and a mask decode them.
 template <int P>
-struct HB {
-    static constexpr int64_t B = 0, BLK = 32 + 8 * P, PFC = 64;
-    static inline int64_t rowb(int64_t K) { return K / 64 * BLK; }
-    static inline int64_t off(int64_t c) { return c / 64 * BLK; }
-    static inline __m256 at(const uint8_t* row, int64_t c) {   // c a multiple of 8
-        const uint8_t* blk = row + (c >> 6) * BLK;
-        const int64_t j = c & 63;
-        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + (j & 31))));
-        v = (j & 32) ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(0xF));
-        uint64_t u;
-        std::memcpy(&u, blk + 32 + (P == 1 ? 0 : (j & 8)), 8);
-        u = (u >> (P == 1 ? (j >> 3) : 2 * (j >> 4))) & (P == 1 ? 0x0101010101010101ULL : 0x0303030303030303ULL);
-        const __m256i hi = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)u));
-        return _mm256_cvtepi32_ps(_mm256_or_si256(v, _mm256_slli_epi32(hi, 4)));
-    }
-};
+constexpr int64_t hb_block = 32 + 8 * P;
 
 // the 32 codes (bytes) of 32-column block b of an HB<P> row, less `off` (a zero code taken off: signed)
 template <int P>
 inline __m256i hb_codes(const uint8_t* row, int64_t b, int off) {
-    const uint8_t* blk = row + (b >> 1) * HB<P>::BLK;
+    const uint8_t* blk = row + (b >> 1) * hb_block<P>;
     const int64_t h = b & 1;
     __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk));
     v = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
@@ -152,6 +135,20 @@ inline __m256i hb_codes(const uint8_t* row, int64_t b, int off) {
     v = _mm256_or_si256(v, _mm256_slli_epi16(hi, 4));   // (bits 0-1 of each byte to 4-5: no carry across)
     return off ? _mm256_sub_epi8(v, _mm256_set1_epi8((char)off)) : v;
 }
+
+// codes k * 8 .. k * 8 + 7 of a block's 32 (hb_codes, unsigned) as floats
+inline __m256 widen8(__m256i q, int k) {
+    const __m128i h = k < 2 ? _mm256_castsi256_si128(q) : _mm256_extracti128_si256(q, 1);
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32((k & 1) ? _mm_srli_si128(h, 8) : h));
+}
+
+template <int P>
+struct HB {   // the float panels' decoder (SrcQ8) of the HB<P> layout
+    static inline int64_t rowb(int64_t K) { return K / 64 * hb_block<P>; }
+    static inline __m256 at(const uint8_t* row, int64_t c) {   // c a multiple of 8
+        return widen8(hb_codes<P>(row, c >> 5, 0), int((c >> 3) & 3));
+    }
+};
 
 // A K-quant's group scales (or scaled zeros) as its GGUF holds them: per row, G sub-scales (a byte
 // each: Q4_K/Q5_K's 6-bit scales and mins, Q6_K's signed 8-bit scales) then G >> shift fp16
@@ -322,7 +319,7 @@ inline void row_f32(const Args& a, const uint8_t* w, int64_t n, int64_t m0) {
 // Rows n0..n0+NR of the output for x rows m0..m0+MT; int8 / fp8 codes or floats, K a multiple of 8.
 template <class D, int NR, int MT>
 inline void tile8(const Args& a, const uint8_t* w, int64_t n0, int64_t m0) {
-    const int64_t K = a.K, RB = D::rowb(K);   // bytes per row
+    const int64_t K = a.K, RB = K * D::B;   // bytes per row
     const uint8_t* row[NR];
     for (int r = 0; r < NR; ++r) row[r] = w + (n0 + r) * RB;
     const float* x = a.x + m0 * K;
@@ -332,9 +329,9 @@ inline void tile8(const Args& a, const uint8_t* w, int64_t n0, int64_t m0) {
         __m256 d[NR][MT];
         zero(d);
         for (int64_t c = c0; c < c0 + a.gs; c += 8) {
-            if ((c & (D::PFC - 1)) == 0)   // each cache line of this tile's rows, PF tiles ahead (x2 streamed GB/s)
+            if (((c * D::B) & 63) == 0)   // each cache line of this tile's rows, PF tiles ahead (x2 streamed GB/s)
                 for (int r = 0; r < NR; ++r)
-                    _mm_prefetch(reinterpret_cast<const char*>(row[r] + PF * NR * RB + D::off(c)), _MM_HINT_T0);
+                    _mm_prefetch(reinterpret_cast<const char*>(row[r] + PF * NR * RB + c * D::B), _MM_HINT_T0);
             __m256 xv[MT];
             for (int i = 0; i < MT; ++i) xv[i] = _mm256_loadu_ps(x + i * K + c);
             for (int r = 0; r < NR; ++r) {
@@ -411,8 +408,8 @@ inline void tile4(const Args& a, const uint8_t* w, int64_t n0, int64_t m0) {
     store<NR, MT>(a, acc, n0, m0);
 }
 
-// 5- and 6-bit codes (HB<P>): tile8's sums, each 32-column block's codes decoded to bytes at once
-// (hb_codes) and widened 8 at a time (HB::at decodes 8 codes alone: twice the instructions)
+// 5- and 6-bit codes (HB<P>): tile8's sums, each 32-column block's codes decoded to bytes once
+// (hb_codes) and widened 8 at a time
 template <int P, int NR, int MT>
 inline void tile_hb(const Args& a, const uint8_t* w, int64_t n0, int64_t m0) {
     const int64_t K = a.K, RB = HB<P>::rowb(K);
@@ -425,7 +422,7 @@ inline void tile_hb(const Args& a, const uint8_t* w, int64_t n0, int64_t m0) {
     for (int64_t b = 0, g = 0, end = a.gs; b < K / 32; ++b) {   // end: group g's last column + 1
         if ((b & 1) == 0)
             for (int r = 0; r < NR; ++r)
-                _mm_prefetch(reinterpret_cast<const char*>(row[r] + PF * NR * RB + (b >> 1) * HB<P>::BLK), _MM_HINT_T0);
+                _mm_prefetch(reinterpret_cast<const char*>(row[r] + PF * NR * RB + (b >> 1) * hb_block<P>), _MM_HINT_T0);
         __m256i q[NR];
         for (int r = 0; r < NR; ++r) q[r] = hb_codes<P>(row[r], b, 0);
         for (int k = 0; k < 4; ++k) {
@@ -433,8 +430,7 @@ inline void tile_hb(const Args& a, const uint8_t* w, int64_t n0, int64_t m0) {
             __m256 xv[MT];
             for (int i = 0; i < MT; ++i) xv[i] = _mm256_loadu_ps(x + i * K + c);
             for (int r = 0; r < NR; ++r) {
-                const __m128i h = k < 2 ? _mm256_castsi256_si128(q[r]) : _mm256_extracti128_si256(q[r], 1);
-                const __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32((k & 1) ? _mm_srli_si128(h, 8) : h));
+                const __m256 wv = widen8(q[r], k);
                 for (int i = 0; i < MT; ++i) d[r][i] = _mm256_fmadd_ps(wv, xv[i], d[r][i]);
             }
             if (c + 8 == end) {   // the group's end

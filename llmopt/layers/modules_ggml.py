@@ -2,8 +2,8 @@
 
 GGMLLinear: a GGML block-format weight (llmopt.layers.formats.ggml) in the CPU kernels' grouped
 layouts, decoded straight into them at load: where the width is a multiple of 64, 4-bit codes as
-the int4 tiles' nibbles (uint8 [out, in / 2]), 5- and 6-bit ones as those nibbles and planes of
-their high bits (uint8 [out, in * bits / 8]); other widths as a byte a code. A scale per group of
+the int4 tiles' nibbles (uint8 [out, in / 2]), 5- and 6-bit ones as those nibbles and their high
+bits (uint8 [out, in * bits / 8]); other widths as a byte a code. A scale per group of
 32 (16 for Q6_K) and a scaled zero as the file stores them, widened by the kernels where read: the
 fp16 d and m of Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, a K-quant's 6- or 8-bit sub-scales with its fp16 d and
 dmin per 256. Q4_0's, Q5_0's and Q6_K's zero is implied by the scale (8, 16, 32 x d): one zero

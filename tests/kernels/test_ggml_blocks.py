@@ -134,7 +134,7 @@ def test_fp16_scales_as_stored_give_the_float32_scales_results(idot_path, type_n
                                          ("Q5_0", 576), ("Q5_1", 1024), ("Q5_K", 768), ("Q6_K", 768)])
 def test_blocks_decode_straight_into_the_kernels_layout(type_name, k):
     """At load, codes of 4 to 6 bits go straight into the CPU kernels' packed layout (no byte-a-code
-    copy; Q4_K's quants are the int4 layout as stored, Q5_0/Q5_1's qh the high-bit plane): the same
+    copy; Q4_K's quants are the int4 layout as stored): the same
     bytes pack_int4 / pack_hb make of the codes, which unpack to them, the same layer, and q/k's row
     unpermutation moves packed rows as it moves codes."""
     from llmopt.ggml_types import BITS

@@ -46,7 +46,7 @@ class GroupedCodes:
     """W [rows, cols] = codes * scales - szeros per group of `group_size` columns; codes uint8 in
     [0, 2**bits) (Q8_0's int8), or with `packed` in the CPU kernels' layout for their bits
     (llmopt.kernels.cpu_quant.pack_codes: 4-bit codes two a byte, Q4_K's quants as stored; 5- and
-    6-bit ones as nibbles and high-bit planes, Q5_0/Q5_1's qh as stored); scales float32 [rows,
+    6-bit ones as those nibbles and their high bits, cpu_quant.pack_hb); scales float32 [rows,
     cols / gs], or a K-quant's as the file holds them (its sub-scales and fp16 d per row:
     cpu_quant.group_scales); szeros like them, or empty (no zero point), or one zero code z for
     every group, sz = z * scales (Q4_0's 8, Q5_0's 16, Q6_K's 32, as llama.cpp: from the file's d
