@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from llmopt.errors import UserInputError
+
 RUN_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
 GROUP = {t: 16 if t == "Q6_K" else 32 for t in RUN_TYPES}
@@ -13,6 +15,16 @@ HALF_SCALE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 # the zero point: a scaled zero per group (m; a K-quant's dmin x min), none (Q8_0), or implied by the
 # scale, one zero code for every group as llama.cpp has it (held as one fp16 value a tensor)
 IMPLIED_ZERO = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32}
+Q4_0_VALUES, Q4_0_BYTES = 32, 18   # a Q4_0 block: 32 values in an fp16 scale and 16 bytes of nibbles
+
+
+def kv_int4_head_bytes(head_dim: int) -> int:
+    """Bytes of one head's K (or V) row in an int4 KV cache: head_dim / 32 Q4_0 blocks (the engine's
+    layout, llmopt/kernels/reference.py; kv-estimate counts the same)."""
+    if head_dim % Q4_0_VALUES:
+        raise UserInputError(f"--kv-cache-dtype int4 quantizes each head in blocks of {Q4_0_VALUES} values; "
+                             f"this model's head_dim is {head_dim}")
+    return head_dim // Q4_0_VALUES * Q4_0_BYTES
 
 
 def held_bytes(type_name: str, shape: tuple[int, ...], float_bytes: int = 4, device: str = "cpu") -> int:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmopt.kernels.reference import kv_cache_torch_dtype, write_kv
+from llmopt.kernels.reference import kv_cache_torch_dtype, kv_head_width, write_kv
 
 
 @dataclass
@@ -41,7 +41,7 @@ def empty_cache(num_blocks: int, block_size: int, hkv: int, d: int, kv_dtype: st
     the Triton kernels must never load it) or "big" (large finite values, which the reference
     requires past a sequence's end and must still mask out)."""
     cdt = kv_cache_torch_dtype(kv_dtype, dtype)
-    shape = (num_blocks, block_size, hkv, d)
+    shape = (num_blocks, block_size, hkv, kv_head_width(kv_dtype, d))
     nan = garbage == "nan"
     caches = []
     for _ in range(2):

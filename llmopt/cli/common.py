@@ -45,7 +45,8 @@ GpuMemoryUtilizationOpt = typer.Option(defaults.GPU_MEMORY_UTILIZATION, "--gpu-m
                                        "(0, 1] (vLLM's meaning).")
 KvCacheDtypeOpt = typer.Option(defaults.KV_CACHE_DTYPE, "--kv-cache-dtype",
                                help="auto (a 16-bit model's dtype, else the compute dtype: float32 on the CPU), "
-                               "float32, bfloat16, float16, fp8, fp8_e4m3, fp8_e5m2 or int8.")
+                               "float32, bfloat16, float16, fp8, fp8_e4m3, fp8_e5m2, int8 or int4 (llama.cpp's q4_0 "
+                               "blocks along each head: 4.5 bits a value; head_dim a multiple of 32).")
 MaxModelLenOpt = typer.Option(None, "--max-model-len", callback=in_range(2),
                               help="Context per request, 2 to the model's context length (the default).")
 MaxNumSeqsOpt = typer.Option(defaults.MAX_NUM_SEQS, "--max-num-seqs", callback=in_range(1),

@@ -71,7 +71,7 @@ def eval_ppl(
     lm_head_dtype: str = common.LmHeadDtypeOpt,
     kv_cache_dtype: str = typer.Option(None, "--kv-cache-dtype", help="Score through the engine's paged KV cache "
                                        "in this dtype (auto, float32, bfloat16, float16, fp8, fp8_e4m3, "
-                                       "fp8_e5m2, int8); default: dense attention, no cache. --base-model then "
+                                       "fp8_e5m2, int8, int4); default: dense attention, no cache. --base-model then "
                                        "scores through a float32 cache the same way: with the same model, the "
                                        "KL divergence is the cache's."),
     json_out: bool = common.JsonOpt,

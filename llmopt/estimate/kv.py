@@ -13,7 +13,8 @@ KV dtypes and the bytes they really take (scales counted):
 - int8: 1 byte + a float32 scale per (token, KV head) for K and for V — the engine's layout
   (`k_scale_cache`/`v_scale_cache` `[num_blocks, block_size, kv_heads]`) and vLLM's
   int8_per_token_head (`page_size_bytes += 2 * block_size * num_kv_heads * 4`).
-- int4: llama.cpp's q4_0 layout along head_dim: 32 values in 16 bytes + one fp16 scale (18 bytes per 32).
+- int4: llama.cpp's q4_0 layout along head_dim: 32 values in 16 bytes + one fp16 scale (18 bytes per 32),
+  the engine's layout (head_dim a multiple of 32).
 - kivi2: KIVI 2-bit (Liu et al. 2024, arXiv:2402.02750): keys quantized per channel in groups of G
   tokens, values per token in groups of G channels, an fp16 scale and zero point per group, and
   the most recent R tokens kept in full precision (the residual window, a per-request cost).
@@ -30,6 +31,7 @@ from llmopt import defaults
 from llmopt.distributed.plan import TPPlan, tp_plan
 from llmopt.errors import UserInputError
 from llmopt.estimate.arch import ModelArch
+from llmopt.ggml_types import Q4_0_BYTES, Q4_0_VALUES, kv_int4_head_bytes
 from llmopt.models.config import auto_kv_dtype_name
 
 FLOAT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
@@ -38,7 +40,6 @@ ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "f
            "kivi_2bit": "kivi2", "q4_0": "int4"}
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "kivi2",
              "fp8_ds_mla")
-Q4_BLOCK, Q4_BLOCK_BYTES = 32, 18          # llama.cpp q4_0: 32 4-bit values + an fp16 scale
 DS_MLA_TOKEN_BYTES = 656                    # vLLM fp8_ds_mla: 512 fp8 + 4 float32 scales + 64 bf16 rope
 
 
@@ -77,7 +78,7 @@ def _head_token_bytes(dtype: str, head_dim: int, fp_bytes: int) -> tuple[Fractio
     if dtype == "int8":
         return Fraction(2 * head_dim + 2 * 4), 0, 0
     if dtype == "int4":
-        return Fraction(2 * ceil(head_dim / Q4_BLOCK) * Q4_BLOCK_BYTES), 0, 0
+        return Fraction(2 * kv_int4_head_bytes(head_dim)), 0, 0
     if dtype == "kivi2":
         g, sb = defaults.KIVI_GROUP_SIZE, 2
         codes = Fraction(2 * head_dim * 2, 8)                   # K and V, 2 bits each
@@ -93,7 +94,7 @@ def _mla_token_bytes(dtype: str, width: int) -> Fraction:
     if dtype == "int8":
         return Fraction(width + 4)
     if dtype == "int4":
-        return Fraction(ceil(width / Q4_BLOCK) * Q4_BLOCK_BYTES)
+        return Fraction(ceil(width / Q4_0_VALUES) * Q4_0_BYTES)
     if dtype == "fp8_ds_mla":
         if width != 576:
             raise UserInputError(f"fp8_ds_mla needs a 512 + 64 latent, this model's is {width}")

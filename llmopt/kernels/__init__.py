@@ -19,7 +19,7 @@ import torch
 
 from llmopt.errors import UserInputError
 from llmopt.kernels import reference
-from llmopt.kernels.reference import KV_DTYPES, kv_block_bytes, kv_cache_torch_dtype
+from llmopt.kernels.reference import KV_DTYPES, kv_block_bytes, kv_cache_torch_dtype, kv_head_width
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -109,7 +109,8 @@ def _cpp_decode(q, key_cache, seq_lens) -> bool:
 
 
 # the caches cpu_decode.cpp reads and writes: every KV_DTYPES one
-CPP_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
+CPP_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8,
+                 torch.uint8)
 
 
 class PagedStep:
@@ -161,5 +162,5 @@ def w4a16_matmul(x, qweight, scales, zeros, group_size, bits=4):
     return impl(x, qweight, scales, zeros, group_size, bits)
 
 
-__all__ = ["BACKENDS", "KV_DTYPES", "PagedStep", "kv_block_bytes", "kv_cache_torch_dtype", "paged_attention", "resolve_backend",
-           "rms_norm", "rotary", "w4a16_matmul", "write_kv"]
+__all__ = ["BACKENDS", "KV_DTYPES", "PagedStep", "kv_block_bytes", "kv_cache_torch_dtype", "kv_head_width",
+           "paged_attention", "resolve_backend", "rms_norm", "rotary", "w4a16_matmul", "write_kv"]

@@ -15,7 +15,8 @@
 // float32 rounding, as tests/engine/test_cpu_decode.py checks against the Python path).
 // Cache layout: [num_blocks, block_size, num_kv_heads, head_dim], slot = block * bs + offset; float32,
 // bfloat16 or float16 (read widened, written rounded to nearest even), fp8 e4m3fn / e5m2 (one scale a
-// tensor) or int8 (a scale per slot and head), written as llmopt/kernels/reference.py quantizes.
+// tensor), int8 (a scale per slot and head) or int4 (q4_0 blocks: a head's row is head_dim / 32 blocks of
+// 18 bytes), written as llmopt/kernels/reference.py quantizes.
 #include <torch/custom_class.h>
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
@@ -259,10 +260,12 @@ inline void prefetch_rows(const uint8_t* p, int64_t n, int64_t stride, int64_t b
 // The paged cache: float32, bfloat16 or float16 elements read widened to float32 and written rounded
 // to nearest even, as torch casts; fp8 (e4m3fn, e5m2) codes of x / scale with one scale per tensor
 // (ks, vs); int8 codes of x / s with s = absmax / 127 per (slot, kv head) in ksc / vsc
-// [num_blocks * block_size, Hkv] (llmopt/kernels/reference.py quantize_kv, bit for bit).
+// [num_blocks * block_size, Hkv]; int4: llama.cpp's q4_0 blocks along the head (uint8 caches)
+// (llmopt/kernels/reference.py quantize_kv, bit for bit).
 struct Cache {
     uint8_t* k; uint8_t* v; int64_t nb, bs;
     at::ScalarType dt;
+    int64_t hb;                     // bytes of one head's row (a slot holds Hkv of them)
     float ks, vs;                   // fp8: per-tensor scales (1 for the other dtypes)
     float* ksc; float* vsc;         // int8: per-(slot, head) scales, else null
     const int32_t* bt; int64_t W;   // block tables [M, W]
@@ -289,8 +292,7 @@ inline uint8_t fp8_code(float x) {
     return uint8_t(sign | code);
 }
 
-struct E4M3 {   // float8_e4m3fn: the weights' decoder; one code as an f16 (its bits moved up: value * 2^-8)
-    static constexpr int64_t B = 1;
+struct E4M3 : Bytes<1> {   // float8_e4m3fn: the weights' decoder; one code as an f16 (its bits moved up: value * 2^-8)
     static constexpr float MAX = 448.f;
     static inline __m256 at(const uint8_t* r, int64_t c) { return F8::at(r, c); }
     static inline float one(const uint8_t* r, int64_t c) {
@@ -300,8 +302,7 @@ struct E4M3 {   // float8_e4m3fn: the weights' decoder; one code as an f16 (its 
     static inline uint8_t code(float x) { return fp8_code<3, 7, 0x7E>(x); }
 };
 
-struct E5M2 {   // float8_e5m2: the high byte of an f16
-    static constexpr int64_t B = 1;
+struct E5M2 : Bytes<1> {   // float8_e5m2: the high byte of an f16
     static constexpr float MAX = 57344.f;
     static inline __m256 at(const uint8_t* r, int64_t c) {
         __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + c)));
@@ -311,12 +312,55 @@ struct E5M2 {   // float8_e5m2: the high byte of an f16
     static inline uint8_t code(float x) { return fp8_code<2, 15, 0x7B>(x); }
 };
 
-struct I8 {   // int8 codes, their scale applied by the caller
-    static constexpr int64_t B = 1;
+struct I8 : Bytes<1> {   // int8 codes, their scale applied by the caller
     static inline __m256 at(const uint8_t* r, int64_t c) {
         return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + c))));
     }
     static inline float one(const uint8_t* r, int64_t c) { return float(reinterpret_cast<const int8_t*>(r)[c]); }
+};
+
+// q4_0 blocks: per 32 values an fp16 d, then 16 bytes with value j's code in byte j's low nibble and
+// value j + 16's in its high one; x = (q - 8) * d, exact in float32 (as reference.dequantize_q4)
+struct Q4 {
+    static inline int64_t rowb(int64_t D) { return D / 32 * 18; }
+    static inline float d(const uint8_t* blk) {
+        uint16_t h;
+        std::memcpy(&h, blk, 2);
+        return _cvtsh_ss(h);
+    }
+    static inline __m256 at(const uint8_t* r, int64_t c) {   // c: a multiple of 8
+        const uint8_t* blk = r + (c >> 5) * 18;
+        __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + (c & 15)));
+        if (c & 16) b = _mm_srli_epi16(b, 4);
+        b = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+        const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+        return _mm256_mul_ps(_mm256_sub_ps(q, _mm256_set1_ps(8.f)), _mm256_set1_ps(d(blk)));
+    }
+    static inline float one(const uint8_t* r, int64_t c) {
+        const uint8_t* blk = r + (c >> 5) * 18;
+        const uint8_t b = blk[2 + (c & 15)];
+        return float(int((c & 16) ? b >> 4 : b & 15) - 8) * d(blk);
+    }
+    // Hkv heads of D values (D % 32 == 0) -> their blocks, as llama.cpp's quantize_row_q4_0_ref: d = the
+    // first value of largest magnitude / -8, codes trunc(x / d + 8.5) in float32 (no fused multiply-add)
+    static inline void put(const float* x, uint8_t* o, int64_t n) {
+        for (int64_t i = 0; i < n; i += 32, o += 18) {
+            const float* xb = x + i;
+            int64_t top = 0;
+            for (int64_t j = 1; j < 32; ++j)
+                if (std::fabs(xb[j]) > std::fabs(xb[top])) top = j;
+            const float dv = xb[top] / -8.f, inv = dv != 0.f ? 1.f / dv : 0.f;
+            const uint16_t h = _cvtss_sh(dv, _MM_FROUND_TO_NEAREST_INT);
+            std::memcpy(o, &h, 2);
+            uint8_t q[32];
+            for (int j = 0; j < 32; ++j) {
+                float t = xb[j] * inv;
+                asm volatile("" : "+x"(t));   // rounded to float32 before the add, as the reference
+                q[j] = uint8_t(std::min(15, std::max(0, int(t + 8.5f))));
+            }
+            for (int j = 0; j < 16; ++j) o[2 + j] = uint8_t(q[j] | (q[j + 16] << 4));
+        }
+    }
 };
 
 // dot(q, row) for n elements of a cache row (E: F32, BF16, F16)
@@ -338,8 +382,7 @@ inline float dot_row(const float* q, const uint8_t* r, int64_t n) {
 template <class E>
 void attention_t(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv, int64_t D, const Cache& c,
                float scale, int64_t window, float* o) {
-    const int64_t group = Hq / Hkv, row = Hkv * D;   // elements between consecutive slots
-    const int64_t rb = row * E::B, hb = D * E::B;     // bytes between slots, of one head's row
+    const int64_t group = Hq / Hkv, hb = E::rowb(D), rb = Hkv * hb;   // bytes of one head's row, between slots
     const float kscale = scale * c.ks, vscale = c.vs;  // (exact for the float caches: ks = vs = 1)
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < M * Hkv; ++t) {
@@ -351,17 +394,17 @@ void attention_t(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv
         for (int64_t g = 0; g < group; ++g) mx[g] = -INFINITY;
         for (int64_t b = lo / c.bs; b * c.bs < L; ++b) {   // scores, block by block
             const int64_t j0 = std::max(lo, b * c.bs), j1 = std::min(L, (b + 1) * c.bs);
-            const uint8_t* kb = c.k + (((int64_t)table[b] * c.bs) * row + hk * D) * E::B;
+            const uint8_t* kb = c.k + ((int64_t)table[b] * c.bs) * rb + hk * hb;
             // the prefetchers do not follow the table: keys two blocks ahead into L1, this block's
             // values into L2 for the p @ V pass (first block: its keys too)
             if (b == lo / c.bs) {
                 prefetch_rows<_MM_HINT_T0>(kb, c.bs, rb, hb);
                 if ((b + 1) * c.bs < L)
-                    prefetch_rows<_MM_HINT_T0>(c.k + (((int64_t)table[b + 1] * c.bs) * row + hk * D) * E::B, c.bs, rb, hb);
+                    prefetch_rows<_MM_HINT_T0>(c.k + ((int64_t)table[b + 1] * c.bs) * rb + hk * hb, c.bs, rb, hb);
             }
             if ((b + 2) * c.bs < L)
-                prefetch_rows<_MM_HINT_T0>(c.k + (((int64_t)table[b + 2] * c.bs) * row + hk * D) * E::B, c.bs, rb, hb);
-            prefetch_rows<_MM_HINT_T1>(c.v + (((int64_t)table[b] * c.bs) * row + hk * D) * E::B, c.bs, rb, hb);
+                prefetch_rows<_MM_HINT_T0>(c.k + ((int64_t)table[b + 2] * c.bs) * rb + hk * hb, c.bs, rb, hb);
+            prefetch_rows<_MM_HINT_T1>(c.v + ((int64_t)table[b] * c.bs) * rb + hk * hb, c.bs, rb, hb);
             const float* kf = c.ksc ? c.ksc + ((int64_t)table[b] * c.bs - b * c.bs) * Hkv + hk : nullptr;  // kf[j * Hkv]
             for (int64_t g = 0; g < group; ++g) {
                 const float* qg = q + m * ldq + (hk * group + g) * D;
@@ -420,15 +463,15 @@ void attention_t(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv
                 for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
                 for (int64_t b = lo / c.bs; b * c.bs < L; ++b) {
                     const int64_t j0 = std::max(lo, b * c.bs), j1 = std::min(L, (b + 1) * c.bs);
-                    const uint8_t* vb = c.v + (((int64_t)table[b] * c.bs) * row + hk * D + d0) * E::B;
+                    const uint8_t* vb = c.v + ((int64_t)table[b] * c.bs) * rb + hk * hb;
                     const float* vf = c.vsc ? c.vsc + ((int64_t)table[b] * c.bs - b * c.bs) * Hkv + hk : nullptr;
                     for (int64_t j = j0; j < j1; ++j) {
                         const __m256 w = _mm256_set1_ps(vf ? pg[j] * vf[j * Hkv] : pg[j]);
                         const uint8_t* vv = vb + (j - b * c.bs) * rb;
                         if (w8 == 8)
-                            for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(w, E::at(vv, 8 * i), acc[i]);
+                            for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(w, E::at(vv, d0 + 8 * i), acc[i]);
                         else
-                            for (int i = 0; i < w8; ++i) acc[i] = _mm256_fmadd_ps(w, E::at(vv, 8 * i), acc[i]);
+                            for (int i = 0; i < w8; ++i) acc[i] = _mm256_fmadd_ps(w, E::at(vv, d0 + 8 * i), acc[i]);
                     }
                 }
                 const __m256 iv = _mm256_set1_ps(inv[g]);
@@ -438,7 +481,7 @@ void attention_t(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv
                 std::fill(out, out + D, 0.f);
                 for (int64_t b = lo / c.bs; b * c.bs < L; ++b) {
                     const int64_t j0 = std::max(lo, b * c.bs), j1 = std::min(L, (b + 1) * c.bs);
-                    const uint8_t* vb = c.v + (((int64_t)table[b] * c.bs) * row + hk * D) * E::B;
+                    const uint8_t* vb = c.v + ((int64_t)table[b] * c.bs) * rb + hk * hb;
                     const float* vf = c.vsc ? c.vsc + ((int64_t)table[b] * c.bs - b * c.bs) * Hkv + hk : nullptr;
                     for (int64_t j = j0; j < j1; ++j) {
                         const float w = vf ? pg[j] * vf[j * Hkv] : pg[j];
@@ -458,6 +501,7 @@ void attention(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv, 
     else if (c.dt == at::kFloat8_e4m3fn) attention_t<E4M3>(q, ldq, M, Hq, Hkv, D, c, scale, window, o);
     else if (c.dt == at::kFloat8_e5m2) attention_t<E5M2>(q, ldq, M, Hq, Hkv, D, c, scale, window, o);
     else if (c.dt == at::kChar) attention_t<I8>(q, ldq, M, Hq, Hkv, D, c, scale, window, o);
+    else if (c.dt == at::kByte) attention_t<Q4>(q, ldq, M, Hq, Hkv, D, c, scale, window, o);
     else attention_t<F32>(q, ldq, M, Hq, Hkv, D, c, scale, window, o);
 }
 
@@ -482,9 +526,10 @@ void put_int8(const float* x, uint8_t* o, float* sc, int64_t Hkv, int64_t D) {
 
 // rows k, v of Hkv heads of D floats into the cache at `slot`, in its element type
 void write_slot(const Cache& c, int64_t slot, const float* k, const float* v, int64_t Hkv, int64_t D) {
-    const int64_t n = Hkv * D, B = c.dt == at::kFloat ? 4 : c.dt == at::kBFloat16 || c.dt == at::kHalf ? 2 : 1;
-    uint8_t *kd = c.k + slot * n * B, *vd = c.v + slot * n * B;
+    const int64_t n = Hkv * D;
+    uint8_t *kd = c.k + slot * Hkv * c.hb, *vd = c.v + slot * Hkv * c.hb;
     switch (c.dt) {
+        case at::kByte: Q4::put(k, kd, n); Q4::put(v, vd, n); break;
         case at::kBFloat16: BF16::put(k, kd, n); BF16::put(v, vd, n); break;
         case at::kHalf: F16::put(k, kd, n); F16::put(v, vd, n); break;
         case at::kFloat8_e4m3fn: put_fp8<E4M3>(k, kd, n, c.ks); put_fp8<E4M3>(v, vd, n, c.vs); break;
@@ -515,12 +560,14 @@ Cache make_cache(const at::Tensor& kc, const at::Tensor& vc, double ks, double v
                  int64_t D) {
     const auto dt = kc.scalar_type();
     TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf || dt == at::kFloat8_e4m3fn ||
-                 dt == at::kFloat8_e5m2 || dt == at::kChar) && vc.scalar_type() == dt &&
+                 dt == at::kFloat8_e5m2 || dt == at::kChar || dt == at::kByte) && vc.scalar_type() == dt &&
                 kc.is_contiguous() && vc.is_contiguous() && kc.device().is_cpu() && vc.device().is_cpu(),
                 "key_cache and value_cache must be contiguous CPU tensors of one dtype: float32, bfloat16, float16, "
-                "float8_e4m3fn, float8_e5m2 or int8");
-    TORCH_CHECK(kc.dim() == 4 && kc.sizes() == vc.sizes() && kc.size(2) == Hkv && kc.size(3) == D,
-                "caches must be [num_blocks, block_size, ", Hkv, ", ", D, "]");
+                "float8_e4m3fn, float8_e5m2, int8 or uint8 (int4's q4_0 blocks)");
+    TORCH_CHECK(dt != at::kByte || D % 32 == 0, "an int4 cache needs head_dim % 32 == 0");
+    const int64_t width = dt == at::kByte ? Q4::rowb(D) : D;
+    TORCH_CHECK(kc.dim() == 4 && kc.sizes() == vc.sizes() && kc.size(2) == Hkv && kc.size(3) == width,
+                "caches must be [num_blocks, block_size, ", Hkv, ", ", width, "]");
     TORCH_CHECK(bt.scalar_type() == at::kInt && bt.is_contiguous() && bt.dim() == 2 && bt.size(0) == M,
                 "block_tables must be contiguous int32 [", M, ", W]");
     TORCH_CHECK(lens.scalar_type() == at::kInt && lens.is_contiguous() && lens.numel() == M,
@@ -537,7 +584,7 @@ Cache make_cache(const at::Tensor& kc, const at::Tensor& vc, double ks, double v
         vp = vsc.data_ptr<float>();
     }
     Cache c{static_cast<uint8_t*>(kc.data_ptr()), static_cast<uint8_t*>(vc.data_ptr()), kc.size(0), kc.size(1), dt,
-            fp8 ? (float)ks : 1.f, fp8 ? (float)vs : 1.f, kp, vp, bt.data_ptr<int32_t>(), bt.size(1),
+            width * kc.element_size(), fp8 ? (float)ks : 1.f, fp8 ? (float)vs : 1.f, kp, vp, bt.data_ptr<int32_t>(), bt.size(1),
             lens.data_ptr<int32_t>()};
     for (int64_t m = 0; m < M; ++m) {
         const int64_t L = c.lens[m], used = (L + c.bs - 1) / c.bs;

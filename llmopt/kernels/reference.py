@@ -6,7 +6,11 @@ Layout (docs/design.md, "Paged KV cache"): per layer `key_cache`/`value_cache` o
 KV dtypes: `auto` (model dtype), `float32`/`bfloat16`/`float16` (rows cast, read widened),
 `fp8`/`fp8_e4m3`, `fp8_e5m2` (per-tensor scales, stored = clamp(x / scale, ±max) cast to fp8) and
 `int8` (symmetric per (token, kv head), scale = absmax / 127 kept in `k_scale_cache`/`v_scale_cache`
-of shape [num_blocks, block_size, num_kv_heads]).
+of shape [num_blocks, block_size, num_kv_heads]) and `int4` (llama.cpp's q4_0 blocks along
+head_dim: per 32 values an fp16 scale d = the signed absmax / -8, then 16 bytes of codes q with
+x = (q - 8) * d, value j in byte j's low nibble and value j + 16 in its high one; a head's row is
+head_dim / 32 such 18-byte blocks, so the cache is uint8 [num_blocks, block_size, num_kv_heads,
+head_dim / 32 * 18] and needs no scale tensors).
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from llmopt.errors import UserInputError
+from llmopt.ggml_types import Q4_0_BYTES as Q4_BYTES, Q4_0_VALUES as Q4_VALUES, kv_int4_head_bytes
 
-KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 FLOAT_KV = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}   # stored as cast
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 INT8_MAX = 127.0
@@ -34,14 +39,21 @@ def kv_cache_torch_dtype(kv_dtype: str, model_dtype: torch.dtype) -> torch.dtype
         return torch.float8_e5m2
     if kv_dtype == "int8":
         return torch.int8
+    if kv_dtype == "int4":
+        return torch.uint8
     raise UserInputError(f"unknown KV-cache dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
+
+
+def kv_head_width(kv_dtype: str, head_dim: int) -> int:
+    """Elements of one head's row in the cache: head_dim, or the bytes of its q4_0 blocks (int4)."""
+    return kv_int4_head_bytes(head_dim) if kv_dtype == "int4" else head_dim
 
 
 def kv_block_bytes(block_size: int, num_kv_heads: int, head_dim: int, kv_dtype: str,
                    model_dtype: torch.dtype) -> int:
     """Bytes of one block of one layer (K and V, plus the int8 scales)."""
     elem = torch.empty(0, dtype=kv_cache_torch_dtype(kv_dtype, model_dtype)).element_size()
-    n = 2 * block_size * num_kv_heads * head_dim * elem
+    n = 2 * block_size * num_kv_heads * kv_head_width(kv_dtype, head_dim) * elem
     if kv_dtype == "int8":
         n += 2 * block_size * num_kv_heads * 4
     return n
@@ -52,8 +64,32 @@ def _check_int8_scales(kv_dtype: str, k_scale_cache, v_scale_cache) -> None:
         raise UserInputError("the int8 KV cache needs k_scale_cache and v_scale_cache")
 
 
+def quantize_q4(x: torch.Tensor) -> torch.Tensor:
+    """Rows [..., D] -> their q4_0 blocks as uint8 [..., D / 32 * 18], as llama.cpp's
+    quantize_row_q4_0_ref computes them (float32 arithmetic, codes truncated from x / d + 8.5)."""
+    xf = x.float().reshape(*x.shape[:-1], -1, Q4_VALUES)
+    top = xf.gather(-1, xf.abs().argmax(-1, keepdim=True))       # the first value of largest magnitude
+    d = top / -8.0
+    inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+    q = torch.trunc(xf * inv + 8.5).clamp_(0, 15).to(torch.uint8)
+    packed = q[..., :16] | (q[..., 16:] << 4)
+    out = torch.cat((d.to(torch.float16).view(torch.uint8), packed), -1)
+    return out.reshape(*x.shape[:-1], -1)
+
+
+def dequantize_q4(blocks: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """q4_0 rows uint8 [..., n * 18] -> values [..., n * 32]: (q - 8) * d."""
+    b = blocks.reshape(*blocks.shape[:-1], -1, Q4_BYTES)
+    d = b[..., :2].contiguous().view(torch.float16).to(out_dtype)
+    qs = b[..., 2:]
+    q = torch.cat((qs & 0xF, qs >> 4), -1).to(out_dtype) - 8
+    return (q * d).reshape(*blocks.shape[:-1], -1)
+
+
 def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, kv_dtype: str, scale: float):
     """Quantize new K or V rows [N, Hkv, D] for the cache. Returns (stored, per-row scales or None)."""
+    if kv_dtype == "int4":
+        return quantize_q4(x), None
     if kv_dtype == "int8":
         xf = x.float()
         s = xf.abs().amax(-1) / INT8_MAX  # [N, Hkv]
@@ -67,6 +103,8 @@ def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, kv_dtype: str, scale:
 
 def dequantize_kv(stored: torch.Tensor, kv_dtype: str, scale: float, row_scales, out_dtype) -> torch.Tensor:
     """Inverse of `quantize_kv` for gathered rows [..., Hkv, D] (row_scales [..., Hkv] for int8)."""
+    if kv_dtype == "int4":
+        return dequantize_q4(stored, out_dtype)
     if kv_dtype == "int8":
         return stored.to(out_dtype) * row_scales.to(out_dtype)[..., None]
     if stored.dtype in FP8_MAX:
@@ -117,7 +155,7 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, kv_dtype: str, scale: flo
     g = _bytes(cache).index_select(0, flat).view(cache.dtype)
     rs = scale_cache.index_select(0, flat) if kv_dtype == "int8" else None
     x = dequantize_kv(g, kv_dtype, scale, rs, dtype)
-    return x.view(blocks.shape[0], -1, *cache.shape[2:])
+    return x.view(blocks.shape[0], -1, cache.shape[2], x.shape[-1])
 
 
 def _compute_dtype(q: torch.Tensor) -> torch.dtype:

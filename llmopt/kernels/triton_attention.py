@@ -20,6 +20,8 @@ LOG2E = 1.4426950408889634
 
 
 def kv_mode(cache: torch.Tensor, kv_dtype: str) -> int:
+    if kv_dtype == "int4":
+        return K.KV_Q4
     if kv_dtype == "int8":
         return K.KV_INT8
     if cache.dtype == torch.float8_e4m3fn:

@@ -5,7 +5,8 @@ straight from the paged cache.
 Both kernels work on one kv head and its whole query-head group at once, so each K/V tile is loaded
 once per group (the GQA saving). A tile of keys is BLOCK_N consecutive context positions; each
 position finds its page through the block table, so any page size (1, 16, ...) works. fp8 caches are
-read as bytes and bitcast, int8 codes are multiplied by their per-(token, head) scale on load.
+read as bytes and bitcast, int8 codes are multiplied by their per-(token, head) scale on load, int4
+rows are q4_0 blocks (per 32 values an fp16 scale, then 16 bytes of nibbles) decoded on load.
 """
 
 from __future__ import annotations
@@ -13,13 +14,23 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-KV_PLAIN, KV_FP8E4, KV_FP8E5, KV_INT8 = 0, 1, 2, 3  # KV_MODE: how a cache's elements are dequantized
+KV_PLAIN, KV_FP8E4, KV_FP8E5, KV_INT8, KV_Q4 = 0, 1, 2, 3, 4  # KV_MODE: how a cache's elements are dequantized
 
 
 @triton.jit
 def _load_kv(cache_ptr, scale_ptr, slots, valid_n, h, offs_d, mask_d, kv_scale,
              HKV: tl.constexpr, D: tl.constexpr, KV_MODE: tl.constexpr):
     """Dequantized [BLOCK_N, D_PAD] float32 tile of kv head h at the given slots."""
+    if KV_MODE == 4:   # q4_0: value d of a row is block d // 32's nibble (d % 32 < 16: low, else high)
+        m = valid_n[:, None] & mask_d[None, :]
+        blk = cache_ptr + (slots[:, None] * HKV + h) * (D // 32 * 18) + (offs_d[None, :] // 32) * 18
+        w = offs_d[None, :] % 32
+        raw = tl.load(blk + 2 + w % 16, mask=m, other=0).to(tl.int32)
+        q = (raw >> ((w // 16) * 4)) & 15
+        lo = tl.load(blk, mask=m, other=0).to(tl.uint16)
+        hi = tl.load(blk + 1, mask=m, other=0).to(tl.uint16)
+        d = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+        return (q - 8).to(tl.float32) * d
     ptrs = cache_ptr + (slots[:, None] * HKV + h) * D + offs_d[None, :]
     raw = tl.load(ptrs, mask=valid_n[:, None] & mask_d[None, :], other=0)
     if KV_MODE == 1:

@@ -155,7 +155,7 @@ class ModelRunner:
         return budget
 
     def _allocate(self) -> None:
-        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.cfg.head_dim)
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, kernels.kv_head_width(self.kv_dtype, self.cfg.head_dim))
         cache_dtype = kernels.kv_cache_torch_dtype(self.kv_dtype, self.dtype)
 
         def alloc(s, dt):

@@ -249,8 +249,8 @@ def test_idot_refuses_int8_code_minus_128():
 def _filled_cache(kv: str, nb: int, bs: int, hkv: int, d: int, g, k_scale=1.0, v_scale=1.0):
     """A paged cache of `kv` with every slot written by the reference path: (k, v, k scales, v scales)."""
     from llmopt.kernels import reference
-    dt = reference.kv_cache_torch_dtype(kv, torch.float32)
-    kc, vc = torch.zeros(nb, bs, hkv, d, dtype=dt), torch.zeros(nb, bs, hkv, d, dtype=dt)
+    dt, w = reference.kv_cache_torch_dtype(kv, torch.float32), reference.kv_head_width(kv, d)
+    kc, vc = torch.zeros(nb, bs, hkv, w, dtype=dt), torch.zeros(nb, bs, hkv, w, dtype=dt)
     ksc, vsc = (torch.zeros(nb, bs, hkv), torch.zeros(nb, bs, hkv)) if kv == "int8" else (None, None)
     k, v = (torch.randn(nb * bs, hkv, d, generator=g) * 3 for _ in range(2))
     reference.write_kv(kc, vc, k, v, torch.arange(nb * bs), kv, k_scale, v_scale, ksc, vsc)
@@ -262,10 +262,13 @@ KV_SCALES = {"fp8_e4m3": (0.5, 0.25), "fp8_e5m2": (2.0, 0.5)}   # fp8 caches wit
 
 @pytest.mark.parametrize("window", [-1, 5])
 @pytest.mark.parametrize("d", [6, 16, 72])   # the plain loops, 4-key sums, 64 + 8 columns in registers
-@pytest.mark.parametrize("kv", ["float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8"])
+@pytest.mark.parametrize("kv", ["float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"])
 def test_decode_attention_op_equals_the_reference(window, d, kv):
-    """The op over every cache dtype against float64 attention over the dequantized cache."""
+    """The op over every cache dtype against float64 attention over the dequantized cache (int4:
+    heads of 32, 64 and 96, its blocks of 32 on and off the 64 columns held in registers)."""
     from llmopt.kernels import reference
+    if kv == "int4":
+        d = {6: 32, 16: 64, 72: 96}[d]
     g = torch.Generator().manual_seed(3)
     nb, bs, hkv, hq = 12, 4, 2, 6
     ks, vs = KV_SCALES.get(kv, (1.0, 1.0))
@@ -295,18 +298,19 @@ def _fp8_grid(dt: torch.dtype) -> torch.Tensor:
     return torch.cat([vals, mids, mids.nextafter(torch.tensor(1e9)), mids.nextafter(torch.tensor(-1e9))])
 
 
-@pytest.mark.parametrize("kv", ["float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8"])
+@pytest.mark.parametrize("kv", ["float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"])
 def test_cpp_kv_write_equals_the_reference_byte_for_byte(kv):
     """The decode layer's K/V write (rounding, fp8 ties and subnormals, clamping past the format's
-    range, int8 scales of zero rows, skipped slots) stores the bytes reference.write_kv stores."""
+    range, int8 scales of zero rows, int4 blocks of zeros and of values 2^-20 to 2^18 apart, skipped
+    slots) stores the bytes reference.write_kv stores."""
     from llmopt.kernels import reference
     g = torch.Generator().manual_seed(1)
-    nb, bs, hkv, d = 8, 32, 2, 40
+    nb, bs, hkv, d = 8, 32, 2, 64 if kv == "int4" else 40
     n = nb * bs
     k = torch.randn(n, hkv, d, generator=g) * torch.exp2(torch.randint(-20, 18, (n, hkv, d), generator=g).float())
     v = torch.randn(n, hkv, d, generator=g)
     dt = reference.kv_cache_torch_dtype(kv, torch.float32)
-    if dt.itemsize == 1 and dt != torch.int8:
+    if dt.itemsize == 1 and dt not in (torch.int8, torch.uint8):
         grid = _fp8_grid(dt)
         v.view(-1)[:grid.numel()] = grid[torch.randperm(grid.numel(), generator=g)] * KV_SCALES[kv][1]
     k[0, 0], k[1, 1, :5] = 0.0, -0.0
@@ -314,8 +318,9 @@ def test_cpp_kv_write_equals_the_reference_byte_for_byte(kv):
     slots[3] = -1
     ks, vs = KV_SCALES.get(kv, (1.0, 1.0))
     caches = []
+    w = reference.kv_head_width(kv, d)
     for write in (reference.write_kv, None):
-        kc, vc = torch.zeros(nb, bs, hkv, d, dtype=dt), torch.zeros(nb, bs, hkv, d, dtype=dt)
+        kc, vc = torch.zeros(nb, bs, hkv, w, dtype=dt), torch.zeros(nb, bs, hkv, w, dtype=dt)
         ksc, vsc = (torch.zeros(nb, bs, hkv), torch.zeros(nb, bs, hkv)) if kv == "int8" else (None, None)
         if write is None:
             torch.ops.llmopt_cpu.write_kv(kc, vc, k, v, slots, ks, vs, ksc, vsc)
@@ -347,13 +352,14 @@ def test_cpu_decode_off_where_it_does_not_apply(tiny_llama):
     assert defaults.CPU_DECODE_MAX_ROWS >= 1
 
 
-@pytest.mark.parametrize("kv", ["bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8"])
+@pytest.mark.parametrize("kv", ["bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"])
 @pytest.mark.parametrize("tiny", [dict(), dict(model_type="mistral", sliding_window=8)], ids=["llama", "mistral-window"])
 def test_cpu_decode_writes_and_reads_a_quantized_cache_as_the_python_layers(tiny_factory, kv, tiny):
     """The C++ layers store K/V as the reference path does and read them back dequantized: the
     Python layers' logits on the same cache, within float32 rounding (16-bit caches) or a code's
-    rounding step (fp8, int8: K/V computed in another order can round to a neighbouring code)."""
-    engine = _engine(tiny_factory(weight_std=0.2, **tiny), kv_cache_dtype=kv)
+    rounding step (fp8, int8, int4: K/V computed in another order can round to a neighbouring code)."""
+    shape = dict(head_dim=32, hidden_size=128) if kv == "int4" else {}   # int4: blocks of 32 along the head
+    engine = _engine(tiny_factory(weight_std=0.2, **tiny, **shape), kv_cache_dtype=kv)
     assert engine.runner.cpu_decode is not None
     from llmopt.kernels import reference
     assert engine.runner.key_caches[0].dtype == reference.kv_cache_torch_dtype(kv, torch.float32)

@@ -55,6 +55,29 @@ def test_engine_allocates_what_the_estimate_says(tiny, dtype, engine_kv, est_kv,
     assert est.paged.kv_cache_bytes == info.bytes_allocated
 
 
+@pytest.mark.parametrize("block_size,memory", [(16, (1 << 20) + 777), (8, 300_001)])
+def test_int4_cache_allocates_what_the_estimate_says(tiny_factory, block_size, memory):
+    """int4: the engine's q4_0 rows (18 bytes per 32 values, no scale tensors) are kv-estimate's
+    bytes; a head_dim that is not a multiple of 32 is refused by both with the same message."""
+    folder = tiny_factory(num_hidden_layers=3, intermediate_size=96, vocab_size=128, max_position_embeddings=256,
+                          eos_token_id=1, head_dim=32, hidden_size=128)
+    info, _ = _engine(folder, "float32", "cpu", "int4", block_size, memory)
+    est = estimate(resolve_model_arch(str(folder)), kv_cache_dtype="int4", block_size=block_size,
+                   kv_cache_memory=memory, max_model_len=32)
+    assert info.bytes_per_block == 2 * block_size * 2 * 18      # 2 kv heads of 32 values: one block each
+    assert (est.paged.num_blocks, est.paged.block_bytes, est.paged.kv_cache_bytes) == \
+        (info.num_blocks, info.num_layers * info.bytes_per_block, info.bytes_allocated)
+
+
+def test_int4_refuses_a_head_dim_off_its_blocks(tiny):
+    from llmopt.errors import UserInputError
+    with pytest.raises(UserInputError, match="head_dim is 16") as engine_err:
+        _engine(tiny, "float32", "cpu", "int4")
+    with pytest.raises(UserInputError, match="head_dim is 16") as est_err:
+        estimate(resolve_model_arch(str(tiny)), kv_cache_dtype="int4", max_model_len=32)
+    assert str(engine_err.value) == str(est_err.value)
+
+
 @pytest.fixture(scope="module")
 def cli():
     from llmopt.cli.app import app

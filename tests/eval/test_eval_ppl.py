@@ -39,6 +39,14 @@ def tiny(tiny_factory):
 
 
 @pytest.fixture(scope="module")
+def tiny_head32(tiny_factory):
+    """Heads of 32 values: the int4 cache quantizes them in blocks of 32."""
+    folder = tiny_factory(seed=0, head_dim=32, hidden_size=128, **TINY_EVAL)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return folder, hf, load_model(str(folder), dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
 def wiki():
     return load_text_dataset(str(WIKI))
 
@@ -248,7 +256,13 @@ def test_kl_against_another_model(tiny, wiki, tiny_factory):
 def _fake_quantized(kv: str, x: torch.Tensor) -> torch.Tensor:
     """K or V [B, Hkv, T, D] as a cache of `kv` holds it, written from the formats' definitions:
     16-bit and fp8 casts (fp8 clamped to the format's largest value, scale 1), int8 codes of
-    round(x / s) with s = absmax / 127 per token and head."""
+    round(x / s) with s = absmax / 127 per token and head, int4 through the gguf package's own Q4_0
+    quantizer and dequantizer along the head."""
+    if kv == "int4":
+        from gguf import GGMLQuantizationType, quants
+        a = x.detach().float().numpy().reshape(-1, 32)
+        back = quants.dequantize(quants.quantize(a, GGMLQuantizationType.Q4_0), GGMLQuantizationType.Q4_0)
+        return torch.from_numpy(back).reshape(x.shape).to(x.dtype)
     if kv == "int8":
         s = x.abs().amax(-1, keepdim=True) / 127
         return torch.round(x / s.clamp_min(1e-30)).clamp(-127, 127) * s
@@ -259,14 +273,14 @@ def _fake_quantized(kv: str, x: torch.Tensor) -> torch.Tensor:
     return x.to(dt).float()
 
 
-@pytest.mark.parametrize("kv", ["bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8"])
-def test_kv_cache_dtype_scores_as_transformers_over_that_cache(tiny, wiki, kv):
+@pytest.mark.parametrize("kv", ["bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"])
+def test_kv_cache_dtype_scores_as_transformers_over_that_cache(request, wiki, kv):
     """--kv-cache-dtype: the windows run through the engine's paged cache of that dtype; the
     perplexity equals transformers' with its K/V quantized as that cache stores them, and the KL
     divergence against the same model through a float32 cache is the cache's own (small)."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    folder, hf, lm = tiny
+    folder, hf, lm = request.getfixturevalue("tiny_head32" if kv == "int4" else "tiny")
 
     def attention(module, q, k, v, mask, **kw):
         return sdpa_attention_forward(module, q, _fake_quantized(kv, k), _fake_quantized(kv, v), mask, **kw)

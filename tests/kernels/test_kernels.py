@@ -54,9 +54,11 @@ def _check(specs, hq, hkv, d, block_size, window, knobs=None, **kw):
     (6, 2, 1, "fp8_e5m2", None),
     (4, 1, 16, "fp8_e4m3", 9),
     (4, 2, 16, "bfloat16", None),   # a 16-bit cache under a float32 model: rows cast, read widened
+    (6, 2, 16, "int4", 5),
 ])
 def test_varlen_prefill_extend_attention(hq, hkv, block_size, kv_dtype, window):
-    _check(MIXED, hq, hkv, 16, block_size, window, kv_dtype=kv_dtype, seed=hq + block_size, k_scale=0.5, v_scale=2.0)
+    d = 64 if kv_dtype == "int4" else 16   # int4: q4_0 blocks of 32 along the head
+    _check(MIXED, hq, hkv, d, block_size, window, kv_dtype=kv_dtype, seed=hq + block_size, k_scale=0.5, v_scale=2.0)
 
 
 @pytest.mark.parametrize("hq,hkv,block_size,kv_dtype,window,splits", [
@@ -65,9 +67,11 @@ def test_varlen_prefill_extend_attention(hq, hkv, block_size, kv_dtype, window):
     (2, 2, 16, "auto", None, 2),
     (3, 1, 16, "fp8_e5m2", None, 1),
     (4, 2, 16, "float16", 6, 2),
+    (4, 1, 1, "int4", None, 2),
 ])
 def test_decode_attention(hq, hkv, block_size, kv_dtype, window, splits):
-    _check(DECODE, hq, hkv, 16, block_size, window, {"num_splits": splits}, kv_dtype=kv_dtype, seed=hq * 7 + splits,
+    d = 32 if kv_dtype == "int4" else 16
+    _check(DECODE, hq, hkv, d, block_size, window, {"num_splits": splits}, kv_dtype=kv_dtype, seed=hq * 7 + splits,
            k_scale=0.25)
 
 
@@ -76,13 +80,14 @@ def test_bfloat16_and_head_dim_not_a_power_of_two():
     _check(DECODE[:3], 6, 2, 24, 16, 4, {"num_splits": 2}, dtype=torch.bfloat16, seed=6)
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "fp8_e5m2", "int8", "bfloat16", "float16"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "fp8_e5m2", "int8", "bfloat16", "float16", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_kv_matches_reference_bytes(kv_dtype, dtype):
-    a = empty_cache(5, 4, 3, 8, kv_dtype, dtype, "cpu")
+    d = 32 if kv_dtype == "int4" else 8
+    a = empty_cache(5, 4, 3, d, kv_dtype, dtype, "cpu")
     b = tuple(None if x is None else x.clone() for x in a)
-    k = (torch.randn(7, 5, 8) * 3).to(dtype)[:, 1:4]  # a strided view, as from a fused qkv projection
-    v = torch.randn(7, 3, 8).to(dtype)
+    k = (torch.randn(7, 5, d) * 3).to(dtype)[:, 1:4]  # a strided view, as from a fused qkv projection
+    v = torch.randn(7, 3, d).to(dtype)
     slots = torch.tensor([0, 19, 5, -1, 7, 12, 3])
     ref.write_kv(a[0], a[1], k, v, slots, kv_dtype, 0.5, 0.25, a[2], a[3])
     triton_kv.write_kv(b[0], b[1], k, v, slots, kv_dtype, 0.5, 0.25, b[2], b[3])

@@ -27,6 +27,8 @@ def _dense_kv(b):
     k, v = b.k_new.double(), b.v_new.double()
     if b.kv_dtype == "int8":
         k, v = (_int8_roundtrip(x) for x in (k, v))
+    elif b.kv_dtype == "int4":
+        k, v = (_gguf_q4_0_roundtrip(x) for x in (b.k_new, b.v_new))
     elif b.kv_dtype != "auto":
         fp8 = ref.kv_cache_torch_dtype(b.kv_dtype, torch.float32)
         m = ref.FP8_MAX[fp8]
@@ -34,6 +36,14 @@ def _dense_kv(b):
         v = (v / b.v_scale).clamp(-m, m).float().to(fp8).double() * b.v_scale
     lens = [c for c, _ in b.specs]
     return list(k.split(lens)), list(v.split(lens))
+
+
+def _gguf_q4_0_roundtrip(x):
+    """Rows through the gguf package's own Q4_0 quantizer and dequantizer (llama.cpp's reference)."""
+    from gguf import GGMLQuantizationType, quants
+    a = x.float().numpy().reshape(-1, x.shape[-1])
+    back = quants.dequantize(quants.quantize(a, GGMLQuantizationType.Q4_0), GGMLQuantizationType.Q4_0)
+    return torch.from_numpy(back).reshape(x.shape).double()
 
 
 def _int8_roundtrip(x):
@@ -75,16 +85,17 @@ def test_per_step_plan_follows_its_metadata():
         assert torch.equal(run_paged(ref.paged_attention, b, 0.3, None), got)
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp8", "fp8_e5m2", "int8"])
+@pytest.mark.parametrize("kv_dtype", ["fp8", "fp8_e5m2", "int8", "int4"])
 def test_quantized_cache_attention_matches_dense(kv_dtype):
-    b = _batch(SPECS, 6, 2, 8, 16, kv_dtype=kv_dtype, seed=7, k_scale=0.5, v_scale=0.25)
+    d = 32 if kv_dtype == "int4" else 8   # int4: blocks of 32 values along the head
+    b = _batch(SPECS, 6, 2, d, 16, kv_dtype=kv_dtype, seed=7, k_scale=0.5, v_scale=0.25)
     out = run_paged(ref.paged_attention, b, 0.3, None)
     ks, vs = _dense_kv(b)
     torch.testing.assert_close(out.double(), dense_attention(b.q, ks, vs, b.specs, 0.3, None), atol=2e-6, rtol=2e-6)
     # and the quantization error stays small against the exact K/V
     exact = dense_attention(b.q, b.k_new.split([c for c, _ in SPECS]), b.v_new.split([c for c, _ in SPECS]),
                             b.specs, 0.3, None)
-    assert (out.double() - exact).abs().max() < {"fp8": 0.2, "fp8_e5m2": 0.4, "int8": 0.05}[kv_dtype]
+    assert (out.double() - exact).abs().max() < {"fp8": 0.2, "fp8_e5m2": 0.4, "int8": 0.05, "int4": 0.8}[kv_dtype]
 
 
 def test_float64_and_bfloat16_inputs():
@@ -146,6 +157,42 @@ def test_write_kv_int8_per_token_head_scales():
     assert (kc.view(12, 2, 8)[5, 1] == 0).all()  # slot of k[2]
 
 
+def test_int4_blocks_are_llama_cpp_q4_0():
+    """The int4 cache's rows are byte for byte the gguf package's Q4_0 blocks (its reference
+    quantizer), and read back as its dequantizer reads them: zero blocks, ties of magnitude (the
+    first wins), a block whose largest value is negative, tiny and huge scales."""
+    from gguf import GGMLQuantizationType as T, quants
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 3, 64, generator=g) * torch.exp2(torch.randint(-12, 12, (40, 3, 1), generator=g).float())
+    x[0, 0, :32] = 0.0
+    x[1, 0, :32] = 1.0
+    x[1, 0, 7], x[1, 0, 9] = -4.0, 4.0
+    x[2, 1, 40] = -1e4
+    x[3, 2, :] = torch.arange(64) - 31.5
+    got = ref.quantize_q4(x)
+    assert got.dtype == torch.uint8 and got.shape == (40, 3, 36)
+    want = quants.quantize(x.numpy().reshape(-1, 64), T.Q4_0)
+    assert (got.numpy().reshape(want.shape) == want).all()
+    back = ref.dequantize_q4(got, torch.float32)
+    assert torch.equal(back, torch.from_numpy(quants.dequantize(want, T.Q4_0)).reshape(x.shape))
+    # the error bound of a q4_0 block: half a step (|d|) inside, one step at the clipped +8 end
+    d = (x.reshape(40, 3, 2, 32).abs().amax(-1, keepdim=True) / 8).expand(40, 3, 2, 32).reshape(x.shape)
+    assert ((back - x).abs() <= d * 1.001 + 1e-30).all()
+
+
+def test_write_kv_int4_blocks_at_their_slots():
+    kc, vc = (torch.zeros(3, 4, 2, 36, dtype=torch.uint8) for _ in range(2))
+    k, v = torch.randn(5, 2, 64), torch.randn(5, 2, 64)
+    slots = torch.tensor([11, 0, -1, 6, 2])
+    ref.write_kv(kc, vc, k, v, slots, "int4", 1.0, 1.0)
+    keep = slots >= 0
+    for x, c in ((k, kc), (v, vc)):
+        assert torch.equal(c.view(12, 2, 36)[slots[keep]], ref.quantize_q4(x[keep]))
+    written = torch.zeros(12, dtype=torch.bool)
+    written[slots[keep]] = True
+    assert (kc.view(12, -1)[~written] == 0).all()
+
+
 def test_int8_needs_scale_caches():
     b = _batch([(4, 1)], 2, 2, 8, 4)
     with pytest.raises(UserInputError):
@@ -181,6 +228,10 @@ def test_kv_dtypes_and_block_bytes():
     assert ref.kv_block_bytes(16, 3, 64, "auto", torch.float32) == 2 * 16 * 3 * 64 * 4
     assert ref.kv_block_bytes(16, 3, 64, "fp8", torch.float32) == 2 * 16 * 3 * 64
     assert ref.kv_block_bytes(16, 3, 64, "int8", torch.float32) == 2 * 16 * 3 * 64 + 2 * 16 * 3 * 4
+    assert ref.kv_cache_torch_dtype("int4", torch.float32) == torch.uint8
+    assert ref.kv_block_bytes(16, 3, 64, "int4", torch.float32) == 2 * 16 * 3 * (64 // 32 * 18)   # 4.5 bits a value
+    with pytest.raises(UserInputError, match="head_dim is 40"):
+        ref.kv_block_bytes(16, 3, 40, "int4", torch.float32)
 
 
 def test_dispatch_backends():
