@@ -12,6 +12,13 @@ included (the n samples of one prompt, whether prefix caching is on or off). Bef
 writes into a partial block that others still reference, `allocate_slots` gives it a private copy
 and queues (src, dst) in `copies`; the runner copies those blocks in every layer before the step's
 forward (`take_copies`). The last holder writes in place.
+
+Sliding windows (vLLM's SlidingWindowManager): when every layer attends over the last `sliding_window`
+positions only, a step computing tokens from position C on reads no key before C - window + 1, so
+the blocks wholly before it are freed (tail first; full ones stay findable in the prefix cache
+until evicted) and their places in the request's list hold None; `get_block_ids` reports them as
+NULL_BLOCK_ID, a block the kernels never read for that request (attention starts at the window).
+A request then holds at most `request_blocks(...)` blocks, the figure kv-estimate plans.
 """
 
 from __future__ import annotations
@@ -29,16 +36,30 @@ class CacheRequest(Protocol):
     def all_token_ids(self) -> Sequence[int]: ...
 
 
+NULL_BLOCK_ID = 0   # the table entry of a freed (out-of-window) block: any valid id, never read
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def request_blocks(length: int, block_size: int, window: int | None = None, max_num_batched_tokens: int = 0) -> int:
+    """The most blocks a request of `length` tokens holds: all of them, or under a sliding window the
+    window plus one step's tokens, +1 as the window need not start at a block boundary (vLLM's
+    SlidingWindowSpec.max_memory_usage_bytes). max_num_batched_tokens 0: a whole context a step."""
+    if not window:
+        return cdiv(length, block_size)
+    return cdiv(min(window - 1 + (max_num_batched_tokens or length), length), block_size) + 1
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window   # every layer's window: out-of-window blocks are freed
         self.pool = BlockPool(num_blocks)  # caching decided here, per request
-        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_blocks: dict[str, list[KVBlock | None]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_registered: dict[str, int] = {}  # leading blocks of a request offered to the cache
         self.copies: list[tuple[int, int]] = []     # (src, dst) block copies the next forward must do first
@@ -87,9 +108,14 @@ class KVCacheManager:
         lookahead slots for draft tokens). Returns False, changing nothing, when blocks run out."""
         blocks = self.req_blocks.setdefault(req.request_id, [])
         num_computed = req.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        skipped = self._skipped_blocks(num_computed)
+        self._remove_skipped_blocks(blocks, skipped)
+        # hits no window reaches are not taken (None in their places)
+        new_computed_blocks = [None if len(blocks) + i < skipped else b for i, b in enumerate(new_computed_blocks)]
         total = num_computed + num_new_tokens + num_lookahead_tokens
         need = max(0, cdiv(total, self.block_size) - len(blocks) - len(new_computed_blocks))
-        revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)  # hits that leave the free queue
+        taken = [b for b in new_computed_blocks if b is not None]
+        revived = sum(1 for b in taken if b.ref_cnt == 0)  # hits that leave the free queue
         cow = self._shared_partial_block(req, blocks)
         if need + revived + (cow is not None) > self.pool.num_free_blocks:
             return False
@@ -99,7 +125,7 @@ class KVCacheManager:
             self.pool.free_blocks([blocks[cow]])
             blocks[cow] = copy
         if new_computed_blocks:
-            self.pool.touch(new_computed_blocks)
+            self.pool.touch(taken)
             blocks.extend(new_computed_blocks)
         if need:
             blocks.extend(self.pool.get_new_blocks(need))
@@ -109,21 +135,44 @@ class KVCacheManager:
             if n_full > start:
                 hashes = self.block_hashes(req)
                 for i in range(start, n_full):
-                    self.pool.cache_block(blocks[i], hashes[i])
+                    if blocks[i] is not None:
+                        self.pool.cache_block(blocks[i], hashes[i])
                 self._num_registered[req.request_id] = n_full
         return True
 
-    def _shared_partial_block(self, req: CacheRequest, blocks: list[KVBlock]) -> int | None:
+    def _skipped_blocks(self, num_computed: int) -> int:
+        """Leading blocks no token from position num_computed on attends to (0 without a window)."""
+        if not self.sliding_window:
+            return 0
+        return max(0, num_computed - self.sliding_window + 1) // self.block_size
+
+    def _remove_skipped_blocks(self, blocks: list[KVBlock | None], skipped: int) -> None:
+        """Free the request's blocks before index `skipped`, the tail first (the head of a cached
+        prefix is evicted last); None takes their places."""
+        freed = []
+        for i in range(min(skipped, len(blocks)) - 1, -1, -1):
+            if blocks[i] is None:
+                break
+            freed.append(blocks[i])
+            blocks[i] = None
+        if freed:
+            self.pool.free_blocks(freed)
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds now (out-of-window ones freed)."""
+        return sum(b is not None for b in self.req_blocks.get(request_id, ()))
+
+    def _shared_partial_block(self, req: CacheRequest, blocks: list[KVBlock | None]) -> int | None:
         """Index of the block the request writes next if it already holds computed tokens and
         other requests still reference it (a forked prompt's last block), else None."""
         i, used = divmod(req.num_computed_tokens, self.block_size)
-        return i if used and i < len(blocks) and blocks[i].ref_cnt > 1 else None
+        return i if used and i < len(blocks) and blocks[i] is not None and blocks[i].ref_cnt > 1 else None
 
     def fork(self, parent: CacheRequest, child: CacheRequest, num_tokens: int) -> None:
         """Give `child` (no blocks yet) the parent's blocks holding its first `num_tokens` tokens,
         the partial last one included; one more reference each."""
         shared = self.req_blocks[parent.request_id][:cdiv(num_tokens, self.block_size)]
-        self.pool.touch(shared)
+        self.pool.touch(b for b in shared if b is not None)
         self.req_blocks[child.request_id] = list(shared)
         self._num_registered[child.request_id] = min(self._num_registered.get(parent.request_id, 0), len(shared))
 
@@ -136,11 +185,12 @@ class KVCacheManager:
         """Release a finished, aborted or preempted request's blocks (tail first, so a shared prefix
         outlives the request's own last blocks). Blocks registered for tokens not yet computed
         (a request preempted in the step that allocated them) are dropped from the cache."""
-        blocks = self.req_blocks.pop(req.request_id, [])
+        held = self.req_blocks.pop(req.request_id, [])
         valid = req.num_computed_tokens // self.block_size
-        for block in blocks[valid:]:
-            if block.block_hash is not None and block.ref_cnt == 1:
+        for block in held[valid:]:
+            if block is not None and block.block_hash is not None and block.ref_cnt == 1:
                 self.pool.uncache(block)
+        blocks = [b for b in held if b is not None]
         self.pool.free_blocks(reversed(blocks))
         self._num_registered.pop(req.request_id, None)
         if self.copies:  # a copy-on-write target released before its step ran needs no copy
@@ -152,4 +202,4 @@ class KVCacheManager:
         self._hashes.pop(req.request_id, None)
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+        return [NULL_BLOCK_ID if b is None else b.block_id for b in self.req_blocks.get(request_id, ())]

@@ -26,7 +26,7 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from llmopt.cache.kv_manager import KVCacheManager, cdiv
+from llmopt.cache.kv_manager import KVCacheManager, cdiv, request_blocks
 from llmopt.engine.args import EngineArgs
 from llmopt.core.logits_processors import bad_words_token_ids
 from llmopt.engine.detokenizer import IncrementalDetokenizer
@@ -40,7 +40,7 @@ from llmopt.core.sampler import Sampler, SampledTokens, SamplingRow
 from llmopt.core.sampling_params import SamplingParams
 from llmopt.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from llmopt.engine.spec_stats import SpecDecodingStats
-from llmopt.errors import UserInputError
+from llmopt.errors import LLMOptError, UserInputError
 from llmopt.models.loader import LoadedModel
 from llmopt.structured.backend import StructuredOutputManager
 from llmopt.validate import sample_seed
@@ -120,11 +120,21 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = eos_token_ids(loaded)
         info = self.executor.kv_cache_info()
-        need = cdiv(self.max_model_len, args.block_size)
+        # one window on every layer: blocks out of it are freed as a request goes (not when a
+        # proposer writes its own K/V over the request's blocks: its attention may reach further)
+        windows = set(loaded.config.layer_windows or [None])
+        window = windows.pop() if len(windows) == 1 and args.speculative_config is None else None
+        need = request_blocks(self.max_model_len, args.block_size, window, args.max_num_batched_tokens)
         if need > info.num_blocks:
+            if window:
+                raise UserInputError(f"the KV cache holds {info.num_blocks:,} blocks of {args.block_size} tokens, fewer "
+                                     f"than the {need:,} a request holds under its {window:,}-token window with "
+                                     f"--max-num-batched-tokens {args.max_num_batched_tokens:,}: give it more memory or "
+                                     "lower --max-num-batched-tokens")
             raise UserInputError(f"the KV cache holds {info.num_tokens:,} tokens, fewer than --max-model-len "
                                  f"{self.max_model_len:,}: give it more memory or lower --max-model-len")
-        self.kv = KVCacheManager(info.num_blocks, args.block_size, args.enable_prefix_caching)
+        self.blocks_per_request = need
+        self.kv = KVCacheManager(info.num_blocks, args.block_size, args.enable_prefix_caching, window)
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len,
                                    args.scheduling_policy)
         # Speculative decoding: a proposer drafts tokens that the engine verifies in the same forward
@@ -143,8 +153,7 @@ class LLMEngine:
         self._counter = 0
         log.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB (%s)", info.num_blocks, info.block_size,
                  info.num_tokens, info.bytes_allocated / 2**20, info.kv_cache_dtype)
-        log.info("Maximum concurrency for %d tokens per request: %.2fx", self.max_model_len,
-                 info.num_tokens / self.max_model_len)
+        log.info("Maximum concurrency for %d tokens per request: %.2fx", self.max_model_len, info.num_blocks / need)
 
     # -- speculative decoding ----------------------------------------------------------------------
     def proposer_context(self) -> ProposerContext:
@@ -154,7 +163,18 @@ class LLMEngine:
 
     def set_proposer(self, proposer: Proposer | None) -> None:
         """Draft with `proposer` from the next step on (None: no speculation); its counters start at 0.
-        The engine does this at construction for `speculative_config`; any Proposer plugs in the same way."""
+        The engine does this at construction for `speculative_config`; any Proposer plugs in the same way.
+        A proposer writing its own K/V over the requests' blocks keeps every block (no window freeing)."""
+        if proposer is not None and proposer.writes_kv and self.kv.sliding_window:
+            if self.scheduler.has_unfinished():
+                raise LLMOptError("a proposer that writes K/V needs every block of a request: set it before "
+                                  "adding requests to a sliding-window model")
+            if cdiv(self.max_model_len, self.kv.block_size) > self.kv.pool.num_blocks:
+                raise UserInputError(f"{self.kv.pool.num_blocks:,} KV blocks cannot hold --max-model-len "
+                                     f"{self.max_model_len:,} without freeing out-of-window blocks, which this proposer "
+                                     "needs: give the cache more memory")
+            self.kv.sliding_window = None
+            self.blocks_per_request = cdiv(self.max_model_len, self.kv.block_size)
         self.proposer = proposer
         self.scheduler.hidden_layers = None if proposer is None else proposer.hidden_layers
         self.spec_stats = None

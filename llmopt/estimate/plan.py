@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from llmopt.cache.kv_manager import request_blocks
 from llmopt.errors import UserInputError
 from llmopt.estimate.kv import LayerKV
 
@@ -43,7 +44,11 @@ class KVGroup:
     page_layers: int = 1        # layers whose blocks page_bytes covers (uniform-type: all of them)
 
     def blocks(self, length: int, max_num_batched_tokens: int) -> int:
-        """Blocks a request of `length` tokens holds in this group."""
+        """Blocks a request of `length` tokens holds in this group (the engine's own count where it
+        holds no KIVI residual)."""
+        window = self.window if self.kind == "sliding" else None
+        if not self.residual_tokens:
+            return request_blocks(length, self.block_size, window, max_num_batched_tokens)
         tokens, extra = length, 0
         if self.kind == "sliding" and self.window:
             tokens, extra = min(self.window - 1 + max_num_batched_tokens, length), 1

@@ -139,3 +139,73 @@ def test_a_copy_whose_target_is_freed_before_its_step_is_dropped():
     assert kv.copies == []
     kv.free(b)
     assert kv.num_free_blocks == 6
+
+
+def test_sliding_window_frees_the_blocks_behind_every_window():
+    """Window 6, blocks of 4: computing from position C on frees the blocks wholly before
+    C - 6 + 1 (vLLM's SlidingWindowManager), tail first, their table entries the null id; a
+    request never holds more than request_blocks(...) blocks; the freed full ones stay cached."""
+    from llmopt.cache.kv_manager import NULL_BLOCK_ID, request_blocks
+    kv = KVCacheManager(8, 4, sliding_window=6)
+    r = _req("a", list(range(10)), max_tokens=40)
+    assert kv.allocate_slots(r, 4)                       # a chunk of 4 (max_num_batched_tokens 4)
+    r.num_computed_tokens = 4
+    most = request_blocks(50, 4, 6, 4)
+    assert most == -(-min(6 - 1 + 4, 50) // 4) + 1 == 4
+    for step in range(46):
+        n = 4 if r.num_computed_tokens < 10 else 1
+        if r.num_computed_tokens + n > r.num_tokens:
+            n = r.num_tokens - r.num_computed_tokens
+        assert kv.allocate_slots(r, n)
+        first_useful = max(0, r.num_computed_tokens - 6 + 1) // 4
+        ids = kv.get_block_ids("a")
+        assert ids[:first_useful] == [NULL_BLOCK_ID] * first_useful
+        assert kv.num_held_blocks("a") == len(ids) - first_useful <= most
+        r.num_computed_tokens += n
+        if r.num_computed_tokens == r.num_tokens:
+            r.append_output_token(7)
+        kv.pool.check_invariants()
+    last_freed = max(0, r.num_computed_tokens - 1 - 6 + 1) // 4 - 1
+    assert kv.pool.get_cached_block(kv.block_hashes(r)[last_freed]) is not None   # freed, findable until evicted
+    kv.free(r)
+    assert kv.pool.num_free_blocks == 8
+    kv.pool.check_invariants()
+
+
+def test_sliding_window_takes_only_the_prefix_hits_its_window_reaches():
+    kv = KVCacheManager(16, 4, sliding_window=5)
+    a = _req("a", list(range(21)))
+    assert kv.allocate_slots(a, 21)
+    a.num_computed_tokens = 21
+    kv.free(a)
+    b = _req("b", list(range(21)) + [99])
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 20 and len(hits) == 5
+    free_before = kv.num_free_blocks
+    assert kv.allocate_slots(b, 2, hits)
+    # computing from position 20 on reaches back to 16: the first 4 hits are not taken
+    assert kv.get_block_ids("b")[:4] == [0, 0, 0, 0] and kv.num_held_blocks("b") == 2
+    assert kv.num_free_blocks == free_before - 2
+    kv.free(b)
+    assert kv.num_free_blocks == 16
+    kv.pool.check_invariants()
+
+
+def test_fork_under_a_window_shares_only_the_blocks_still_held():
+    kv = KVCacheManager(16, 4, sliding_window=4)
+    p = _req("p", list(range(14)))
+    assert kv.allocate_slots(p, 8)
+    p.num_computed_tokens = 8
+    assert kv.allocate_slots(p, 6)                         # frees block 0 (positions 0-3 < 8 - 4 + 1)
+    p.num_computed_tokens = 14
+    c = _req("c", list(range(14)))
+    kv.fork(p, c, 14)
+    assert kv.get_block_ids("c") == kv.get_block_ids("p") and kv.get_block_ids("c")[0] == 0
+    assert kv.num_held_blocks("c") == 3
+    c.num_computed_tokens = 14
+    c.append_output_token(5)
+    assert kv.allocate_slots(c, 1) and kv.copies    # the shared partial block copied on write
+    for r in (p, c):
+        kv.free(r)
+    assert kv.num_free_blocks == 16
+    kv.pool.check_invariants()
