@@ -124,6 +124,7 @@ BENCH_RANDOM_PREFIX_LEN = 0
 BENCH_SPEC_BENCH_PATH = "../shared/data/spec-bench/question.jsonl"
 BENCH_SPEC_BENCH_OUTPUT_LEN = 256     # vLLM's --spec-bench-output-len
 BENCH_CUSTOM_OUTPUT_LEN = 256         # vLLM's --custom-output-len (a prompts file)
+BENCH_PREFIX_REPETITION = (256, 256, 10, 128)   # prefix_repetition: prefix, suffix, prefixes, output (vLLM's)
 BENCH_SHAREGPT_MAX_PROMPT_LEN = 1024  # vLLM's ShareGPT filter: prompts up to this many tokens,
 BENCH_SHAREGPT_MAX_TOTAL_LEN = 2048   # prompt + completion up to this many,
 BENCH_SHAREGPT_MIN_LEN = 4            # and both at least this many

@@ -11,6 +11,10 @@
   shuffled by --seed.
 - `spec_bench`: Spec-Bench's question.jsonl (first turns, categories kept for per-category
   tables), shuffled by --seed; --spec-bench-output-len tokens each.
+- `prefix_repetition` (vLLM's PrefixRepetitionRandomDataset): --prefix-repetition-num-prefixes
+  random prefixes of --prefix-repetition-prefix-len tokens, each starting an equal share of the
+  prompts (shuffled by --seed), each prompt then --prefix-repetition-suffix-len random tokens of
+  its own; --prefix-repetition-output-len tokens each: shared system prompts, for prefix caching.
 - `prompts` (vLLM's `custom`): a UTF-8 text file, one prompt a line, or a .jsonl whose rows hold a
   "prompt" string; --custom-output-len tokens each, in file order.
 A dataset with fewer usable prompts than --num-prompts is repeated in order.
@@ -31,7 +35,7 @@ from llmopt.data import read_jsonl, resolve_data_path
 from llmopt.errors import DataError, UserInputError
 from llmopt.validate import decode_utf8
 
-DATASETS = ("random", "sharegpt", "spec_bench", "prompts")
+DATASETS = ("random", "sharegpt", "spec_bench", "prompts", "prefix_repetition")
 _ALIASES = {"custom": "prompts", "spec-bench": "spec_bench"}
 _MAX_FIT_ROUNDS = 32
 
@@ -58,6 +62,7 @@ class Workload:
     spec_bench_output_len: int = defaults.BENCH_SPEC_BENCH_OUTPUT_LEN
     spec_bench_category: str | None = None
     custom_output_len: int = defaults.BENCH_CUSTOM_OUTPUT_LEN
+    prefix_repetition: tuple[int, int, int, int] = defaults.BENCH_PREFIX_REPETITION   # prefix, suffix, prefixes, output
 
     def __post_init__(self) -> None:
         self.dataset_name = _ALIASES.get(self.dataset_name, self.dataset_name)
@@ -71,6 +76,9 @@ class Workload:
             raise UserInputError("--random-input-len and --random-output-len must be at least 1")
         if self.random_prefix_len < 0:
             raise UserInputError("--random-prefix-len must be >= 0")
+        if min(self.prefix_repetition) < 1:
+            raise UserInputError("--prefix-repetition-prefix-len, -suffix-len, -num-prefixes and -output-len must be "
+                                 "at least 1")
         if self.dataset_name in ("sharegpt", "prompts") and not self.dataset_path:
             raise UserInputError(f"--dataset-name {self.dataset_name} needs --dataset-path FILE")
 
@@ -100,6 +108,9 @@ def sample_requests(workload: Workload, tokenizer) -> list[SampleRequest]:
         w = workload
         return random_requests(tokenizer, w.num_prompts or defaults.BENCH_NUM_PROMPTS, w.random_input_len,
                                w.random_output_len, w.random_range_ratio, w.random_prefix_len, w.seed)
+    if name == "prefix_repetition":
+        return prefix_repetition_requests(tokenizer, workload.num_prompts or defaults.BENCH_NUM_PROMPTS,
+                                          *workload.prefix_repetition, workload.seed)
     if name == "sharegpt":
         reqs = sharegpt_requests(tokenizer, _path(workload.dataset_path), workload.sharegpt_output_len, workload.seed)
         return _take(reqs, workload.num_prompts or defaults.BENCH_NUM_PROMPTS, workload.dataset_path)
@@ -188,6 +199,30 @@ def random_requests(tokenizer, num_prompts: int, input_len: int, output_len: int
             ids[len(prefix)] = int(rng.choice(starts))
         text, _ = fit_text(tokenizer, ids, target, rng, allowed, keep=len(prefix))
         out.append(SampleRequest(text, target + special, int(n_out)))
+    return out
+
+
+def prefix_repetition_requests(tokenizer, num_prompts: int, prefix_len: int, suffix_len: int, num_prefixes: int,
+                               output_len: int, seed: int = 0) -> list[SampleRequest]:
+    rng = np.random.default_rng(seed)
+    allowed = _allowed_ids(tokenizer)
+    starts = _word_starts(tokenizer, allowed)
+    special = num_special_tokens(tokenizer)
+    target = prefix_len + suffix_len - special
+    if suffix_len <= special:
+        raise UserInputError(f"--prefix-repetition-suffix-len {suffix_len}: too short for this tokenizer, which adds "
+                             f"{special} special token(s) to every prompt")
+    out = []
+    for i in range(num_prefixes):
+        share = num_prompts // num_prefixes + (i < num_prompts % num_prefixes)
+        _, prefix = fit_text(tokenizer, [int(x) for x in rng.choice(allowed, prefix_len)], prefix_len, rng, allowed)
+        for _ in range(share):
+            ids = prefix + [int(x) for x in rng.choice(allowed, target - prefix_len)]
+            if len(starts):   # a word start after the prefix: no merge across
+                ids[prefix_len] = int(rng.choice(starts))
+            text, _ = fit_text(tokenizer, ids, target, rng, allowed, keep=prefix_len)
+            out.append(SampleRequest(text, target + special, output_len))
+    rng.shuffle(out)
     return out
 
 

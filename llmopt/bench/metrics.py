@@ -201,7 +201,8 @@ def _peaks(ok: list[RequestRecord]) -> tuple[float, int]:
 # -- the server's /metrics -------------------------------------------------------------------------------
 _COUNTERS = {
     "prefix_cache_queries": "prefix_cache_queries", "prefix_cache_hits": "prefix_cache_hits",
-    "num_preemptions": "num_preemptions", "spec_decode_num_drafts": "spec_num_drafts",
+    "num_preemptions": "num_preemptions", "kv_offload_hit_tokens": "kv_offload_hit_tokens",
+    "spec_decode_num_drafts": "spec_num_drafts",
     "spec_decode_num_draft_tokens": "spec_draft_tokens", "spec_decode_num_accepted_tokens": "spec_accepted_tokens",
 }
 _KV_GAUGES = ("kv_cache_usage_perc", "gpu_cache_usage_perc")
@@ -248,6 +249,7 @@ class ServerStats:
     prefix_cache_hits: int | None = None
     prefix_cache_hit_rate: float | None = None
     num_preemptions: int | None = None
+    kv_offload_hit_tokens: int | None = None   # prompt tokens found in the KV offload tier (within the hits)
     kv_cache_usage_mean: float | None = None
     kv_cache_usage_max: float | None = None
     spec_decode_num_drafts: int | None = None
@@ -279,6 +281,7 @@ def server_stats(before: ServerCounters | None, after: ServerCounters | None,
     elif st.prefix_cache_queries == 0:
         st.prefix_cache_hit_rate = 0.0
     st.num_preemptions = diff("num_preemptions")
+    st.kv_offload_hit_tokens = diff("kv_offload_hit_tokens")
     if "tpot_count" in after.values:   # float sums: not through diff's rounding
         n = after.values["tpot_count"] - before.values.get("tpot_count", 0.0)
         if n > 0:

@@ -128,6 +128,8 @@ def run_engine(engine, cfg: BenchConfig, requests: list[SampleRequest], load: Lo
     server = ServerStats(prefix_cache_queries=queries, prefix_cache_hits=hits,
                          prefix_cache_hit_rate=hits / queries if queries else 0.0,
                          num_preemptions=stats1.num_preemptions - stats0.num_preemptions,
+                         kv_offload_hit_tokens=stats1.kv_offload_hit_tokens - stats0.kv_offload_hit_tokens
+                         if engine.kv.offload is not None else None,
                          kv_cache_usage_mean=sum(kv) / len(kv) if kv else None,
                          kv_cache_usage_max=max(kv) if kv else None)
     sp0, sp1 = stats0.spec_decoding, stats1.spec_decoding

@@ -15,7 +15,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from llmopt.errors import LLMOptError
 
@@ -60,7 +60,8 @@ class PrefixCacheStats:
 class BlockPool:
     """Blocks, ref counts, an LRU free queue, and the hash -> block map of the prefix cache."""
 
-    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True,
+                 on_evict: Callable[[KVBlock, BlockHash], None] | None = None) -> None:
         if num_blocks < 1:
             raise LLMOptError("the KV cache has no blocks: give it more memory (--kv-cache-memory / "
                               "--gpu-memory-utilization) or use a smaller --block-size")
@@ -71,6 +72,7 @@ class BlockPool:
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, KVBlock] = {}
         self.stats = PrefixCacheStats()
+        self.on_evict = on_evict   # told of each cached block handed out again (the offload tier saves it)
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -91,6 +93,8 @@ class BlockPool:
         out = []
         for _ in range(n):
             _, block = self._free.popitem(last=False)
+            if block.block_hash is not None and self.on_evict is not None:
+                self.on_evict(block, block.block_hash)
             self.uncache(block)
             block.ref_cnt = 1
             out.append(block)

@@ -19,6 +19,12 @@ the blocks wholly before it are freed (tail first; full ones stay findable in th
 until evicted) and their places in the request's list hold None; `get_block_ids` reports them as
 NULL_BLOCK_ID, a block the kernels never read for that request (attention starts at the window).
 A request then holds at most `request_blocks(...)` blocks, the figure kv-estimate plans.
+
+A second tier (`offload`, llmopt/cache/offload.py): a cached block the pool evicts is saved there;
+`get_computed_blocks` goes on looking there where the pool's hits stop (TierHit entries), and
+`allocate_slots` gives each such hit a fresh block to load it into. A preempted request's full
+blocks stay cached when freed, so on resuming it finds them in the pool or the tier instead of
+recomputing them. The step's transfers: `take_transfers`.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 from typing import Protocol, Sequence
 
 from llmopt.cache.block_pool import BlockHash, BlockPool, KVBlock, hash_request_blocks
+from llmopt.cache.offload import OffloadIndex, TierHit
 
 
 class CacheRequest(Protocol):
@@ -54,11 +61,13 @@ def request_blocks(length: int, block_size: int, window: int | None = None, max_
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, offload: OffloadIndex | None = None) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_window = sliding_window   # every layer's window: out-of-window blocks are freed
-        self.pool = BlockPool(num_blocks)  # caching decided here, per request
+        self.offload = offload if enable_prefix_caching else None
+        on_evict = (lambda block, h: self.offload.plan_save(block.block_id, h)) if self.offload is not None else None
+        self.pool = BlockPool(num_blocks, on_evict=on_evict)  # caching decided here, per request
         self.req_blocks: dict[str, list[KVBlock | None]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_registered: dict[str, int] = {}  # leading blocks of a request offered to the cache
@@ -80,20 +89,24 @@ class KVCacheManager:
             hashes.extend(hash_request_blocks(tokens, self.block_size, len(hashes), hashes[-1] if hashes else None))
         return hashes
 
-    def get_computed_blocks(self, req: CacheRequest, max_tokens: int | None = None) -> tuple[list[KVBlock], int]:
+    def get_computed_blocks(self, req: CacheRequest, max_tokens: int | None = None
+                            ) -> tuple[list[KVBlock | TierHit], int]:
         """Longest cached prefix of a request not yet started, of at most `max_tokens` tokens:
-        (blocks, number of tokens they hold). At least one token is always left to compute, so the
-        step produces logits. The caller records the lookup with `record_lookup` once the request is
-        really scheduled."""
+        (blocks, number of tokens they hold): pool blocks, then blocks found in the offload tier.
+        At least one token is always left to compute, so the step produces logits. The caller
+        records the lookup with `record_lookup` once the request is really scheduled."""
         if not self.enable_prefix_caching:
             return [], 0
         n_tokens = len(req.all_token_ids) if max_tokens is None else min(len(req.all_token_ids), max_tokens + 1)
         max_blocks = (n_tokens - 1) // self.block_size
-        hits: list[KVBlock] = []
+        hits: list[KVBlock | TierHit] = []
         for h in self.block_hashes(req)[:max_blocks]:
-            block = self.pool.get_cached_block(h)
+            block = self.pool.get_cached_block(h)   # the pool first, then the tier
             if block is None:
-                break
+                slot = self.offload.lookup(h) if self.offload is not None else None
+                if slot is None:
+                    break
+                block = TierHit(h, slot)
             hits.append(block)
         return hits, len(hits) * self.block_size
 
@@ -103,9 +116,10 @@ class KVCacheManager:
             self.pool.stats.hits += num_hit_tokens
 
     def allocate_slots(self, req: CacheRequest, num_new_tokens: int,
-                       new_computed_blocks: Sequence[KVBlock] = (), num_lookahead_tokens: int = 0) -> bool:
-        """Make room for `num_new_tokens` tokens after the computed ones (plus prefix-cache hits and
-        lookahead slots for draft tokens). Returns False, changing nothing, when blocks run out."""
+                       new_computed_blocks: Sequence[KVBlock | TierHit] = (), num_lookahead_tokens: int = 0) -> bool:
+        """Make room for `num_new_tokens` tokens after the computed ones (plus prefix-cache hits, a
+        fresh block loaded for each one found in the tier, and lookahead slots for draft tokens).
+        Returns False, changing nothing, when blocks run out."""
         blocks = self.req_blocks.setdefault(req.request_id, [])
         num_computed = req.num_computed_tokens + len(new_computed_blocks) * self.block_size
         skipped = self._skipped_blocks(num_computed)
@@ -114,11 +128,14 @@ class KVCacheManager:
         new_computed_blocks = [None if len(blocks) + i < skipped else b for i, b in enumerate(new_computed_blocks)]
         total = num_computed + num_new_tokens + num_lookahead_tokens
         need = max(0, cdiv(total, self.block_size) - len(blocks) - len(new_computed_blocks))
-        taken = [b for b in new_computed_blocks if b is not None]
+        taken = [b for b in new_computed_blocks if isinstance(b, KVBlock)]
+        loads = [i for i, b in enumerate(new_computed_blocks) if isinstance(b, TierHit)]
         revived = sum(1 for b in taken if b.ref_cnt == 0)  # hits that leave the free queue
         cow = self._shared_partial_block(req, blocks)
-        if need + revived + (cow is not None) > self.pool.num_free_blocks:
+        if need + len(loads) + revived + (cow is not None) > self.pool.num_free_blocks:
             return False
+        if loads:   # before any eviction below can plan a save over them
+            self.offload.pin(new_computed_blocks[i].slot for i in loads)
         if cow is not None:
             (copy,) = self.pool.get_new_blocks(1)
             self.copies.append((blocks[cow].block_id, copy.block_id))
@@ -126,6 +143,10 @@ class KVCacheManager:
             blocks[cow] = copy
         if new_computed_blocks:
             self.pool.touch(taken)
+            for i in loads:
+                (fresh,) = self.pool.get_new_blocks(1)
+                self.offload.plan_load(new_computed_blocks[i].slot, fresh.block_id)
+                new_computed_blocks[i] = fresh
             blocks.extend(new_computed_blocks)
         if need:
             blocks.extend(self.pool.get_new_blocks(need))
@@ -175,6 +196,10 @@ class KVCacheManager:
         self.pool.touch(b for b in shared if b is not None)
         self.req_blocks[child.request_id] = list(shared)
         self._num_registered[child.request_id] = min(self._num_registered.get(parent.request_id, 0), len(shared))
+
+    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The offload tier's (saves, loads) queued since the last call: (block, slot), (slot, block)."""
+        return self.offload.take_transfers() if self.offload is not None else ([], [])
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The (src, dst) block copies queued since the last call."""

@@ -96,6 +96,7 @@ def _result_tables(d: dict[str, Any]) -> list[Table]:
         rows += [(f"{k.split('_')[0].upper()} {label} (ms)", d[k]) for k in pkeys]
     server = [("Prefix cache hit rate", d["prefix_cache_hit_rate"]), ("KV cache usage mean", d["kv_cache_usage_mean"]),
               ("KV cache usage max", d["kv_cache_usage_max"]), ("Preemptions", d["num_preemptions"]),
+              ("KV offload tier hit tokens", d.get("kv_offload_hit_tokens")),
               ("Spec acceptance rate (%)", d["spec_decode_acceptance_rate"]),
               ("Spec acceptance length", d["spec_decode_acceptance_length"]),
               ("Server mean TPOT (ms)", d["server_mean_tpot_ms"])]
@@ -193,7 +194,8 @@ def bench(
     api_key: str = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY",
                                 help="Sent as `Authorization: Bearer KEY` (or OPENAI_API_KEY)."),
     dataset_name: str = typer.Option(defaults.BENCH_DATASET, "--dataset-name",
-                                     help="random, sharegpt, spec_bench or prompts (a file, vLLM's custom)."),
+                                     help="random, sharegpt, spec_bench, prefix_repetition or prompts (a file, "
+                                     "vLLM's custom)."),
     dataset_path: str = typer.Option(None, "--dataset-path", help="ShareGPT JSON, Spec-Bench jsonl (default: "
                                      "the shared copy) or a prompts file (.txt lines, .jsonl \"prompt\")."),
     num_prompts: int = typer.Option(None, "--num-prompts", callback=in_range(1),
@@ -219,6 +221,18 @@ def bench(
                                             help="spec_bench: only this category."),
     custom_output_len: int = typer.Option(defaults.BENCH_CUSTOM_OUTPUT_LEN, "--custom-output-len",
                                           callback=in_range(1), help="prompts: output tokens, >= 1."),
+    prefix_repetition_prefix_len: int = typer.Option(defaults.BENCH_PREFIX_REPETITION[0],
+                                                     "--prefix-repetition-prefix-len", callback=in_range(1),
+                                                     help="prefix_repetition: tokens of each shared prefix, >= 1."),
+    prefix_repetition_suffix_len: int = typer.Option(defaults.BENCH_PREFIX_REPETITION[1],
+                                                     "--prefix-repetition-suffix-len", callback=in_range(1),
+                                                     help="prefix_repetition: tokens after it, each prompt's own."),
+    prefix_repetition_num_prefixes: int = typer.Option(defaults.BENCH_PREFIX_REPETITION[2],
+                                                       "--prefix-repetition-num-prefixes", callback=in_range(1),
+                                                       help="prefix_repetition: distinct prefixes, >= 1."),
+    prefix_repetition_output_len: int = typer.Option(defaults.BENCH_PREFIX_REPETITION[3],
+                                                     "--prefix-repetition-output-len", callback=in_range(1),
+                                                     help="prefix_repetition: output tokens, >= 1."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Generate every requested token (past EOS)."),
     seed: int = typer.Option(defaults.BENCH_SEED, "--seed", callback=in_range(SEED_MIN, SEED_MAX),
                              help="Seed of the workload and the arrival times."),
@@ -314,7 +328,9 @@ def bench(
     cfg = BenchConfig(
         workload=Workload(dataset_name, dataset_path, num_prompts, seed, random_input_len, random_output_len,
                               random_range_ratio, random_prefix_len, sharegpt_output_len, spec_bench_output_len,
-                              spec_bench_category, custom_output_len),
+                              spec_bench_category, custom_output_len,
+                              (prefix_repetition_prefix_len, prefix_repetition_suffix_len,
+                               prefix_repetition_num_prefixes, prefix_repetition_output_len)),
         load=Load(request_rate, burstiness, max_concurrency, duration, seed),
         sampling=SamplingSpec(temperature, top_p, top_k, min_p, ignore_eos),
         base_url=base_url, endpoint=endpoint, model=model, tokenizer=tokenizer, api_key=api_key,

@@ -70,6 +70,14 @@ TensorParallelSizeOpt = typer.Option(defaults.TENSOR_PARALLEL_SIZE, "--tensor-pa
                                      "engine starts one process per extra rank (gloo on the CPU, NCCL on GPUs), or "
                                      "runs under torchrun (docs/parallel.md).")
 
+KvOffloadBytesOpt = typer.Option(None, "--kv-offload-bytes",
+                                 help=f"A second KV tier ({SIZE_HELP}): full prefix-cache blocks evicted from the "
+                                 "cache are kept there and copied back on a hit, a preempted request's too. Host "
+                                 "memory, or a file in --kv-offload-dir.")
+KvOffloadDirOpt = typer.Option(None, "--kv-offload-dir",
+                               help="Keep the --kv-offload-bytes tier in a memory-mapped file in this folder: a "
+                               "restart with the same model, dtypes and block size finds its blocks.")
+
 # name -> (type, option): the one declaration of the engine's flags. A command takes them with
 # @engine_options(...) as **engine and turns them into EngineArgs with engine_args_from_flags.
 ENGINE_FLAGS: dict[str, tuple[type, Any]] = {
@@ -89,6 +97,8 @@ ENGINE_FLAGS: dict[str, tuple[type, Any]] = {
     "enforce_eager": (bool, EnforceEagerOpt),
     "speculative_config": (str, SpeculativeConfigOpt),
     "tensor_parallel_size": (int, TensorParallelSizeOpt),
+    "kv_offload_bytes": (str, KvOffloadBytesOpt),
+    "kv_offload_dir": (str, KvOffloadDirOpt),
 }
 # flag name -> EngineArgs field, where they differ
 _ENGINE_FIELDS = {"prefix_caching": "enable_prefix_caching"}
@@ -125,4 +135,6 @@ def engine_args_from_flags(engine: dict[str, Any], **extra: Any) -> dict[str, An
     out = {_ENGINE_FIELDS.get(k, k): v for k, v in engine.items()}
     if out.get("kv_cache_memory") is not None:
         out["kv_cache_memory"] = parse_bytes(out["kv_cache_memory"], "--kv-cache-memory")
+    if out.get("kv_offload_bytes") is not None:
+        out["kv_offload_bytes"] = parse_bytes(out["kv_offload_bytes"], "--kv-offload-bytes")
     return out | extra

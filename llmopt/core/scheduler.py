@@ -66,6 +66,9 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     preempted: list[str] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before the forward
+    # the offload tier's transfers, before the copies: (block, slot) saves, then (slot, block) loads
+    kv_saves: list[tuple[int, int]] = field(default_factory=list)
+    kv_loads: list[tuple[int, int]] = field(default_factory=list)
     # the target's hidden states the runner returns with the logits: None = none; () = the final ones;
     # layer indices = also the hidden state entering each (set by the engine from its proposer)
     hidden_layers: tuple[int, ...] | None = None
@@ -230,6 +233,7 @@ class Scheduler:
             budget -= n
 
         out = SchedulerOutput(preempted=preempted, blocks_to_copy=self.kv.take_copies(), hidden_layers=self.hidden_layers)
+        out.kv_saves, out.kv_loads = self.kv.take_transfers()
         for req, n in chosen.values():
             start = req.num_computed_tokens
             tokens = req.all_token_ids[start:start + n] if start + n <= req.num_tokens else \

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from llmopt import defaults
@@ -41,6 +42,8 @@ class EngineArgs:
     enforce_eager: bool = defaults.ENFORCE_EAGER  # True: no compiled decode step (vLLM's --enforce-eager)
     speculative_config: "dict | str | None" = None  # vLLM's --speculative-config: a dict, JSON, or a spec_config.json
     tensor_parallel_size: int = defaults.TENSOR_PARALLEL_SIZE  # ranks the model is split over (llmopt/distributed)
+    kv_offload_bytes: int | None = None   # a second tier of this many bytes for evicted prefix blocks (host memory)
+    kv_offload_dir: str | None = None     # ... kept in a memory-mapped file in this folder instead (persists)
 
     def __post_init__(self) -> None:
         # deferred: optional plug-in (llmopt.speculative imports the engine, never at the engine's import)
@@ -55,3 +58,19 @@ class EngineArgs:
                             gpu_memory_utilization=self.gpu_memory_utilization)
         if not self.max_num_batched_tokens:
             self.max_num_batched_tokens = UNLIMITED_TOKENS
+        self._check_offload()
+
+    def _check_offload(self) -> None:
+        if self.kv_offload_dir is not None and self.kv_offload_bytes is None:
+            raise UserInputError("--kv-offload-dir needs --kv-offload-bytes: the size of the file it keeps there")
+        if self.kv_offload_bytes is None:
+            return
+        if self.kv_offload_bytes <= 0:
+            raise UserInputError(f"--kv-offload-bytes must be a positive number of bytes (got {self.kv_offload_bytes})")
+        if not self.enable_prefix_caching:
+            raise UserInputError("--kv-offload-bytes keeps evicted prefix-cache blocks: it needs prefix caching "
+                                 "(drop --no-enable-prefix-caching)")
+        if self.tensor_parallel_size > 1:
+            raise UserInputError("--kv-offload-bytes runs with --tensor-parallel-size 1 only")
+        if self.kv_offload_dir is not None and not os.path.isdir(self.kv_offload_dir):
+            raise UserInputError(f"--kv-offload-dir {self.kv_offload_dir}: no such folder")

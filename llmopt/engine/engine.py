@@ -27,6 +27,7 @@ import threading
 from dataclasses import dataclass
 
 from llmopt.cache.kv_manager import KVCacheManager, cdiv, request_blocks
+from llmopt.cache.offload import OffloadIndex
 from llmopt.engine.args import EngineArgs
 from llmopt.core.logits_processors import bad_words_token_ids
 from llmopt.engine.detokenizer import IncrementalDetokenizer
@@ -57,6 +58,9 @@ class EngineStats:
     prefix_cache_hits: int        # ... and found there
     num_preemptions: int
     spec_decoding: SpecDecodingStats | None = None   # speculative decoding: drafts and accepted tokens
+    kv_offload_hit_tokens: int = 0     # prompt tokens found in the offload tier (counted in the hits above)
+    kv_offload_saved_bytes: int = 0    # bytes copied from the pool into the tier
+    kv_offload_loaded_bytes: int = 0   # bytes copied from the tier back into the pool
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -134,7 +138,13 @@ class LLMEngine:
             raise UserInputError(f"the KV cache holds {info.num_tokens:,} tokens, fewer than --max-model-len "
                                  f"{self.max_model_len:,}: give it more memory or lower --max-model-len")
         self.blocks_per_request = need
-        self.kv = KVCacheManager(info.num_blocks, args.block_size, args.enable_prefix_caching, window)
+        offload = None
+        if info.offload_slots:   # the second tier for evicted prefix blocks (llmopt/cache/offload.py)
+            offload = OffloadIndex(info.offload_slots, info.offload_block_bytes, args.block_size, info.offload_restored)
+            log.info("KV offload tier: %d blocks, %.1f MiB (%s), %d found from an earlier run", info.offload_slots,
+                     info.offload_slots * info.offload_block_bytes / 2**20, args.kv_offload_dir or "host memory",
+                     len(info.offload_restored))
+        self.kv = KVCacheManager(info.num_blocks, args.block_size, args.enable_prefix_caching, window, offload)
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len,
                                    args.scheduling_policy)
         # Speculative decoding: a proposer drafts tokens that the engine verifies in the same forward
@@ -325,9 +335,14 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         s = self.kv.stats
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.pool.usage(),
-                           s.queries, s.hits, self.scheduler.num_preemptions,
-                           None if self.spec_stats is None else self.spec_stats.copy())
+        out = EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.pool.usage(),
+                          s.queries, s.hits, self.scheduler.num_preemptions,
+                          None if self.spec_stats is None else self.spec_stats.copy())
+        if self.kv.offload is not None:
+            o = self.kv.offload.stats
+            out.kv_offload_hit_tokens, out.kv_offload_saved_bytes, out.kv_offload_loaded_bytes = \
+                o.hit_tokens, o.saved_bytes, o.loaded_bytes
+        return out
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block, as vLLM's reset_prefix_cache (after new weights, or to measure
@@ -364,6 +379,8 @@ class LLMEngine:
         if self.proposer is not None:
             self._propose_drafts()
         sched = self.scheduler.schedule()
+        if sched.is_empty and (sched.kv_saves or sched.kv_loads):   # blocks evicted by a step that ran nothing
+            self.executor.execute_model(sched)
         if sched.is_empty:
             if self.scheduler.has_unfinished() and not self.scheduler.running:  # even alone it does not fit
                 head = self.scheduler.waiting.peek()

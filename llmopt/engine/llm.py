@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from llmopt.engine.args import EngineArgs
-from llmopt.engine.engine import LLMEngine
+from llmopt.engine.engine import EngineStats, LLMEngine
 from llmopt.core.outputs import RequestOutput
 from llmopt.core.sampling_params import SamplingParams
 from llmopt.errors import UserInputError
@@ -47,6 +47,10 @@ class LLM:
                     if progress:
                         progress(1)
         return [done[i] for i in ids]
+
+    def stats(self) -> EngineStats:
+        """The engine's counters: KV usage, prefix-cache and offload-tier hits, preemptions."""
+        return self.engine.stats()
 
     def chat(self, messages: list[dict] | Sequence[list[dict]], sampling_params=None, progress=None,
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:

@@ -68,6 +68,11 @@ class _EngineCollector:
             (C, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
             (C, "prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
             (C, "num_preemptions", "Requests preempted for lack of KV blocks.", s.num_preemptions),
+            (C, "kv_offload_hit_tokens", "Prompt tokens found in the KV offload tier.", s.kv_offload_hit_tokens),
+            (C, "kv_offload_saved_bytes", "Bytes copied from the KV cache into the offload tier.",
+             s.kv_offload_saved_bytes),
+            (C, "kv_offload_loaded_bytes", "Bytes copied from the offload tier back into the KV cache.",
+             s.kv_offload_loaded_bytes),
         ]
         spec = getattr(s, "spec_decoding", None)
         if spec is not None:   # vLLM's spec_decode_* counters; per position with a `position` label

@@ -48,6 +48,9 @@ class KVCacheInfo:
     kv_cache_dtype: str
     bytes_per_block: int     # one block in one layer: K and V (+ int8 scales), as design.md defines
     bytes_allocated: int     # sum of nbytes of every K/V (and scale) tensor allocated
+    offload_slots: int = 0           # blocks the offload tier holds (0: no tier)
+    offload_block_bytes: int = 0     # bytes of one block of every layer, as the tier stores it
+    offload_restored: list = field(default_factory=list)   # (hash, slot) a disk tier held at start-up
 
     @property
     def num_tokens(self) -> int:
@@ -79,7 +82,8 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, block_size: int, kv_cache_dtype: str = "auto",
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
                  max_num_batched_tokens: int = 2048, attention_backend: str = "auto",
-                 enforce_eager: bool = True) -> None:
+                 enforce_eager: bool = True, kv_offload_bytes: int | None = None,
+                 kv_offload_dir: str | None = None) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.cfg = loaded.config
@@ -107,6 +111,7 @@ class ModelRunner:
             raise UserInputError(f"{budget:,} bytes of KV cache hold no block of {self.bytes_per_block * self.num_layers:,} "
                                  f"bytes (all layers): raise --kv-cache-memory or lower --block-size")
         self._allocate()
+        self.offload = self._offload_store(kv_offload_bytes, kv_offload_dir)
         self.attn = PagedAttention(self)
         # llmopt.worker.compiled.CompiledDecode: decode-only steps of small batches that ask for no hidden states
         self.compiled = None
@@ -169,10 +174,45 @@ class ModelRunner:
             self.k_scale_caches = alloc(shape[:3], torch.float32)
             self.v_scale_caches = alloc(shape[:3], torch.float32)
 
+    def _kv_tensors(self) -> list[torch.Tensor]:
+        return self.key_caches + self.value_caches + self.k_scale_caches + self.v_scale_caches
+
+    def _offload_store(self, num_bytes: int | None, directory: str | None):
+        """The offload tier's storage (llmopt/worker/offload.py), or None."""
+        if num_bytes is None:
+            return None
+        from llmopt.cache.offload import offload_path   # deferred: start-up time, --kv-offload-bytes only
+        from llmopt.worker.offload import OffloadStore
+        block_bytes = sum(t[0].nbytes for t in self._kv_tensors())
+        slots = int(num_bytes) // block_bytes
+        if slots < 1:
+            raise UserInputError(f"--kv-offload-bytes {num_bytes:,} holds no block of {block_bytes:,} bytes (all layers)")
+        path = offload_path(directory, self._layout_key()) if directory is not None else None
+        return OffloadStore(self._kv_tensors(), slots, path)
+
+    def _layout_key(self) -> str:
+        """A digest of what decides a block's bytes: the checkpoint (its files' names, sizes and
+        times), the modules as run, the dtypes, the block size and every KV tensor's layout."""
+        import hashlib   # deferred: start-up time, --kv-offload-bytes only
+        import json
+        loaded = self.loaded
+        files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in loaded.path.iterdir() if f.is_file())
+        if loaded.gguf is not None:
+            files.append((str(loaded.gguf), loaded.gguf.stat().st_size, loaded.gguf.stat().st_mtime_ns))
+        modules = [(n, list(t.shape), str(t.dtype)) for n, t in self.model.state_dict().items()]
+        kv = [(list(t.shape), str(t.dtype)) for t in self._kv_tensors()]
+        blob = json.dumps([str(loaded.path.resolve()), files, modules, str(self.dtype), self.kv_dtype, self.block_size,
+                           kv[:1] + kv[-1:], len(kv)], default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
     def kv_cache_info(self) -> KVCacheInfo:
-        tensors = self.key_caches + self.value_caches + self.k_scale_caches + self.v_scale_caches
-        return KVCacheInfo(self.num_blocks, self.block_size, self.num_layers, self.kv_dtype,
+        tensors = self._kv_tensors()
+        info = KVCacheInfo(self.num_blocks, self.block_size, self.num_layers, self.kv_dtype,
                            self.bytes_per_block, sum(t.nbytes for t in tensors))
+        if self.offload is not None:
+            info.offload_slots, info.offload_block_bytes = self.offload.num_slots, self.offload.block_bytes
+            info.offload_restored = self.offload.restored() if self.offload.path is not None else []
+        return info
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every layer (copy-on-write of a shared partial block)."""
@@ -211,6 +251,9 @@ class ModelRunner:
     def _run(self, out: SchedulerOutput) -> tuple[torch.Tensor, dict[str, ScoredTokens]]:
         """`execute`, and the prompt positions scored where the step asks (`prompt_targets`): those
         steps take the model's own forward (the fast paths return logits rows, not hidden states)."""
+        if self.offload is not None:   # saves read blocks before loads (or this step) overwrite them
+            self.offload.save(out.kv_saves)
+            self.offload.load(out.kv_loads)
         self.copy_blocks(out.blocks_to_copy)
         sched = out.scheduled
         if not sched:

@@ -29,7 +29,7 @@ SCHEMA = [
     "mean_e2el_ms", "median_e2el_ms", "std_e2el_ms",
     "goodput_config", "failed_reasons",
     "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "num_preemptions",
-    "kv_cache_usage_mean", "kv_cache_usage_max", "spec_decode_num_drafts", "spec_decode_draft_tokens",
+    "kv_offload_hit_tokens", "kv_cache_usage_mean", "kv_cache_usage_max", "spec_decode_num_drafts", "spec_decode_draft_tokens",
     "spec_decode_accepted_tokens", "spec_decode_acceptance_rate", "spec_decode_acceptance_length",
     "spec_decode_per_position_acceptance_rates", "server_mean_tpot_ms", "per_category", "compare_hf", "compare_spec",
     "input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times", "queue_times", "generated_texts", "errors",

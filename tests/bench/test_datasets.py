@@ -39,6 +39,21 @@ def test_random_prefix_is_shared_and_added_to_the_length(tok):
     assert len({tuple(tok(r.prompt).input_ids[48:]) for r in reqs}) == 12
 
 
+def test_prefix_repetition_shares_each_prefix_among_its_prompts(tok):
+    """vLLM's prefix_repetition: 3 prefixes of 40 tokens over 10 prompts (4, 3, 3), each prompt
+    exactly 40 + 24 tokens, shuffled by the seed; the CLI's flags reach the workload."""
+    w = Workload("prefix_repetition", num_prompts=10, seed=3, prefix_repetition=(40, 24, 3, 5))
+    reqs = sample_requests(w, tok)
+    assert all(r.prompt_len == 64 == count_tokens(tok, r.prompt) and r.expected_output_len == 5 for r in reqs)
+    heads = [tuple(tok(r.prompt).input_ids[:40]) for r in reqs]
+    assert sorted(heads.count(h) for h in set(heads)) == [3, 3, 4]
+    assert len({r.prompt for r in reqs}) == 10
+    assert heads != sorted(heads, key=heads.index)   # shuffled, not grouped by prefix
+    assert [r.prompt for r in sample_requests(w, tok)] == [r.prompt for r in reqs]
+    with pytest.raises(UserInputError, match="at least 1"):
+        Workload("prefix_repetition", prefix_repetition=(40, 24, 0, 5))
+
+
 def test_sharegpt_first_turns_filtered_and_shuffled(tok, tmp_path):
     long = "word " * 1200
     data = [{"conversations": [{"from": "human", "value": f"Question number {i} about something?"},
