@@ -23,6 +23,7 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_quant_tiles.h"
@@ -336,6 +337,16 @@ struct Q4 {
         const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
         return _mm256_mul_ps(_mm256_sub_ps(q, _mm256_set1_ps(8.f)), _mm256_set1_ps(d(blk)));
     }
+    // a block's 32 values q - 8 (before d) as floats: values 0-7, 8-15, 16-23, 24-31
+    static inline void codes(const uint8_t* blk, __m256 out[4]) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)), m = _mm_set1_epi8(0x0F);
+        const __m128i e = _mm_set1_epi8(8);
+        const __m128i lo = _mm_sub_epi8(_mm_and_si128(b, m), e), hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), m), e);
+        out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+        out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+        out[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+        out[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+    }
     static inline float one(const uint8_t* r, int64_t c) {
         const uint8_t* blk = r + (c >> 5) * 18;
         const uint8_t b = blk[2 + (c & 15)];
@@ -410,6 +421,48 @@ void attention_t(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv
                 const float* qg = q + m * ldq + (hk * group + g) * D;
                 float* pg = p.data() + g * (n + 8) - lo;   // pg[j], j in [lo, L)
                 int64_t j = j0;
+                if constexpr (std::is_same_v<E, Q4>) {   // per block: d * (q . (codes - 8)), one d a block
+                    for (; j + 4 <= j1; j += 4) {   // 4 keys at once: one 4-way horizontal sum
+                        const uint8_t* k0 = kb + (j - b * c.bs) * rb;
+                        __m256 a[4], cv[4];
+                        for (int r = 0; r < 4; ++r) a[r] = _mm256_setzero_ps();
+                        for (int64_t k = 0; k < D / 32; ++k) {
+                            const float* qk = qg + 32 * k;
+                            const __m256 q0 = _mm256_loadu_ps(qk), q1 = _mm256_loadu_ps(qk + 8),
+                                         q2 = _mm256_loadu_ps(qk + 16), q3 = _mm256_loadu_ps(qk + 24);
+                            for (int r = 0; r < 4; ++r) {
+                                const uint8_t* blk = k0 + r * rb + 18 * k;
+                                Q4::codes(blk, cv);
+                                __m256 t = _mm256_mul_ps(q0, cv[0]);
+                                t = _mm256_fmadd_ps(q1, cv[1], t);
+                                t = _mm256_fmadd_ps(q2, cv[2], t);
+                                t = _mm256_fmadd_ps(q3, cv[3], t);
+                                a[r] = _mm256_fmadd_ps(_mm256_set1_ps(Q4::d(blk)), t, a[r]);
+                            }
+                        }
+                        const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+                        const __m128 sc = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)),
+                                                     _mm_set1_ps(kscale));
+                        _mm_storeu_ps(pg + j, sc);
+                        mx[g] = std::max(mx[g], std::max(std::max(pg[j], pg[j + 1]), std::max(pg[j + 2], pg[j + 3])));
+                    }
+                    for (; j < j1; ++j) {
+                        const uint8_t* kr = kb + (j - b * c.bs) * rb;
+                        __m256 a = _mm256_setzero_ps(), cv[4];
+                        for (int64_t k = 0; k < D / 32; ++k) {
+                            const uint8_t* blk = kr + 18 * k;
+                            const float* qk = qg + 32 * k;
+                            Q4::codes(blk, cv);
+                            __m256 t = _mm256_mul_ps(_mm256_loadu_ps(qk), cv[0]);
+                            t = _mm256_fmadd_ps(_mm256_loadu_ps(qk + 8), cv[1], t);
+                            t = _mm256_fmadd_ps(_mm256_loadu_ps(qk + 16), cv[2], t);
+                            t = _mm256_fmadd_ps(_mm256_loadu_ps(qk + 24), cv[3], t);
+                            a = _mm256_fmadd_ps(_mm256_set1_ps(Q4::d(blk)), t, a);
+                        }
+                        pg[j] = hsum(a) * kscale;
+                        mx[g] = std::max(mx[g], pg[j]);
+                    }
+                }
                 if (D % 8 == 0)
                     for (; j + 4 <= j1; j += 4) {   // 4 keys at once: one 4-way horizontal sum, not four
                         const uint8_t* k0 = kb + (j - b * c.bs) * rb;
@@ -457,6 +510,27 @@ void attention_t(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv
             float* out = o + (m * Hq + hk * group + g) * D;
             const float* pg = p.data() + g * (n + 8) - lo;   // pg[j], j in [lo, L)
             int64_t d0 = 0;
+            if constexpr (std::is_same_v<E, Q4>) {   // per key and block: (w * d) * (codes - 8), one d a block
+                for (; d0 < D; d0 += 64) {
+                    const int64_t nb = std::min<int64_t>(64, D - d0) / 32;   // blocks in this chunk: 1 or 2
+                    __m256 acc[8], cv[4];
+                    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+                    for (int64_t b = lo / c.bs; b * c.bs < L; ++b) {
+                        const int64_t j0 = std::max(lo, b * c.bs), j1 = std::min(L, (b + 1) * c.bs);
+                        const uint8_t* vb = c.v + ((int64_t)table[b] * c.bs) * rb + hk * hb + d0 / 32 * 18;
+                        for (int64_t j = j0; j < j1; ++j) {
+                            const uint8_t* vv = vb + (j - b * c.bs) * rb;
+                            for (int64_t k = 0; k < nb; ++k) {
+                                const __m256 w = _mm256_set1_ps(pg[j] * Q4::d(vv + 18 * k));
+                                Q4::codes(vv + 18 * k, cv);
+                                for (int i = 0; i < 4; ++i) acc[4 * k + i] = _mm256_fmadd_ps(w, cv[i], acc[4 * k + i]);
+                            }
+                        }
+                    }
+                    const __m256 iv = _mm256_set1_ps(inv[g]);
+                    for (int i = 0; i < 4 * nb; ++i) _mm256_storeu_ps(out + d0 + 8 * i, _mm256_mul_ps(acc[i], iv));
+                }
+            }
             for (; D % 8 == 0 && d0 < D; d0 += 64) {
                 const int64_t w8 = std::min<int64_t>(64, D - d0) / 8;
                 __m256 acc[8];
