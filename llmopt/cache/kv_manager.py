@@ -20,6 +20,11 @@ until evicted) and their places in the request's list hold None; `get_block_ids`
 NULL_BLOCK_ID, a block the kernels never read for that request (attention starts at the window).
 A request then holds at most `request_blocks(...)` blocks, the figure kv-estimate plans.
 
+Groups (vLLM's hybrid allocator, llmopt/cache/groups.py): with layers of different windows, each
+group keeps its own table per request from the one pool, and frees by its own window; a prefix
+hit is the longest every group can take (`GroupTables.longest_hit`). `get_block_ids` is the first
+group's table (a full-attention one when there is one), `get_group_block_ids` every group's.
+
 A second tier (`offload`, llmopt/cache/offload.py): a cached block the pool evicts is saved there;
 `get_computed_blocks` goes on looking there where the pool's hits stop (TierHit entries), and
 `allocate_slots` gives each such hit a fresh block to load it into. A preempted request's full
@@ -32,6 +37,7 @@ from __future__ import annotations
 from typing import Protocol, Sequence
 
 from llmopt.cache.block_pool import BlockHash, BlockPool, KVBlock, hash_request_blocks
+from llmopt.cache.groups import GroupTables
 from llmopt.cache.offload import OffloadIndex, TierHit
 
 
@@ -61,17 +67,38 @@ def request_blocks(length: int, block_size: int, window: int | None = None, max_
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 sliding_window: int | None = None, offload: OffloadIndex | None = None) -> None:
+                 sliding_window: int | None = None, offload: OffloadIndex | None = None,
+                 group_windows: Sequence[int | None] | None = None) -> None:
+        """group_windows: the window of each KV-cache group (hybrid models), else one group of
+        `sliding_window`."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.sliding_window = sliding_window   # every layer's window: out-of-window blocks are freed
+        windows = list(group_windows) if group_windows is not None else [sliding_window]
+        self.groups = [GroupTables(i, w, block_size) for i, w in enumerate(windows)]
         self.offload = offload if enable_prefix_caching else None
         on_evict = (lambda block, h: self.offload.plan_save(block.block_id, h)) if self.offload is not None else None
         self.pool = BlockPool(num_blocks, on_evict=on_evict)  # caching decided here, per request
-        self.req_blocks: dict[str, list[KVBlock | None]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
-        self._num_registered: dict[str, int] = {}  # leading blocks of a request offered to the cache
         self.copies: list[tuple[int, int]] = []     # (src, dst) block copies the next forward must do first
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window of a one-group cache (None: full attention, or several groups)."""
+        return self.groups[0].window if len(self.groups) == 1 else None
+
+    @property
+    def frees_blocks(self) -> bool:
+        return any(g.window for g in self.groups)
+
+    def keep_all_blocks(self) -> None:
+        """Free nothing by window from now on (a proposer reads every block of a request)."""
+        for g in self.groups:
+            g.window = None
+
+    @property
+    def req_blocks(self) -> dict[str, list[KVBlock | None]]:
+        """The first group's blocks per request (every group holds the same requests)."""
+        return self.groups[0].blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -89,83 +116,90 @@ class KVCacheManager:
             hashes.extend(hash_request_blocks(tokens, self.block_size, len(hashes), hashes[-1] if hashes else None))
         return hashes
 
-    def get_computed_blocks(self, req: CacheRequest, max_tokens: int | None = None
-                            ) -> tuple[list[KVBlock | TierHit], int]:
+    def get_computed_blocks(self, req: CacheRequest, max_tokens: int | None = None):
         """Longest cached prefix of a request not yet started, of at most `max_tokens` tokens:
-        (blocks, number of tokens they hold): pool blocks, then blocks found in the offload tier.
-        At least one token is always left to compute, so the step produces logits. The caller
-        records the lookup with `record_lookup` once the request is really scheduled."""
+        (blocks, number of tokens they hold): pool blocks, else blocks found in the offload tier
+        (TierHit), None where a windowed group does not need the block; with several groups, a
+        list of them per group. At least one token is always left to compute, so the step
+        produces logits. The caller records the lookup with `record_lookup` once the request is
+        really scheduled, and passes the blocks to `allocate_slots`."""
         if not self.enable_prefix_caching:
-            return [], 0
+            return [] if len(self.groups) == 1 else [[] for _ in self.groups], 0
         n_tokens = len(req.all_token_ids) if max_tokens is None else min(len(req.all_token_ids), max_tokens + 1)
-        max_blocks = (n_tokens - 1) // self.block_size
-        hits: list[KVBlock | TierHit] = []
-        for h in self.block_hashes(req)[:max_blocks]:
-            block = self.pool.get_cached_block(h)   # the pool first, then the tier
-            if block is None:
-                slot = self.offload.lookup(h) if self.offload is not None else None
-                if slot is None:
-                    break
-                block = TierHit(h, slot)
-            hits.append(block)
-        return hits, len(hits) * self.block_size
+        hashes = self.block_hashes(req)[:(n_tokens - 1) // self.block_size]
+        found = [[self._find(g.key(h)) for h in hashes] for g in self.groups]
+        k = len(hashes)
+        while True:   # the longest every group can take (a window's need moves with the hit's end)
+            k2 = min(g.longest_hit([f is not None for f in found[g.index]], k) for g in self.groups)
+            if k2 == k:
+                break
+            k = k2
+        hits = [[f if i >= k - g.needed() or g.needed() < 0 else None for i, f in enumerate(found[g.index][:k])]
+                for g in self.groups]
+        return (hits[0] if len(self.groups) == 1 else hits), k * self.block_size
+
+    def _find(self, key: BlockHash) -> KVBlock | TierHit | None:
+        block = self.pool.get_cached_block(key)   # the pool first, then the tier
+        if block is None and self.offload is not None:
+            slot = self.offload.lookup(key)
+            return None if slot is None else TierHit(key, slot)
+        return block
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         if self.enable_prefix_caching:
             self.pool.stats.queries += num_tokens
             self.pool.stats.hits += num_hit_tokens
 
-    def allocate_slots(self, req: CacheRequest, num_new_tokens: int,
-                       new_computed_blocks: Sequence[KVBlock | TierHit] = (), num_lookahead_tokens: int = 0) -> bool:
-        """Make room for `num_new_tokens` tokens after the computed ones (plus prefix-cache hits, a
-        fresh block loaded for each one found in the tier, and lookahead slots for draft tokens).
-        Returns False, changing nothing, when blocks run out."""
-        blocks = self.req_blocks.setdefault(req.request_id, [])
-        num_computed = req.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        skipped = self._skipped_blocks(num_computed)
-        self._remove_skipped_blocks(blocks, skipped)
-        # hits no window reaches are not taken (None in their places)
-        new_computed_blocks = [None if len(blocks) + i < skipped else b for i, b in enumerate(new_computed_blocks)]
+    def allocate_slots(self, req: CacheRequest, num_new_tokens: int, new_computed_blocks=(),
+                       num_lookahead_tokens: int = 0) -> bool:
+        """Make room for `num_new_tokens` tokens after the computed ones (plus the prefix hits of
+        `get_computed_blocks`, a fresh block loaded for each one found in the tier, and lookahead
+        slots for draft tokens) in every group. Returns False, changing nothing, when blocks run out."""
+        rid = req.request_id
+        per_group = [list(new_computed_blocks)] if len(self.groups) == 1 else \
+            [list(h) for h in new_computed_blocks] or [[] for _ in self.groups]
+        num_computed = req.num_computed_tokens + len(per_group[0]) * self.block_size
         total = num_computed + num_new_tokens + num_lookahead_tokens
-        need = max(0, cdiv(total, self.block_size) - len(blocks) - len(new_computed_blocks))
-        taken = [b for b in new_computed_blocks if isinstance(b, KVBlock)]
-        loads = [i for i, b in enumerate(new_computed_blocks) if isinstance(b, TierHit)]
-        revived = sum(1 for b in taken if b.ref_cnt == 0)  # hits that leave the free queue
-        cow = self._shared_partial_block(req, blocks)
-        if need + len(loads) + revived + (cow is not None) > self.pool.num_free_blocks:
+        plans, cost = [], 0
+        for g, hits in zip(self.groups, per_group):
+            blocks = g.blocks.setdefault(rid, [])
+            skipped = g.skipped(num_computed)
+            self._remove_skipped_blocks(blocks, skipped)
+            hits = [None if len(blocks) + i < skipped else b for i, b in enumerate(hits)]   # out of the window
+            need = max(0, cdiv(total, self.block_size) - len(blocks) - len(hits))
+            taken = [b for b in hits if isinstance(b, KVBlock)]
+            loads = [i for i, b in enumerate(hits) if isinstance(b, TierHit)]
+            cow = self._shared_partial_block(req, blocks)
+            cost += need + len(loads) + sum(1 for b in taken if b.ref_cnt == 0) + (cow is not None)
+            plans.append((g, blocks, hits, need, taken, loads, cow))
+        if cost > self.pool.num_free_blocks:
             return False
-        if loads:   # before any eviction below can plan a save over them
-            self.offload.pin(new_computed_blocks[i].slot for i in loads)
-        if cow is not None:
-            (copy,) = self.pool.get_new_blocks(1)
-            self.copies.append((blocks[cow].block_id, copy.block_id))
-            self.pool.free_blocks([blocks[cow]])
-            blocks[cow] = copy
-        if new_computed_blocks:
+        if self.offload is not None:   # before any eviction below can plan a save over them
+            self.offload.pin(hits[i].slot for _, _, hits, _, _, loads, _ in plans for i in loads)
+        for g, blocks, hits, need, taken, loads, cow in plans:
+            if cow is not None:
+                (copy,) = self.pool.get_new_blocks(1)
+                self.copies.append((blocks[cow].block_id, copy.block_id))
+                self.pool.free_blocks([blocks[cow]])
+                blocks[cow] = copy
             self.pool.touch(taken)
             for i in loads:
                 (fresh,) = self.pool.get_new_blocks(1)
-                self.offload.plan_load(new_computed_blocks[i].slot, fresh.block_id)
-                new_computed_blocks[i] = fresh
-            blocks.extend(new_computed_blocks)
-        if need:
-            blocks.extend(self.pool.get_new_blocks(need))
-        if self.enable_prefix_caching:
-            n_full = min(num_computed + num_new_tokens, len(req.all_token_ids)) // self.block_size
-            start = self._num_registered.get(req.request_id, 0)
-            if n_full > start:
-                hashes = self.block_hashes(req)
-                for i in range(start, n_full):
-                    if blocks[i] is not None:
-                        self.pool.cache_block(blocks[i], hashes[i])
-                self._num_registered[req.request_id] = n_full
+                self.offload.plan_load(hits[i].slot, fresh.block_id)
+                hits[i] = fresh
+            blocks.extend(hits)
+            if need:
+                blocks.extend(self.pool.get_new_blocks(need))
+            if self.enable_prefix_caching:
+                n_full = min(num_computed + num_new_tokens, len(req.all_token_ids)) // self.block_size
+                start = g.num_registered.get(rid, 0)
+                if n_full > start:
+                    hashes = self.block_hashes(req)
+                    for i in range(start, n_full):
+                        if blocks[i] is not None:
+                            self.pool.cache_block(blocks[i], g.key(hashes[i]))
+                    g.num_registered[rid] = n_full
         return True
-
-    def _skipped_blocks(self, num_computed: int) -> int:
-        """Leading blocks no token from position num_computed on attends to (0 without a window)."""
-        if not self.sliding_window:
-            return 0
-        return max(0, num_computed - self.sliding_window + 1) // self.block_size
 
     def _remove_skipped_blocks(self, blocks: list[KVBlock | None], skipped: int) -> None:
         """Free the request's blocks before index `skipped`, the tail first (the head of a cached
@@ -180,8 +214,8 @@ class KVCacheManager:
             self.pool.free_blocks(freed)
 
     def num_held_blocks(self, request_id: str) -> int:
-        """Blocks the request holds now (out-of-window ones freed)."""
-        return sum(b is not None for b in self.req_blocks.get(request_id, ()))
+        """Blocks the request holds now, every group (out-of-window ones freed)."""
+        return sum(g.held(request_id) for g in self.groups)
 
     def _shared_partial_block(self, req: CacheRequest, blocks: list[KVBlock | None]) -> int | None:
         """Index of the block the request writes next if it already holds computed tokens and
@@ -192,13 +226,14 @@ class KVCacheManager:
     def fork(self, parent: CacheRequest, child: CacheRequest, num_tokens: int) -> None:
         """Give `child` (no blocks yet) the parent's blocks holding its first `num_tokens` tokens,
         the partial last one included; one more reference each."""
-        shared = self.req_blocks[parent.request_id][:cdiv(num_tokens, self.block_size)]
-        self.pool.touch(b for b in shared if b is not None)
-        self.req_blocks[child.request_id] = list(shared)
-        self._num_registered[child.request_id] = min(self._num_registered.get(parent.request_id, 0), len(shared))
+        for g in self.groups:
+            shared = g.blocks[parent.request_id][:cdiv(num_tokens, self.block_size)]
+            self.pool.touch(b for b in shared if b is not None)
+            g.blocks[child.request_id] = list(shared)
+            g.num_registered[child.request_id] = min(g.num_registered.get(parent.request_id, 0), len(shared))
 
-    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The offload tier's (saves, loads) queued since the last call: (block, slot), (slot, block)."""
+    def take_transfers(self) -> tuple[list[tuple[int, int, BlockHash]], list[tuple[int, int]]]:
+        """The offload tier's (saves, loads) queued since the last call: (block, slot, hash), (slot, block)."""
         return self.offload.take_transfers() if self.offload is not None else ([], [])
 
     def take_copies(self) -> list[tuple[int, int]]:
@@ -210,16 +245,18 @@ class KVCacheManager:
         """Release a finished, aborted or preempted request's blocks (tail first, so a shared prefix
         outlives the request's own last blocks). Blocks registered for tokens not yet computed
         (a request preempted in the step that allocated them) are dropped from the cache."""
-        held = self.req_blocks.pop(req.request_id, [])
         valid = req.num_computed_tokens // self.block_size
-        for block in held[valid:]:
-            if block is not None and block.block_hash is not None and block.ref_cnt == 1:
-                self.pool.uncache(block)
-        blocks = [b for b in held if b is not None]
-        self.pool.free_blocks(reversed(blocks))
-        self._num_registered.pop(req.request_id, None)
+        gone: set[int] = set()
+        for g in self.groups:
+            held = g.blocks.pop(req.request_id, [])
+            for block in held[valid:]:
+                if block is not None and block.block_hash is not None and block.ref_cnt == 1:
+                    self.pool.uncache(block)
+            blocks = [b for b in held if b is not None]
+            self.pool.free_blocks(reversed(blocks))
+            g.num_registered.pop(req.request_id, None)
+            gone.update(b.block_id for b in blocks)
         if self.copies:  # a copy-on-write target released before its step ran needs no copy
-            gone = {b.block_id for b in blocks}
             self.copies = [c for c in self.copies if c[1] not in gone]
 
     def forget(self, req: CacheRequest) -> None:
@@ -227,4 +264,12 @@ class KVCacheManager:
         self._hashes.pop(req.request_id, None)
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [NULL_BLOCK_ID if b is None else b.block_id for b in self.req_blocks.get(request_id, ())]
+        """The first group's table (NULL_BLOCK_ID where a block was freed)."""
+        return self._ids(self.groups[0], request_id)
+
+    def get_group_block_ids(self, request_id: str) -> list[list[int]]:
+        return [self._ids(g, request_id) for g in self.groups]
+
+    @staticmethod
+    def _ids(g: GroupTables, request_id: str) -> list[int]:
+        return [NULL_BLOCK_ID if b is None else b.block_id for b in g.blocks.get(request_id, ())]

@@ -77,6 +77,9 @@ KvOffloadBytesOpt = typer.Option(None, "--kv-offload-bytes",
 KvOffloadDirOpt = typer.Option(None, "--kv-offload-dir",
                                help="Keep the --kv-offload-bytes tier in a memory-mapped file in this folder: a "
                                "restart with the same model, dtypes and block size finds its blocks.")
+HybridOpt = typer.Option(False, "--disable-hybrid-kv-cache-manager",
+                         help="vLLM's flag: layers of different windows share one block table and keep every "
+                         "block (default: a table per window, each freeing what its window has left).")
 
 # name -> (type, option): the one declaration of the engine's flags. A command takes them with
 # @engine_options(...) as **engine and turns them into EngineArgs with engine_args_from_flags.
@@ -99,6 +102,7 @@ ENGINE_FLAGS: dict[str, tuple[type, Any]] = {
     "tensor_parallel_size": (int, TensorParallelSizeOpt),
     "kv_offload_bytes": (str, KvOffloadBytesOpt),
     "kv_offload_dir": (str, KvOffloadDirOpt),
+    "disable_hybrid_kv_cache_manager": (bool, HybridOpt),
 }
 # flag name -> EngineArgs field, where they differ
 _ENGINE_FIELDS = {"prefix_caching": "enable_prefix_caching"}

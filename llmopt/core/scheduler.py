@@ -58,6 +58,7 @@ class ScheduledRequest:
     prompt_targets: list[int] = field(default_factory=list)
     prompt_offset: int = 0
     prompt_top_k: int = 0
+    group_block_ids: list[list[int]] | None = None   # every KV-cache group's table (hybrid models)
 
 
 @dataclass
@@ -242,6 +243,8 @@ class Scheduler:
             forks = self.forks.get(req.request_id, []) if num_logits else []
             s = ScheduledRequest(req.request_id, tokens, start, self.kv.get_block_ids(req.request_id), num_logits,
                                  tokens[len(tokens) - num_logits + 1:], [r.request_id for r in forks])
+            if len(self.kv.groups) > 1:
+                s.group_block_ids = self.kv.get_group_block_ids(req.request_id)
             if req.prompt_logprobs is not None:
                 self._ask_prompt_logprobs(req, s)
             out.scheduled.append(s)

@@ -95,7 +95,7 @@ def load_rank(args, tp: TPGroup, progress=None):
     tp.barrier()    # every rank has loaded (the long start-up timeout covers the slowest one)
     runner = ModelRunner(loaded, args.block_size, args.kv_cache_dtype, args.kv_cache_memory,
                          args.gpu_memory_utilization, args.max_num_batched_tokens, args.attention_backend,
-                         args.enforce_eager)
+                         args.enforce_eager, hybrid=args.hybrid_kv_cache)
     return loaded, runner, rss_start
 
 

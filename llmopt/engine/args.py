@@ -44,6 +44,13 @@ class EngineArgs:
     tensor_parallel_size: int = defaults.TENSOR_PARALLEL_SIZE  # ranks the model is split over (llmopt/distributed)
     kv_offload_bytes: int | None = None   # a second tier of this many bytes for evicted prefix blocks (host memory)
     kv_offload_dir: str | None = None     # ... kept in a memory-mapped file in this folder instead (persists)
+    disable_hybrid_kv_cache_manager: bool = False   # vLLM's flag: mixed windows share one table, every block kept
+
+    @property
+    def hybrid_kv_cache(self) -> bool:
+        """Separate block tables per window (llmopt/cache/groups.py): not when asked off, nor when a
+        proposer may write K/V over a request's table (it reads every block)."""
+        return not self.disable_hybrid_kv_cache_manager and self.speculative_config is None
 
     def __post_init__(self) -> None:
         # deferred: optional plug-in (llmopt.speculative imports the engine, never at the engine's import)

@@ -124,12 +124,18 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = eos_token_ids(loaded)
         info = self.executor.kv_cache_info()
-        # one window on every layer: blocks out of it are freed as a request goes (not when a
-        # proposer writes its own K/V over the request's blocks: its attention may reach further)
-        windows = set(loaded.config.layer_windows or [None])
-        window = windows.pop() if len(windows) == 1 and args.speculative_config is None else None
-        need = request_blocks(self.max_model_len, args.block_size, window, args.max_num_batched_tokens)
+        # each KV-cache group frees the blocks its window has left (one group: every layer's window,
+        # or none when mixed windows share one table); not when a proposer writes its own K/V over
+        # the request's blocks: its attention may reach further
+        windows = info.group_windows if args.speculative_config is None else [None] * len(info.group_windows)
+        need = sum(request_blocks(self.max_model_len, args.block_size, w, args.max_num_batched_tokens) for w in windows)
+        window = windows[0] if len(windows) == 1 else None
         if need > info.num_blocks:
+            if len(windows) > 1:
+                raise UserInputError(f"the KV cache holds {info.num_blocks:,} blocks of {args.block_size} tokens, fewer "
+                                     f"than the {need:,} a request holds in its {len(windows)} KV-cache groups (windows "
+                                     f"{', '.join(str(w or 'none') for w in windows)}) at --max-model-len "
+                                     f"{self.max_model_len:,}: give it more memory or lower --max-model-len")
             if window:
                 raise UserInputError(f"the KV cache holds {info.num_blocks:,} blocks of {args.block_size} tokens, fewer "
                                      f"than the {need:,} a request holds under its {window:,}-token window with "
@@ -144,7 +150,8 @@ class LLMEngine:
             log.info("KV offload tier: %d blocks, %.1f MiB (%s), %d found from an earlier run", info.offload_slots,
                      info.offload_slots * info.offload_block_bytes / 2**20, args.kv_offload_dir or "host memory",
                      len(info.offload_restored))
-        self.kv = KVCacheManager(info.num_blocks, args.block_size, args.enable_prefix_caching, window, offload)
+        self.kv = KVCacheManager(info.num_blocks, args.block_size, args.enable_prefix_caching, offload=offload,
+                                 group_windows=windows)
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len,
                                    args.scheduling_policy)
         # Speculative decoding: a proposer drafts tokens that the engine verifies in the same forward
@@ -175,16 +182,17 @@ class LLMEngine:
         """Draft with `proposer` from the next step on (None: no speculation); its counters start at 0.
         The engine does this at construction for `speculative_config`; any Proposer plugs in the same way.
         A proposer writing its own K/V over the requests' blocks keeps every block (no window freeing)."""
-        if proposer is not None and proposer.writes_kv and self.kv.sliding_window:
+        if proposer is not None and proposer.writes_kv and self.kv.frees_blocks:
             if self.scheduler.has_unfinished():
                 raise LLMOptError("a proposer that writes K/V needs every block of a request: set it before "
                                   "adding requests to a sliding-window model")
-            if cdiv(self.max_model_len, self.kv.block_size) > self.kv.pool.num_blocks:
+            need = len(self.kv.groups) * cdiv(self.max_model_len, self.kv.block_size)
+            if need > self.kv.pool.num_blocks:
                 raise UserInputError(f"{self.kv.pool.num_blocks:,} KV blocks cannot hold --max-model-len "
                                      f"{self.max_model_len:,} without freeing out-of-window blocks, which this proposer "
                                      "needs: give the cache more memory")
-            self.kv.sliding_window = None
-            self.blocks_per_request = cdiv(self.max_model_len, self.kv.block_size)
+            self.kv.keep_all_blocks()
+            self.blocks_per_request = need
         self.proposer = proposer
         self.scheduler.hidden_layers = None if proposer is None else proposer.hidden_layers
         self.spec_stats = None

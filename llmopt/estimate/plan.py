@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from llmopt.cache.groups import split_by_type
 from llmopt.cache.kv_manager import request_blocks
 from llmopt.errors import UserInputError
 from llmopt.estimate.kv import LayerKV
@@ -116,13 +117,9 @@ def build_layout(layers: list[LayerKV], block_size: int, hybrid: bool = True) ->
         if top % p:
             raise UserInputError(f"layer page sizes {sorted(set(pages))} cannot be unified by scaling the block size")
         by_type.setdefault((x.kind, x.window, block_size * (top // p)), []).append(x)
-    counts = [len(v) for v in by_type.values()]
-    size = max(counts) if max(counts) < min(counts) * 1.5 else min(counts)
-    groups, padding = [], 0
-    for (kind, window, bs), members in by_type.items():
-        n = cdiv(len(members), size)
-        padding += n * size - len(members)
-        groups += [_group(members[i::n], kind, window, bs, top) for i in range(n)]
+    size, split = split_by_type(by_type)   # the engine's split (llmopt/cache/groups.py)
+    groups = [_group(members, kind, window, bs, top) for (kind, window, bs), members in split]
+    padding = size * len(groups) - len(layers)
     return KVLayout("hybrid", groups, size, top * size, padding)
 
 

@@ -142,10 +142,15 @@ class CpuDecode:
     @staticmethod
     def rows_context(attn, seq_idx: torch.Tensor, positions: torch.Tensor):
         """The step's tables per token row: row t of sequence s gets s's block table and the context
-        length positions[t] + 1 (a verified draft sees the drafts before it, not after)."""
+        length positions[t] + 1 (a verified draft sees the drafts before it, not after); per KV-cache
+        group (`for_layer`)."""
         from types import SimpleNamespace
-        return SimpleNamespace(block_tables=attn.block_tables[seq_idx].contiguous(),
-                               seq_lens=(positions + 1).to(torch.int32), slot_mapping=attn.slot_mapping)
+        lens = (positions + 1).to(torch.int32)
+        steps = [SimpleNamespace(block_tables=st.block_tables[seq_idx].contiguous(), seq_lens=lens,
+                                 slot_mapping=st.slot_mapping) for st in [attn] + attn.group_steps]
+        first = steps[0]
+        first.for_layer = lambda i: steps[attn.r.layer_group[i]]
+        return first
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, attn, key_caches, value_caches,
             logit_rows: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
@@ -162,8 +167,9 @@ class CpuDecode:
         for i, layer in enumerate(self.layers):
             if capture is not None and i in capture:
                 aux.append(x.clone())
-            layer.forward(x, cos, sin, key_caches[i], value_caches[i], attn.block_tables, attn.seq_lens,
-                          attn.slot_mapping, k_scale, v_scale, k_scale_caches[i] if k_scale_caches else _EMPTY,
+            st = attn.for_layer(i)   # the layer's KV-cache group: its tables and slots
+            layer.forward(x, cos, sin, key_caches[i], value_caches[i], st.block_tables, st.seq_lens,
+                          st.slot_mapping, k_scale, v_scale, k_scale_caches[i] if k_scale_caches else _EMPTY,
                           v_scale_caches[i] if v_scale_caches else _EMPTY)
         h = m.model.norm(x)
         if capture is not None:

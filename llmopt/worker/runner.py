@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmopt import defaults, kernels
+from llmopt.cache.groups import kv_cache_groups
 from llmopt.core.scheduler import SchedulerOutput
 from llmopt.errors import LLMOptError, UserInputError
 from llmopt.models.attention import DenseCausalAttention
@@ -48,6 +49,8 @@ class KVCacheInfo:
     kv_cache_dtype: str
     bytes_per_block: int     # one block in one layer: K and V (+ int8 scales), as design.md defines
     bytes_allocated: int     # sum of nbytes of every K/V (and scale) tensor allocated
+    block_layers: int = 0    # layers one block id holds: all of them, or a group's (hybrid models)
+    group_windows: list = field(default_factory=lambda: [None])   # each KV-cache group's window
     offload_slots: int = 0           # blocks the offload tier holds (0: no tier)
     offload_block_bytes: int = 0     # bytes of one block of every layer, as the tier stores it
     offload_restored: list = field(default_factory=list)   # (hash, slot) a disk tier held at start-up
@@ -66,14 +69,30 @@ class PagedAttention(kernels.PagedStep):
         self.backend = runner.backend
         self.set_step(None, None, None, None)
 
+        self.group_steps: list[kernels.PagedStep] = []   # groups after the first (hybrid models)
+
+    def set_group_steps(self, steps: list[tuple]) -> None:
+        """The step metadata of every group after the first: (slot_mapping, block_tables) each."""
+        while len(self.group_steps) < len(steps):
+            self.group_steps.append(kernels.PagedStep())
+            self.group_steps[-1].backend = self.backend
+        for st, (slots, tables) in zip(self.group_steps, steps):
+            st.set_step(slots, tables, self.seq_lens, self.query_start_loc)
+
+    def for_layer(self, layer_idx: int) -> kernels.PagedStep:
+        """The metadata a layer reads: its group's block tables and slots."""
+        g = self.r.layer_group[layer_idx]
+        return self if g == 0 else self.group_steps[g - 1]
+
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  window: int | None) -> torch.Tensor:
         r = self.r
         kc, vc = r.key_caches[layer_idx], r.value_caches[layer_idx]
         ksc = r.k_scale_caches[layer_idx] if r.k_scale_caches else None
         vsc = r.v_scale_caches[layer_idx] if r.v_scale_caches else None
-        self.write(kc, vc, k, v, r.kv_dtype, r.k_scale, r.v_scale, ksc, vsc)
-        return self.attend(q, kc, vc, r.scale, window, r.kv_dtype, r.k_scale, r.v_scale, ksc, vsc)
+        step = self.for_layer(layer_idx)
+        step.write(kc, vc, k, v, r.kv_dtype, r.k_scale, r.v_scale, ksc, vsc)
+        return step.attend(q, kc, vc, r.scale, window, r.kv_dtype, r.k_scale, r.v_scale, ksc, vsc)
 
 
 class ModelRunner:
@@ -83,7 +102,7 @@ class ModelRunner:
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
                  max_num_batched_tokens: int = 2048, attention_backend: str = "auto",
                  enforce_eager: bool = True, kv_offload_bytes: int | None = None,
-                 kv_offload_dir: str | None = None) -> None:
+                 kv_offload_dir: str | None = None, hybrid: bool = False) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.cfg = loaded.config
@@ -103,8 +122,15 @@ class ModelRunner:
         self.num_kv_heads = self.tp.plan.kv_heads_per_rank if self.tp is not None else self.cfg.num_key_value_heads
         self.bytes_per_block = kernels.kv_block_bytes(block_size, self.num_kv_heads, self.cfg.head_dim,
                                                       kv_cache_dtype, self.dtype)
+        # KV-cache groups (llmopt/cache/groups.py): layer j of every group shares the j-th tensors
+        self.block_layers, self.kv_groups = kv_cache_groups(self.cfg.layer_windows or [None] * self.num_layers,
+                                                            hybrid)
+        self.layer_group, self.layer_slot = [0] * self.num_layers, list(range(self.num_layers))
+        for g, spec in enumerate(self.kv_groups):
+            for j, layer in enumerate(spec.layers):
+                self.layer_group[layer], self.layer_slot[layer] = g, j
         budget = self._kv_budget(kv_cache_memory, gpu_memory_utilization, max_num_batched_tokens)
-        self.num_blocks = budget // (self.num_layers * self.bytes_per_block)
+        self.num_blocks = budget // (self.block_layers * self.bytes_per_block)
         if self.tp is not None:   # every rank holds the same blocks: the fewest any rank has room for
             self.num_blocks = self.tp.min_int(self.num_blocks)
         if self.num_blocks < 1:
@@ -117,6 +143,8 @@ class ModelRunner:
         self.compiled = None
         if not enforce_eager and self.tp is not None:
             log.info("tensor parallel: the compiled decode step is off (eager steps)")
+        elif not enforce_eager and len(self.kv_groups) > 1:
+            log.info("KV-cache groups (mixed windows): the compiled decode step is off (eager steps)")
         elif not enforce_eager and self.device.type == "cpu":
             from llmopt.worker.compiled import CompiledDecode   # deferred: start-up time (torch.compile), --no-enforce-eager only
             if CompiledDecode.supports(self.model):
@@ -163,8 +191,9 @@ class ModelRunner:
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, kernels.kv_head_width(self.kv_dtype, self.cfg.head_dim))
         cache_dtype = kernels.kv_cache_torch_dtype(self.kv_dtype, self.dtype)
 
-        def alloc(s, dt):
-            return [torch.zeros(s, dtype=dt, device=self.device) for _ in range(self.num_layers)]
+        def alloc(s, dt):   # one tensor a group position, shared by that position's layer of each group
+            shared = [torch.zeros(s, dtype=dt, device=self.device) for _ in range(self.block_layers)]
+            return [shared[self.layer_slot[i]] for i in range(self.num_layers)]
 
         self.key_caches = alloc(shape, cache_dtype)
         self.value_caches = alloc(shape, cache_dtype)
@@ -175,7 +204,13 @@ class ModelRunner:
             self.v_scale_caches = alloc(shape[:3], torch.float32)
 
     def _kv_tensors(self) -> list[torch.Tensor]:
-        return self.key_caches + self.value_caches + self.k_scale_caches + self.v_scale_caches
+        """Every K/V (and scale) tensor once (hybrid groups share them)."""
+        out, seen = [], set()
+        for t in self.key_caches + self.value_caches + self.k_scale_caches + self.v_scale_caches:
+            if id(t) not in seen:
+                seen.add(id(t))
+                out.append(t)
+        return out
 
     def _offload_store(self, num_bytes: int | None, directory: str | None):
         """The offload tier's storage (llmopt/worker/offload.py), or None."""
@@ -208,7 +243,8 @@ class ModelRunner:
     def kv_cache_info(self) -> KVCacheInfo:
         tensors = self._kv_tensors()
         info = KVCacheInfo(self.num_blocks, self.block_size, self.num_layers, self.kv_dtype,
-                           self.bytes_per_block, sum(t.nbytes for t in tensors))
+                           self.bytes_per_block, sum(t.nbytes for t in tensors), self.block_layers,
+                           [g.window for g in self.kv_groups])
         if self.offload is not None:
             info.offload_slots, info.offload_block_bytes = self.offload.num_slots, self.offload.block_bytes
             info.offload_restored = self.offload.restored() if self.offload.path is not None else []
@@ -220,7 +256,7 @@ class ModelRunner:
             return
         src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
-        for t in self.key_caches + self.value_caches + self.k_scale_caches + self.v_scale_caches:
+        for t in self._kv_tensors():
             t[dst] = t[src]
 
     def check_health(self) -> None:
@@ -277,6 +313,14 @@ class ModelRunner:
         a = self.attn
         a.set_step(slots.to(dev, non_blocking=True), tables.to(dev, non_blocking=True),
                    (starts + n_new).to(torch.int32).to(dev, non_blocking=True), qsl.to(dev, non_blocking=True))
+        if len(self.kv_groups) > 1:   # every later group's own tables and slots
+            steps = []
+            for g in range(1, len(self.kv_groups)):
+                ids = [s.group_block_ids[g] for s in sched]
+                t = torch.tensor([b + [0] * (width - len(b)) for b in ids], dtype=torch.int32)
+                sl = t[seq_idx, positions // bs].long() * bs + positions % bs
+                steps.append((sl.to(dev, non_blocking=True), t.to(dev, non_blocking=True)))
+            a.set_group_steps(steps)
         ids = torch.tensor(tokens, dtype=torch.long).to(dev, non_blocking=True)
         decode = len(tokens) == len(sched) and all(s.num_logits == 1 for s in sched)
         c, f = self.compiled, self.cpu_decode
