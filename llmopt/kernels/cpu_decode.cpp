@@ -904,8 +904,8 @@ at::Tensor idot_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 }
 
 // The linears' kernel choices (llmopt/defaults.py sets them when the library loads; tests switch them).
-// isa: the integer tiles' instruction set, 0 AVX2, 1 AVX-512 VNNI (refused without it), -1 the best this
-// CPU has; panel: with VNNI, int8-activation linears of at least this many rows take the integer
+// isa: the integer tiles' instruction set (and the float panels' blocks'), 0 AVX2, 1 AVX-512 VNNI
+// (refused without it), -1 the best this CPU has; panel: with VNNI, int8-activation linears of at least this many rows take the integer
 // panels; f32_panel: float linears of at least this many rows take the float panels (0: keep a
 // setting); f32_stream: float linears of at most this many rows (8 at most) stream each weight row
 // alone (row_f32; 0 = never, -1: keep); bf16: bfloat16 weights' float panels by AMX tiles, else
@@ -926,6 +926,7 @@ int64_t tiles_config(int64_t isa, int64_t panel, int64_t f32_panel, int64_t f32_
     TORCH_CHECK(isa >= -1 && isa <= 1, "isa must be -1, 0 or 1");
     TORCH_CHECK(isa != 1 || has, "this CPU has no AVX-512 VNNI");
     use_vnni = isa == -1 ? has : isa == 1;
+    f32_avx512 = use_vnni;   // the float panels' AVX-512 blocks go with the integer kernels' instruction set
     return use_vnni ? 1 : 0;
 }
 
