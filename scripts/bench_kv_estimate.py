@@ -23,7 +23,8 @@ def engine_rows(memory: int) -> list[dict]:
     loaded = load_model(None, "float32", "cpu")
     arch = resolve_model_arch(str(loaded.path))          # the converted checkpoint the engine runs
     out = []
-    for engine_kv, est_kv in (("auto", "float32"), ("fp8", "fp8"), ("fp8_e5m2", "fp8_e5m2"), ("int8", "int8")):
+    for engine_kv, est_kv in (("auto", "float32"), ("fp8", "fp8"), ("fp8_e5m2", "fp8_e5m2"), ("int8", "int8"),
+                              ("int4", "int4")):
         args = EngineArgs(dtype="float32", device="cpu", kv_cache_memory=memory, kv_cache_dtype=engine_kv,
                           max_model_len=2048)
         info = LLMEngine(args, loaded=loaded).kv_cache_info()
