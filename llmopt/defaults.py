@@ -48,6 +48,9 @@ LM_HEAD_DTYPE = "auto"           # auto: int8 head for quantized models on the C
 ENFORCE_EAGER = True
 # CPU steps of up to this many tokens run one C++ call per layer (worker/cpu_decode.py)
 CPU_DECODE_MAX_ROWS = MAX_NUM_BATCHED_TOKENS
+# ... unless a sequence computes a prefill chunk of 64 rows or more at contexts past this: the C++
+# rows attend one by one, the Python layers' SDPA a block at a time (docs/benchmarks.md: 1 x 4,000)
+CPU_DECODE_MAX_CHUNK_CONTEXT = 1536
 # with AVX-512 VNNI, int8-activation linears of this many rows or more run as panels (cpu_idot_tiles.h;
 # the same bits as the tiles): the engine's decode steps of 3 / 4 / 5 sequences ran 290 / 340 / 312
 # tok/s through the tiles against 230 / 280 / 312 through the panels (docs/benchmarks.md)

@@ -327,7 +327,9 @@ class ModelRunner:
         scoring = [(int(qsl[i]) + s.prompt_offset, s) for i, s in enumerate(sched) if s.prompt_targets]
         if c is not None and decode and len(sched) <= c.max_batch and out.hidden_layers is None and not scoring:
             return c.run(ids, positions.to(dev, non_blocking=True), a), {}   # decode only: the compiled step
-        if f is not None and len(tokens) <= f.max_rows and not scoring:
+        long_chunk = any(len(s.token_ids) >= 64 and s.start_pos + len(s.token_ids) > defaults.CPU_DECODE_MAX_CHUNK_CONTEXT
+                         for s in sched)
+        if f is not None and len(tokens) <= f.max_rows and not scoring and not long_chunk:
             # one row per token (decode, speculative verification and prefill chunks), each with
             # its sequence's block table and its own context length (the step's K/V all written first)
             every = all(s.num_logits == len(s.token_ids) for s in sched)

@@ -390,3 +390,23 @@ def test_a_16bit_cache_generates_as_float32_within_its_rounding(tiny_factory, kv
         assert a.token_ids == b.token_ids
         diff = max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs))
         assert diff <= 200 * eps, diff   # K/V rounded at eps relative: logits move by a few eps
+
+
+def test_long_prefill_chunks_take_the_python_layers(tiny_factory, monkeypatch):
+    """Prefill chunks of 64 rows or more past CPU_DECODE_MAX_CHUNK_CONTEXT run the Python layers
+    (SDPA over the block), the ones before it and every decode step the C++ layers; the greedy
+    tokens equal transformers' either way."""
+    from engine_helpers import hf_greedy, hf_model, run_engine
+    from llmopt.core.sampling_params import SamplingParams
+    from llmopt.worker.cpu_decode import CpuDecode
+    monkeypatch.setattr(defaults, "CPU_DECODE_MAX_CHUNK_CONTEXT", 128)
+    path = tiny_factory(weight_std=0.2, max_position_embeddings=1024)
+    engine = _engine(path, max_num_batched_tokens=64)
+    rows = []
+    real = CpuDecode.run
+    monkeypatch.setattr(CpuDecode, "run", lambda self, ids, *a, **k: rows.append(len(ids)) or real(self, ids, *a, **k))
+    prompt = torch.randint(0, 96, (300,), generator=torch.Generator().manual_seed(2)).tolist()
+    got = run_engine(engine, [prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    # chunks ending at 64 and 128 in C++, at 192 and 256 in Python, the last 44 rows and decode in C++
+    assert rows == [64, 64, 44] + [1] * 5
+    assert got == hf_greedy(hf_model(path), [prompt], 6)
