@@ -174,6 +174,12 @@ def _tables(d: dict[str, Any]) -> list[Table]:
     return tables
 
 
+def _prefix_repetition(i: int, name: str, what: str):
+    """The prefix_repetition workload's flags (vLLM's names), >= 1 each."""
+    return typer.Option(defaults.BENCH_PREFIX_REPETITION[i], f"--prefix-repetition-{name}", callback=in_range(1),
+                        help=f"prefix_repetition: {what}, >= 1.")
+
+
 @common.engine_options(exclude=("speculative_config",), before="quiet")
 def bench(
     base_url: str = typer.Option(None, "--base-url", help="Server root (or ending in /v1) of an OpenAI-compatible "
@@ -221,18 +227,10 @@ def bench(
                                             help="spec_bench: only this category."),
     custom_output_len: int = typer.Option(defaults.BENCH_CUSTOM_OUTPUT_LEN, "--custom-output-len",
                                           callback=in_range(1), help="prompts: output tokens, >= 1."),
-    prefix_repetition_prefix_len: int = typer.Option(defaults.BENCH_PREFIX_REPETITION[0],
-                                                     "--prefix-repetition-prefix-len", callback=in_range(1),
-                                                     help="prefix_repetition: tokens of each shared prefix, >= 1."),
-    prefix_repetition_suffix_len: int = typer.Option(defaults.BENCH_PREFIX_REPETITION[1],
-                                                     "--prefix-repetition-suffix-len", callback=in_range(1),
-                                                     help="prefix_repetition: tokens after it, each prompt's own."),
-    prefix_repetition_num_prefixes: int = typer.Option(defaults.BENCH_PREFIX_REPETITION[2],
-                                                       "--prefix-repetition-num-prefixes", callback=in_range(1),
-                                                       help="prefix_repetition: distinct prefixes, >= 1."),
-    prefix_repetition_output_len: int = typer.Option(defaults.BENCH_PREFIX_REPETITION[3],
-                                                     "--prefix-repetition-output-len", callback=in_range(1),
-                                                     help="prefix_repetition: output tokens, >= 1."),
+    prefix_repetition_prefix_len: int = _prefix_repetition(0, "prefix-len", "tokens of each shared prefix"),
+    prefix_repetition_suffix_len: int = _prefix_repetition(1, "suffix-len", "tokens after it, each prompt's own"),
+    prefix_repetition_num_prefixes: int = _prefix_repetition(2, "num-prefixes", "distinct prefixes"),
+    prefix_repetition_output_len: int = _prefix_repetition(3, "output-len", "output tokens"),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Generate every requested token (past EOS)."),
     seed: int = typer.Option(defaults.BENCH_SEED, "--seed", callback=in_range(SEED_MIN, SEED_MAX),
                              help="Seed of the workload and the arrival times."),

@@ -172,11 +172,16 @@ def test_sliding_window_frees_the_blocks_behind_every_window():
     kv.pool.check_invariants()
 
 
+def _compute(kv, req, n, hits=()):
+    """Allocate and compute the request's next n tokens."""
+    assert kv.allocate_slots(req, n, hits)
+    req.num_computed_tokens += n
+
+
 def test_sliding_window_takes_only_the_prefix_hits_its_window_reaches():
     kv = KVCacheManager(16, 4, sliding_window=5)
     a = _req("a", list(range(21)))
-    assert kv.allocate_slots(a, 21)
-    a.num_computed_tokens = 21
+    _compute(kv, a, 21)
     kv.free(a)
     b = _req("b", list(range(21)) + [99])
     hits, n = kv.get_computed_blocks(b)
@@ -194,10 +199,8 @@ def test_sliding_window_takes_only_the_prefix_hits_its_window_reaches():
 def test_fork_under_a_window_shares_only_the_blocks_still_held():
     kv = KVCacheManager(16, 4, sliding_window=4)
     p = _req("p", list(range(14)))
-    assert kv.allocate_slots(p, 8)
-    p.num_computed_tokens = 8
-    assert kv.allocate_slots(p, 6)                         # frees block 0 (positions 0-3 < 8 - 4 + 1)
-    p.num_computed_tokens = 14
+    _compute(kv, p, 8)
+    _compute(kv, p, 6)                                     # frees block 0 (positions 0-3 < 8 - 4 + 1)
     c = _req("c", list(range(14)))
     kv.fork(p, c, 14)
     assert kv.get_block_ids("c") == kv.get_block_ids("p") and kv.get_block_ids("c")[0] == 0

@@ -4,8 +4,6 @@ blocks, a preempted request resumes from it, and every block and pin is returned
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
@@ -14,7 +12,6 @@ from llmopt.core.sampling_params import SamplingParams
 from llmopt.errors import UserInputError
 
 BLOCK = 16
-_ids = itertools.count()
 
 
 @pytest.fixture(scope="module")
@@ -40,16 +37,9 @@ def _engine(path, blocks: int, tier_blocks: int | None, directory=None, kv_cache
 
 def _run(engine, prompts, max_tokens=4):
     """Greedy tokens and their logprobs per prompt, all added at once."""
+    from engine_helpers import run_outputs
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
-    base = next(_ids)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"q{base}-{i}", p, sp)
-    done = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o.outputs[0]
-    outs = [done[f"q{base}-{i}"] for i in range(len(prompts))]
+    outs = [o.outputs[0] for o in run_outputs(engine, prompts, sp)]
     return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs]
 
 
