@@ -174,15 +174,20 @@ class KVCacheManager:
             plans.append((g, blocks, hits, need, taken, loads, cow))
         if cost > self.pool.num_free_blocks:
             return False
-        if self.offload is not None:   # before any eviction below can plan a save over them
+        # every group's hits first: no group's new blocks may evict another's free cached hit, nor
+        # a save reuse a tier slot a hit will load
+        if self.offload is not None:
             self.offload.pin(hits[i].slot for _, _, hits, _, _, loads, _ in plans for i in loads)
+            loaded = {i for _, _, _, _, _, loads, _ in plans for i in loads}
+            self.offload.stats.hit_tokens += len(loaded) * self.block_size   # positions, not groups
+        for _, _, _, _, taken, _, _ in plans:
+            self.pool.touch(taken)
         for g, blocks, hits, need, taken, loads, cow in plans:
             if cow is not None:
                 (copy,) = self.pool.get_new_blocks(1)
                 self.copies.append((blocks[cow].block_id, copy.block_id))
                 self.pool.free_blocks([blocks[cow]])
                 blocks[cow] = copy
-            self.pool.touch(taken)
             for i in loads:
                 (fresh,) = self.pool.get_new_blocks(1)
                 self.offload.plan_load(hits[i].slot, fresh.block_id)

@@ -11,9 +11,11 @@ A slot planned for a load this step is pinned: no save reuses it before the runn
 The runner owns the bytes (llmopt/worker/offload.py: OffloadStore) and does saves, then loads.
 
 A disk tier (--kv-offload-dir) is a file named after a digest of everything that decides a block's
-bytes (model, dtype, block size, layout); each slot carries its block's hash, written after the
-block's bytes (and cleared before them), so a restart with the same model rebuilds the index from
-the file and never trusts a slot whose write did not finish; another model gets another file.
+bytes (model, dtype, block size, layout), locked by the one process using it; each slot carries its
+block's hash, written after the block's bytes (and cleared before them), so a restart with the same
+model rebuilds the index from the file and never trusts a slot whose write did not finish (a
+process that dies; the page cache's write-back order after a power loss is not guaranteed);
+another model gets another file.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class TierHit:
 
 @dataclass
 class OffloadStats:
-    hit_tokens: int = 0      # prompt tokens found in the tier (not in the pool)
+    hit_tokens: int = 0      # prompt tokens found in the tier (not in the pool; KVCacheManager counts them)
     saved_bytes: int = 0     # bytes copied out of the pool into the tier
     loaded_bytes: int = 0    # bytes copied back into the pool
 
@@ -70,7 +72,6 @@ class OffloadIndex:
         """Copy tier slot -> pool block before the next forward (the slot pinned until then)."""
         self._pinned.add(slot)
         self.loads.append((slot, block_id))
-        self.stats.hit_tokens += self.block_size
         self.stats.loaded_bytes += self.block_bytes
 
     def plan_save(self, block_id: int, block_hash: BlockHash) -> None:
@@ -89,6 +90,13 @@ class OffloadIndex:
         self._slots[block_hash] = slot
         self.saves.append((block_id, slot, block_hash))
         self.stats.saved_bytes += self.block_bytes
+
+    def clear(self) -> None:
+        """Forget every block (the prefix cache was reset: new weights, a cold start to measure)."""
+        self._slots.clear()
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._pinned.clear()
+        self.saves, self.loads = [], []
 
     def take_transfers(self) -> tuple[list[tuple[int, int, BlockHash]], list[tuple[int, int]]]:
         """(saves, loads) planned since the last call; their pins end (the runner does them next)."""

@@ -355,7 +355,10 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block, as vLLM's reset_prefix_cache (after new weights, or to measure
         cold starts). Only while no request holds blocks; returns whether it did."""
-        return self.kv.pool.reset_prefix_cache()
+        done = self.kv.pool.reset_prefix_cache()
+        if done and self.kv.offload is not None:   # the tier's blocks are prefix-cache blocks too
+            self.kv.offload.clear()
+        return done
 
     # -- the step ------------------------------------------------------------------------------------
     def _propose_drafts(self) -> None:
@@ -460,7 +463,11 @@ class LLMEngine:
         (block,) = self.kv.pool.get_new_blocks(1)
         try:
             probe = ScheduledRequest("probe", [0], 0, [block.block_id], 1)
-            logits = self.executor.execute_model(SchedulerOutput([probe])).logits
+            if len(self.kv.groups) > 1:   # every group's table: the one block (it writes it in each)
+                probe.group_block_ids = [[block.block_id]] * len(self.kv.groups)
+            out = SchedulerOutput([probe])
+            out.kv_saves, out.kv_loads = self.kv.take_transfers()   # a block it evicted is saved first
+            logits = self.executor.execute_model(out).logits
             self.sampler(logits, [SamplingRow(SamplingParams(temperature=0), [0], [])])
             return True
         except Exception as e:  # noqa: BLE001

@@ -10,7 +10,11 @@ finish is never found; `load` copies slots back in; both with one indexed copy p
 
 from __future__ import annotations
 
+import fcntl
+
 import torch
+
+from llmopt.errors import UserInputError
 
 HASH_BYTES = 32   # a chained SHA-256 block hash (llmopt/cache/block_pool.py)
 
@@ -23,10 +27,25 @@ class OffloadStore:
         self.num_slots = num_slots
         self.path = path
         size = num_slots * (HASH_BYTES + self.block_bytes)
+        self._lock = None
+        if path is not None:   # one process a file: another one's saves would overwrite slots it indexes
+            self._lock = open(path, "a+b")
+            try:
+                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                self._lock.close()
+                raise UserInputError(f"another process holds the KV offload file {path}: give this one another "
+                                     "--kv-offload-dir") from None
         flat = torch.from_file(path, shared=True, size=size, dtype=torch.uint8) if path is not None else \
             torch.zeros(size, dtype=torch.uint8)
         rows = flat.view(num_slots, HASH_BYTES + self.block_bytes)
         self.hashes, self.data = rows[:, :HASH_BYTES], rows[:, HASH_BYTES:]
+
+    def close(self) -> None:
+        """Let another process use the file (the lock goes with the process anyway)."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     def restored(self) -> list[tuple[bytes, int]]:
         """(hash, slot) of every slot holding a whole block (a disk tier's, from an earlier run)."""

@@ -217,9 +217,9 @@ class ModelRunner:
         if num_bytes is None:
             return None
         from llmopt.cache.offload import offload_path   # deferred: start-up time, --kv-offload-bytes only
-        from llmopt.worker.offload import OffloadStore
+        from llmopt.worker.offload import HASH_BYTES, OffloadStore
         block_bytes = sum(t[0].nbytes for t in self._kv_tensors())
-        slots = int(num_bytes) // block_bytes
+        slots = int(num_bytes) // (block_bytes + HASH_BYTES)   # each slot: the block's hash, then its bytes
         if slots < 1:
             raise UserInputError(f"--kv-offload-bytes {num_bytes:,} holds no block of {block_bytes:,} bytes (all layers)")
         path = offload_path(directory, self._layout_key()) if directory is not None else None
@@ -235,7 +235,7 @@ class ModelRunner:
         if loaded.gguf is not None:
             files.append((str(loaded.gguf), loaded.gguf.stat().st_size, loaded.gguf.stat().st_mtime_ns))
         modules = [(n, list(t.shape), str(t.dtype)) for n, t in self.model.state_dict().items()]
-        kv = [(list(t.shape), str(t.dtype)) for t in self._kv_tensors()]
+        kv = [(list(t.shape[1:]), str(t.dtype)) for t in self._kv_tensors()]   # a block's layout, not how many
         blob = json.dumps([str(loaded.path.resolve()), files, modules, str(self.dtype), self.kv_dtype, self.block_size,
                            kv[:1] + kv[-1:], len(kv)], default=str)
         return hashlib.sha256(blob.encode()).hexdigest()
@@ -263,7 +263,9 @@ class ModelRunner:
         """One process: nothing outside it can die."""
 
     def shutdown(self) -> None:
-        """One process: nothing outlives the engine."""
+        """One process: nothing outlives the engine but a disk tier's lock, released here."""
+        if self.offload is not None:
+            self.offload.close()
 
     # -- one step --------------------------------------------------------------------------------
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:

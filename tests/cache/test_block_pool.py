@@ -212,3 +212,24 @@ def test_fork_under_a_window_shares_only_the_blocks_still_held():
         kv.free(r)
     assert kv.num_free_blocks == 16
     kv.pool.check_invariants()
+
+
+def test_groups_claim_their_hits_before_any_group_takes_new_blocks():
+    """Two groups (full, window 8) over 22 blocks: a request whose hits are free cached blocks
+    must not see one group's new blocks evict the other group's hits (a block in two tables)."""
+    kv = KVCacheManager(22, 4, group_windows=[None, 8])
+    c, a = _req("c", list(range(100, 132))), _req("a", list(range(12)))
+    for r in (c, a):
+        _compute(kv, r, r.num_tokens)
+    kv.free(a)
+    kv.free(c)
+    b = _req("b", list(range(8)) + list(range(200, 220)))
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 8
+    _compute(kv, b, b.num_tokens - n, hits)
+    owned = [blk for g in kv.groups for blk in g.blocks["b"] if blk is not None]
+    assert len({id(x) for x in owned}) == len(owned) == kv.num_held_blocks("b")   # no block in two places
+    assert all(blk.ref_cnt == 1 for blk in owned)
+    kv.free(b)
+    assert kv.num_free_blocks == 22
+    kv.pool.check_invariants()

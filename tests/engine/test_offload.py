@@ -88,11 +88,14 @@ def test_a_disk_tier_is_found_after_a_restart(tiny, tmp_path):
     want = _run(first, [p])
     _run(first, [_prompt(150, 6), _prompt(150, 7)])       # p's blocks go to the file
     assert first.stats().kv_offload_saved_bytes > 0
-    del first
+    with pytest.raises(UserInputError, match="another process holds the KV offload file"):
+        _engine(tiny, 12, 32, str(tmp_path))          # the file is locked while `first` runs
+    first.shutdown()
     again = _engine(tiny, 12, 32, str(tmp_path))
     assert len(again.kv.offload) > 0                      # rebuilt from the slots' hashes
     assert _run(again, [p]) == want and again.stats().kv_offload_hit_tokens == 64
     _idle(again)
+    again.shutdown()
     other = _engine(tiny, 12, 32, str(tmp_path), kv_cache_dtype="bfloat16")   # another layout: its own file
     assert len(other.kv.offload) == 0 and len(list(tmp_path.iterdir())) == 2
 
@@ -106,7 +109,7 @@ def test_a_torn_slot_is_never_found(tiny, tmp_path):
     held = store.restored()
     assert held
     store.hashes[held[0][1]] = 0
-    del e
+    e.shutdown()
     again = _engine(tiny, 12, 32, str(tmp_path))
     assert len(again.kv.offload) == len(held) - 1
 
@@ -166,3 +169,15 @@ def test_metrics_expose_the_tier_counters(tiny):
     got = {m.name: (m.type, m.samples[0].value) for m in _EngineCollector(engine.stats, {"engine": "0"}).collect()}
     for name in ("kv_offload_hit_tokens", "kv_offload_saved_bytes", "kv_offload_loaded_bytes"):
         assert got[PREFIX + name] == ("counter", float(getattr(s, name)))
+
+
+def test_a_prefix_cache_reset_empties_the_tier(tiny):
+    engine = _engine(tiny, 12, 64)
+    p = _prompt(70, 14)
+    _run(engine, [p])
+    _run(engine, [_prompt(150, 15), _prompt(150, 16)])
+    assert len(engine.kv.offload) > 0
+    assert engine.reset_prefix_cache()
+    assert len(engine.kv.offload) == 0
+    _run(engine, [p])
+    assert engine.stats().kv_offload_hit_tokens == 0
