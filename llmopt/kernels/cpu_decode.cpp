@@ -92,6 +92,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 // out = w * (x * rsqrt(mean(x^2) + eps)), row by row
 void rms_norm(const float* x, const float* w, int64_t M, int64_t H, float eps, float* out) {
+#pragma omp parallel for schedule(static) if (M >= 16)
     for (int64_t m = 0; m < M; ++m) {
         const float* xr = x + m * H;
         float r = 1.f / std::sqrt(dot(xr, xr, H) / (float)H + eps);
@@ -794,6 +795,9 @@ struct DecodeLayer : torch::CustomClassHolder {
 
         rms_norm(xs, ln1.data_ptr<float>(), M, H, (float)eps, h.data());
         linears(groups[0], h.data(), M, qkv.data(), int8_act, t);
+        for (int64_t m = 0; m < M; ++m)   // checked before the rows run in parallel
+            TORCH_CHECK(sl[m] < c.nb * c.bs, "slot out of range");
+#pragma omp parallel for schedule(static) if (M >= 16)   // rows write distinct slots
         for (int64_t m = 0; m < M; ++m) {
             float *q = qkv.data() + m * NQ, *k = q + Hq * D, *v = k + Hkv * D;
             if (qn.defined()) {
@@ -802,17 +806,16 @@ struct DecodeLayer : torch::CustomClassHolder {
             }
             rope(q, Hq, D, cp + m * D, sp + m * D);
             rope(k, Hkv, D, cp + m * D, sp + m * D);
-            if (sl[m] >= 0) {
-                TORCH_CHECK(sl[m] < c.nb * c.bs, "slot out of range");
-                write_slot(c, sl[m], k, v, Hkv, D);
-            }
+            if (sl[m] >= 0) write_slot(c, sl[m], k, v, Hkv, D);
         }
         attention(qkv.data(), NQ, M, Hq, Hkv, D, c, (float)scale, window, att.data());
         linears(groups[1], att.data(), M, h.data(), int8_act, t);
+#pragma omp parallel for schedule(static) if (M >= 16)
         for (int64_t i = 0; i < M * H; ++i) xs[i] += h[i];
 
         rms_norm(xs, ln2.data_ptr<float>(), M, H, (float)eps, h.data());
         linears(groups[2], h.data(), M, gu.data(), int8_act, t);
+#pragma omp parallel for schedule(static) if (M >= 16)
         for (int64_t m = 0; m < M; ++m) {   // silu(gate) * up, into h [M, I]
             const float *g = gu.data() + m * 2 * I, *u = g + I;
             float* out = h.data() + m * I;
@@ -826,6 +829,7 @@ struct DecodeLayer : torch::CustomClassHolder {
         }
         std::vector<float> d(M * H);
         linears(groups[3], h.data(), M, d.data(), int8_act, t);
+#pragma omp parallel for schedule(static) if (M >= 16)
         for (int64_t i = 0; i < M * H; ++i) xs[i] += d[i];
     }
 };
