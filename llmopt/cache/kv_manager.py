@@ -37,7 +37,7 @@ from __future__ import annotations
 from typing import Protocol, Sequence
 
 from llmopt.cache.block_pool import BlockHash, BlockPool, KVBlock, hash_request_blocks
-from llmopt.cache.groups import GroupTables
+from llmopt.cache.groups import GroupTables, cdiv
 from llmopt.cache.offload import OffloadIndex, TierHit
 
 
@@ -50,10 +50,6 @@ class CacheRequest(Protocol):
 
 
 NULL_BLOCK_ID = 0   # the table entry of a freed (out-of-window) block: any valid id, never read
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def request_blocks(length: int, block_size: int, window: int | None = None, max_num_batched_tokens: int = 0) -> int:

@@ -42,10 +42,9 @@ class OffloadStats:
 
 
 class OffloadIndex:
-    def __init__(self, num_slots: int, block_bytes: int, block_size: int,
-                 restored: list[tuple[BlockHash, int]] = ()) -> None:
+    def __init__(self, num_slots: int, block_bytes: int, restored: list[tuple[BlockHash, int]] = ()) -> None:
         """restored: (hash, slot) of the blocks a disk tier already holds."""
-        self.num_slots, self.block_bytes, self.block_size = num_slots, block_bytes, block_size
+        self.num_slots, self.block_bytes = num_slots, block_bytes
         self._slots: OrderedDict[BlockHash, int] = OrderedDict((h, s) for h, s in restored)   # front: LRU
         taken = set(self._slots.values())
         self._free = [s for s in range(num_slots - 1, -1, -1) if s not in taken]

@@ -146,7 +146,7 @@ class LLMEngine:
         self.blocks_per_request = need
         offload = None
         if info.offload_slots:   # the second tier for evicted prefix blocks (llmopt/cache/offload.py)
-            offload = OffloadIndex(info.offload_slots, info.offload_block_bytes, args.block_size, info.offload_restored)
+            offload = OffloadIndex(info.offload_slots, info.offload_block_bytes, info.offload_restored)
             log.info("KV offload tier: %d blocks, %.1f MiB (%s), %d found from an earlier run", info.offload_slots,
                      info.offload_slots * info.offload_block_bytes / 2**20, args.kv_offload_dir or "host memory",
                      len(info.offload_restored))

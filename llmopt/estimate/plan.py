@@ -23,14 +23,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from llmopt.cache.groups import split_by_type
+from llmopt.cache.groups import cdiv, split_by_type
 from llmopt.cache.kv_manager import request_blocks
 from llmopt.errors import UserInputError
 from llmopt.estimate.kv import LayerKV
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass

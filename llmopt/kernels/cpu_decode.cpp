@@ -330,14 +330,6 @@ struct Q4 {
         std::memcpy(&h, blk, 2);
         return _cvtsh_ss(h);
     }
-    static inline __m256 at(const uint8_t* r, int64_t c) {   // c: a multiple of 8
-        const uint8_t* blk = r + (c >> 5) * 18;
-        __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + (c & 15)));
-        if (c & 16) b = _mm_srli_epi16(b, 4);
-        b = _mm_and_si128(b, _mm_set1_epi8(0x0F));
-        const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
-        return _mm256_mul_ps(_mm256_sub_ps(q, _mm256_set1_ps(8.f)), _mm256_set1_ps(d(blk)));
-    }
     // a block's 32 values q - 8 (before d) as floats: values 0-7, 8-15, 16-23, 24-31
     static inline void codes(const uint8_t* blk, __m256 out[4]) {
         const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)), m = _mm_set1_epi8(0x0F);
@@ -347,11 +339,6 @@ struct Q4 {
         out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
         out[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
         out[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
-    }
-    static inline float one(const uint8_t* r, int64_t c) {
-        const uint8_t* blk = r + (c >> 5) * 18;
-        const uint8_t b = blk[2 + (c & 15)];
-        return float(int((c & 16) ? b >> 4 : b & 15) - 8) * d(blk);
     }
     // Hkv heads of D values (D % 32 == 0) -> their blocks, as llama.cpp's quantize_row_q4_0_ref: d = the
     // first value of largest magnitude / -8, codes trunc(x / d + 8.5) in float32 (no fused multiply-add)
@@ -463,30 +450,31 @@ void attention_t(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv
                         pg[j] = hsum(a) * kscale;
                         mx[g] = std::max(mx[g], pg[j]);
                     }
-                }
-                if (D % 8 == 0)
-                    for (; j + 4 <= j1; j += 4) {   // 4 keys at once: one 4-way horizontal sum, not four
-                        const uint8_t* k0 = kb + (j - b * c.bs) * rb;
-                        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-                        for (int64_t d = 0; d < D; d += 8) {
-                            const __m256 qv = _mm256_loadu_ps(qg + d);
-                            a0 = _mm256_fmadd_ps(qv, E::at(k0, d), a0);
-                            a1 = _mm256_fmadd_ps(qv, E::at(k0 + rb, d), a1);
-                            a2 = _mm256_fmadd_ps(qv, E::at(k0 + 2 * rb, d), a2);
-                            a3 = _mm256_fmadd_ps(qv, E::at(k0 + 3 * rb, d), a3);
+                } else {
+                    if (D % 8 == 0)
+                        for (; j + 4 <= j1; j += 4) {   // 4 keys at once: one 4-way horizontal sum, not four
+                            const uint8_t* k0 = kb + (j - b * c.bs) * rb;
+                            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                            for (int64_t d = 0; d < D; d += 8) {
+                                const __m256 qv = _mm256_loadu_ps(qg + d);
+                                a0 = _mm256_fmadd_ps(qv, E::at(k0, d), a0);
+                                a1 = _mm256_fmadd_ps(qv, E::at(k0 + rb, d), a1);
+                                a2 = _mm256_fmadd_ps(qv, E::at(k0 + 2 * rb, d), a2);
+                                a3 = _mm256_fmadd_ps(qv, E::at(k0 + 3 * rb, d), a3);
+                            }
+                            const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+                            __m128 sc = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)),
+                                                   _mm_set1_ps(kscale));
+                            if (kf) sc = _mm_mul_ps(sc, _mm_setr_ps(kf[j * Hkv], kf[(j + 1) * Hkv], kf[(j + 2) * Hkv],
+                                                                     kf[(j + 3) * Hkv]));
+                            _mm_storeu_ps(pg + j, sc);
+                            mx[g] = std::max(mx[g], std::max(std::max(pg[j], pg[j + 1]), std::max(pg[j + 2], pg[j + 3])));
                         }
-                        const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-                        __m128 sc = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)),
-                                               _mm_set1_ps(kscale));
-                        if (kf) sc = _mm_mul_ps(sc, _mm_setr_ps(kf[j * Hkv], kf[(j + 1) * Hkv], kf[(j + 2) * Hkv],
-                                                                 kf[(j + 3) * Hkv]));
-                        _mm_storeu_ps(pg + j, sc);
-                        mx[g] = std::max(mx[g], std::max(std::max(pg[j], pg[j + 1]), std::max(pg[j + 2], pg[j + 3])));
+                    for (; j < j1; ++j) {
+                        pg[j] = dot_row<E>(qg, kb + (j - b * c.bs) * rb, D) * kscale;
+                        if (kf) pg[j] *= kf[j * Hkv];
+                        mx[g] = std::max(mx[g], pg[j]);
                     }
-                for (; j < j1; ++j) {
-                    pg[j] = dot_row<E>(qg, kb + (j - b * c.bs) * rb, D) * kscale;
-                    if (kf) pg[j] *= kf[j * Hkv];
-                    mx[g] = std::max(mx[g], pg[j]);
                 }
             }
         }
@@ -531,39 +519,40 @@ void attention_t(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv
                     const __m256 iv = _mm256_set1_ps(inv[g]);
                     for (int i = 0; i < 4 * nb; ++i) _mm256_storeu_ps(out + d0 + 8 * i, _mm256_mul_ps(acc[i], iv));
                 }
-            }
-            for (; D % 8 == 0 && d0 < D; d0 += 64) {
-                const int64_t w8 = std::min<int64_t>(64, D - d0) / 8;
-                __m256 acc[8];
-                for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-                for (int64_t b = lo / c.bs; b * c.bs < L; ++b) {
-                    const int64_t j0 = std::max(lo, b * c.bs), j1 = std::min(L, (b + 1) * c.bs);
-                    const uint8_t* vb = c.v + ((int64_t)table[b] * c.bs) * rb + hk * hb;
-                    const float* vf = c.vsc ? c.vsc + ((int64_t)table[b] * c.bs - b * c.bs) * Hkv + hk : nullptr;
-                    for (int64_t j = j0; j < j1; ++j) {
-                        const __m256 w = _mm256_set1_ps(vf ? pg[j] * vf[j * Hkv] : pg[j]);
-                        const uint8_t* vv = vb + (j - b * c.bs) * rb;
-                        if (w8 == 8)
-                            for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(w, E::at(vv, d0 + 8 * i), acc[i]);
-                        else
-                            for (int i = 0; i < w8; ++i) acc[i] = _mm256_fmadd_ps(w, E::at(vv, d0 + 8 * i), acc[i]);
+            } else {
+                for (; D % 8 == 0 && d0 < D; d0 += 64) {
+                    const int64_t w8 = std::min<int64_t>(64, D - d0) / 8;
+                    __m256 acc[8];
+                    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+                    for (int64_t b = lo / c.bs; b * c.bs < L; ++b) {
+                        const int64_t j0 = std::max(lo, b * c.bs), j1 = std::min(L, (b + 1) * c.bs);
+                        const uint8_t* vb = c.v + ((int64_t)table[b] * c.bs) * rb + hk * hb;
+                        const float* vf = c.vsc ? c.vsc + ((int64_t)table[b] * c.bs - b * c.bs) * Hkv + hk : nullptr;
+                        for (int64_t j = j0; j < j1; ++j) {
+                            const __m256 w = _mm256_set1_ps(vf ? pg[j] * vf[j * Hkv] : pg[j]);
+                            const uint8_t* vv = vb + (j - b * c.bs) * rb;
+                            if (w8 == 8)
+                                for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(w, E::at(vv, d0 + 8 * i), acc[i]);
+                            else
+                                for (int i = 0; i < w8; ++i) acc[i] = _mm256_fmadd_ps(w, E::at(vv, d0 + 8 * i), acc[i]);
+                        }
                     }
+                    const __m256 iv = _mm256_set1_ps(inv[g]);
+                    for (int i = 0; i < w8; ++i) _mm256_storeu_ps(out + d0 + 8 * i, _mm256_mul_ps(acc[i], iv));
                 }
-                const __m256 iv = _mm256_set1_ps(inv[g]);
-                for (int i = 0; i < w8; ++i) _mm256_storeu_ps(out + d0 + 8 * i, _mm256_mul_ps(acc[i], iv));
-            }
-            if (D % 8 != 0) {   // odd head sizes: the plain loops
-                std::fill(out, out + D, 0.f);
-                for (int64_t b = lo / c.bs; b * c.bs < L; ++b) {
-                    const int64_t j0 = std::max(lo, b * c.bs), j1 = std::min(L, (b + 1) * c.bs);
-                    const uint8_t* vb = c.v + ((int64_t)table[b] * c.bs) * rb + hk * hb;
-                    const float* vf = c.vsc ? c.vsc + ((int64_t)table[b] * c.bs - b * c.bs) * Hkv + hk : nullptr;
-                    for (int64_t j = j0; j < j1; ++j) {
-                        const float w = vf ? pg[j] * vf[j * Hkv] : pg[j];
-                        for (int64_t d = 0; d < D; ++d) out[d] += w * E::one(vb + (j - b * c.bs) * rb, d);
+                if (D % 8 != 0) {   // odd head sizes: the plain loops
+                    std::fill(out, out + D, 0.f);
+                    for (int64_t b = lo / c.bs; b * c.bs < L; ++b) {
+                        const int64_t j0 = std::max(lo, b * c.bs), j1 = std::min(L, (b + 1) * c.bs);
+                        const uint8_t* vb = c.v + ((int64_t)table[b] * c.bs) * rb + hk * hb;
+                        const float* vf = c.vsc ? c.vsc + ((int64_t)table[b] * c.bs - b * c.bs) * Hkv + hk : nullptr;
+                        for (int64_t j = j0; j < j1; ++j) {
+                            const float w = vf ? pg[j] * vf[j * Hkv] : pg[j];
+                            for (int64_t d = 0; d < D; ++d) out[d] += w * E::one(vb + (j - b * c.bs) * rb, d);
+                        }
                     }
+                    for (int64_t d = 0; d < D; ++d) out[d] *= inv[g];
                 }
-                for (int64_t d = 0; d < D; ++d) out[d] *= inv[g];
             }
         }
     }

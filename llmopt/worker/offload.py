@@ -40,6 +40,7 @@ class OffloadStore:
             torch.zeros(size, dtype=torch.uint8)
         rows = flat.view(num_slots, HASH_BYTES + self.block_bytes)
         self.hashes, self.data = rows[:, :HASH_BYTES], rows[:, HASH_BYTES:]
+        self.found = self.restored() if path is not None else []   # what an earlier run left in the file
 
     def close(self) -> None:
         """Let another process use the file (the lock goes with the process anyway)."""

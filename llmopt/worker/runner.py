@@ -247,7 +247,7 @@ class ModelRunner:
                            [g.window for g in self.kv_groups])
         if self.offload is not None:
             info.offload_slots, info.offload_block_bytes = self.offload.num_slots, self.offload.block_bytes
-            info.offload_restored = self.offload.restored() if self.offload.path is not None else []
+            info.offload_restored = self.offload.found
         return info
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

@@ -127,7 +127,7 @@ def test_preempted_requests_resume_from_the_tier_with_their_greedy_tokens(tiny):
 
 
 def test_offload_index_lru_and_pins():
-    ix = OffloadIndex(2, 100, 16)
+    ix = OffloadIndex(2, 100)
     ix.plan_save(5, b"a")
     ix.plan_save(6, b"b")
     ix.plan_save(7, b"c")                   # both slots pinned (saved this step): nothing planned
