@@ -202,15 +202,12 @@ class ModelRunner:
         if self.kv_dtype == "int8":
             self.k_scale_caches = alloc(shape[:3], torch.float32)
             self.v_scale_caches = alloc(shape[:3], torch.float32)
+        every = self.key_caches + self.value_caches + self.k_scale_caches + self.v_scale_caches
+        self._unique_kv = list({id(t): t for t in every}.values())
 
     def _kv_tensors(self) -> list[torch.Tensor]:
-        """Every K/V (and scale) tensor once (hybrid groups share them)."""
-        out, seen = [], set()
-        for t in self.key_caches + self.value_caches + self.k_scale_caches + self.v_scale_caches:
-            if id(t) not in seen:
-                seen.add(id(t))
-                out.append(t)
-        return out
+        """Every K/V (and scale) tensor once (hybrid groups share them), as allocated."""
+        return self._unique_kv
 
     def _offload_store(self, num_bytes: int | None, directory: str | None):
         """The offload tier's storage (llmopt/worker/offload.py), or None."""
@@ -237,7 +234,7 @@ class ModelRunner:
         modules = [(n, list(t.shape), str(t.dtype)) for n, t in self.model.state_dict().items()]
         kv = [(list(t.shape[1:]), str(t.dtype)) for t in self._kv_tensors()]   # a block's layout, not how many
         blob = json.dumps([str(loaded.path.resolve()), files, modules, str(self.dtype), self.kv_dtype, self.block_size,
-                           kv[:1] + kv[-1:], len(kv)], default=str)
+                           kv], default=str)
         return hashlib.sha256(blob.encode()).hexdigest()
 
     def kv_cache_info(self) -> KVCacheInfo:
