@@ -30,6 +30,12 @@ A second tier (`offload`, llmopt/cache/offload.py): a cached block the pool evic
 `allocate_slots` gives each such hit a fresh block to load it into. A preempted request's full
 blocks stay cached when freed, so on resuming it finds them in the pool or the tier instead of
 recomputing them. The step's transfers: `take_transfers`.
+
+KIVI 2-bit (`kivi`, llmopt/cache/kivi.py): a request's table is its quantized blocks (main pool) then
+its residual blocks (a second pool, full precision). `allocate_slots` converts the blocks the request's
+computed tokens have pushed out of the residual window into fresh main blocks (queued for the runner,
+`take_kivi_work`) and registers them in the prefix cache then, not before: only quantized blocks are
+shared. A fork shares the leader's quantized blocks and copies its residual.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from typing import Protocol, Sequence
 
 from llmopt.cache.block_pool import BlockHash, BlockPool, KVBlock, hash_request_blocks
 from llmopt.cache.groups import GroupTables, cdiv
+from llmopt.cache.kivi import KiviConfig, ResidualTables
 from llmopt.cache.offload import OffloadIndex, TierHit
 
 
@@ -64,9 +71,11 @@ def request_blocks(length: int, block_size: int, window: int | None = None, max_
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  sliding_window: int | None = None, offload: OffloadIndex | None = None,
-                 group_windows: Sequence[int | None] | None = None) -> None:
+                 group_windows: Sequence[int | None] | None = None, kivi: KiviConfig | None = None,
+                 num_residual_blocks: int = 0) -> None:
         """group_windows: the window of each KV-cache group (hybrid models), else one group of
-        `sliding_window`."""
+        `sliding_window`. kivi: a KIVI 2-bit cache with `num_residual_blocks` full-precision blocks
+        (block_size = its group size; one group, no window)."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         windows = list(group_windows) if group_windows is not None else [sliding_window]
@@ -76,6 +85,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, on_evict=on_evict)  # caching decided here, per request
         self._hashes: dict[str, list[BlockHash]] = {}
         self.copies: list[tuple[int, int]] = []     # (src, dst) block copies the next forward must do first
+        self.kivi = ResidualTables(num_residual_blocks, kivi) if kivi is not None else None
 
     @property
     def sliding_window(self) -> int | None:
@@ -156,19 +166,23 @@ class KVCacheManager:
             [list(h) for h in new_computed_blocks] or [[] for _ in self.groups]
         num_computed = req.num_computed_tokens + len(per_group[0]) * self.block_size
         total = num_computed + num_new_tokens + num_lookahead_tokens
-        plans, cost = [], 0
+        plans, cost, residual = [], 0, (0, 0)
         for g, hits in zip(self.groups, per_group):
             blocks = g.blocks.setdefault(rid, [])
             skipped = g.skipped(num_computed)
             self._remove_skipped_blocks(blocks, skipped)
             hits = [None if len(blocks) + i < skipped else b for i, b in enumerate(hits)]   # out of the window
-            need = max(0, cdiv(total, self.block_size) - len(blocks) - len(hits))
+            if self.kivi is not None:   # main blocks only for the blocks converted now
+                residual = self.kivi.plan(rid, len(blocks) + len(hits), num_computed, total)
+                need = residual[0]
+            else:
+                need = max(0, cdiv(total, self.block_size) - len(blocks) - len(hits))
             taken = [b for b in hits if isinstance(b, KVBlock)]
             loads = [i for i, b in enumerate(hits) if isinstance(b, TierHit)]
             cow = self._shared_partial_block(req, blocks)
             cost += need + len(loads) + sum(1 for b in taken if b.ref_cnt == 0) + (cow is not None)
             plans.append((g, blocks, hits, need, taken, loads, cow))
-        if cost > self.pool.num_free_blocks:
+        if cost > self.pool.num_free_blocks or (self.kivi is not None and residual[1] > self.kivi.pool.num_free_blocks):
             return False
         # every group's hits first: no group's new blocks may evict another's free cached hit, nor
         # a save reuse a tier slot a hit will load
@@ -190,9 +204,15 @@ class KVCacheManager:
                 hits[i] = fresh
             blocks.extend(hits)
             if need:
-                blocks.extend(self.pool.get_new_blocks(need))
+                fresh = self.pool.get_new_blocks(need)
+                blocks.extend(fresh)
+                if self.kivi is not None:
+                    self.kivi.take(rid, fresh, residual[1])
+            elif self.kivi is not None and residual[1]:
+                self.kivi.take(rid, [], residual[1])
             if self.enable_prefix_caching:
-                n_full = min(num_computed + num_new_tokens, len(req.all_token_ids)) // self.block_size
+                n_full = len(blocks) if self.kivi is not None else \
+                    min(num_computed + num_new_tokens, len(req.all_token_ids)) // self.block_size
                 start = g.num_registered.get(rid, 0)
                 if n_full > start:
                     hashes = self.block_hashes(req)
@@ -224,18 +244,28 @@ class KVCacheManager:
         i, used = divmod(req.num_computed_tokens, self.block_size)
         return i if used and i < len(blocks) and blocks[i] is not None and blocks[i].ref_cnt > 1 else None
 
-    def fork(self, parent: CacheRequest, child: CacheRequest, num_tokens: int) -> None:
+    def fork(self, parent: CacheRequest, child: CacheRequest, num_tokens: int) -> bool:
         """Give `child` (no blocks yet) the parent's blocks holding its first `num_tokens` tokens,
-        the partial last one included; one more reference each."""
+        the partial last one included; one more reference each. KIVI: the quantized ones shared, the
+        residual copied; False (nothing taken) when the residual pool has no room for the copy."""
+        if self.kivi is not None:
+            held = len(self.groups[0].blocks[parent.request_id])
+            if not self.kivi.fork(parent.request_id, child.request_id, cdiv(num_tokens, self.block_size) - held):
+                return False
         for g in self.groups:
             shared = g.blocks[parent.request_id][:cdiv(num_tokens, self.block_size)]
             self.pool.touch(b for b in shared if b is not None)
             g.blocks[child.request_id] = list(shared)
             g.num_registered[child.request_id] = min(g.num_registered.get(parent.request_id, 0), len(shared))
+        return True
 
     def take_transfers(self) -> tuple[list[tuple[int, int, BlockHash]], list[tuple[int, int]]]:
         """The offload tier's (saves, loads) queued since the last call: (block, slot, hash), (slot, block)."""
         return self.offload.take_transfers() if self.offload is not None else ([], [])
+
+    def take_kivi_work(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """KIVI: the (residual copies, conversions) queued since the last call."""
+        return self.kivi.take_work() if self.kivi is not None else ([], [])
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The (src, dst) block copies queued since the last call."""
@@ -259,14 +289,25 @@ class KVCacheManager:
             gone.update(b.block_id for b in blocks)
         if self.copies:  # a copy-on-write target released before its step ran needs no copy
             self.copies = [c for c in self.copies if c[1] not in gone]
+        if self.kivi is not None:
+            self.kivi.free(req.request_id)
+            for _, m in self.kivi.converts:   # not converted yet: never saved to the tier before it is
+                if self.pool.blocks[m].ref_cnt == 0:
+                    self.pool.uncache(self.pool.blocks[m])
 
     def forget(self, req: CacheRequest) -> None:
         """Drop per-request bookkeeping for a request that is gone for good."""
         self._hashes.pop(req.request_id, None)
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        """The first group's table (NULL_BLOCK_ID where a block was freed)."""
-        return self._ids(self.groups[0], request_id)
+        """The first group's table (NULL_BLOCK_ID where a block was freed); KIVI: its quantized
+        blocks, then its residual ones."""
+        ids = self._ids(self.groups[0], request_id)
+        return ids + self.kivi.ids(request_id) if self.kivi is not None else ids
+
+    def num_quantized_blocks(self, request_id: str) -> int:
+        """KIVI: the leading entries of the request's table that are main-pool (quantized) blocks."""
+        return len(self.groups[0].blocks.get(request_id, ()))
 
     def get_group_block_ids(self, request_id: str) -> list[list[int]]:
         return [self._ids(g, request_id) for g in self.groups]

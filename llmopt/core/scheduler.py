@@ -59,6 +59,7 @@ class ScheduledRequest:
     prompt_offset: int = 0
     prompt_top_k: int = 0
     group_block_ids: list[list[int]] | None = None   # every KV-cache group's table (hybrid models)
+    num_quantized_blocks: int = 0    # KIVI: block_ids' leading main-pool (2-bit) blocks; residual ones after
 
 
 @dataclass
@@ -70,6 +71,9 @@ class SchedulerOutput:
     # the offload tier's transfers, before the copies: (block, slot) saves, then (slot, block) loads
     kv_saves: list[tuple[int, int]] = field(default_factory=list)
     kv_loads: list[tuple[int, int]] = field(default_factory=list)
+    # KIVI, after the copies: residual block copies (src, dst), then conversions (residual, main block)
+    kivi_copies: list[tuple[int, int]] = field(default_factory=list)
+    kivi_converts: list[tuple[int, int]] = field(default_factory=list)
     # the target's hidden states the runner returns with the logits: None = none; () = the final ones;
     # layer indices = also the hidden state entering each (set by the engine from its proposer)
     hidden_layers: tuple[int, ...] | None = None
@@ -235,6 +239,7 @@ class Scheduler:
 
         out = SchedulerOutput(preempted=preempted, blocks_to_copy=self.kv.take_copies(), hidden_layers=self.hidden_layers)
         out.kv_saves, out.kv_loads = self.kv.take_transfers()
+        out.kivi_copies, out.kivi_converts = self.kv.take_kivi_work()
         for req, n in chosen.values():
             start = req.num_computed_tokens
             tokens = req.all_token_ids[start:start + n] if start + n <= req.num_tokens else \
@@ -245,6 +250,8 @@ class Scheduler:
                                  tokens[len(tokens) - num_logits + 1:], [r.request_id for r in forks])
             if len(self.kv.groups) > 1:
                 s.group_block_ids = self.kv.get_group_block_ids(req.request_id)
+            if self.kv.kivi is not None:
+                s.num_quantized_blocks = self.kv.num_quantized_blocks(req.request_id)
             if req.prompt_logprobs is not None:
                 self._ask_prompt_logprobs(req, s)
             out.scheduled.append(s)
@@ -295,8 +302,17 @@ class Scheduler:
         self.finish_request(req, RequestStatus.FINISHED_ERROR)
 
     def _fork(self, leader: Request, sib: Request, num_tokens: int) -> None:
-        """A sibling takes the leader's computed prompt: its blocks (shared) and computed count."""
-        self.kv.fork(leader, sib, num_tokens)
+        """A sibling takes the leader's computed prompt: its blocks (shared) and computed count. With
+        no room to copy a KIVI residual, it waits at the front of the queue instead, as if preempted
+        (it finds the prompt's quantized blocks in the prefix cache)."""
+        if not self.kv.fork(leader, sib, num_tokens):
+            sib.num_computed_tokens = 0
+            sib.num_cached_tokens = leader.num_cached_tokens
+            sib.metrics.first_scheduled_time = leader.metrics.first_scheduled_time
+            sib.status = RequestStatus.PREEMPTED
+            self.waiting.add_front(sib)
+            self.num_preemptions += 1
+            return
         sib.num_computed_tokens = num_tokens
         sib.num_cached_tokens = leader.num_cached_tokens
         if sib.prompt_logprobs is not None:
