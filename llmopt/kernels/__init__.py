@@ -78,20 +78,25 @@ def write_kv(key_cache, value_cache, k, v, slot_mapping, kv_dtype, k_scale, v_sc
 
 def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window,
                     kv_dtype, k_scale, v_scale, k_scale_cache=None, v_scale_cache=None, *,
-                    backend: str, plan=None) -> torch.Tensor:
+                    backend: str, plan=None, pages=None) -> torch.Tensor:
     """Varlen causal (optionally sliding-window) GQA attention over the paged cache. plan: a callable
     giving the reference's `decode_plan(...)` for this call, made once per step by the caller (only
-    the reference path asks for it)."""
+    the reference path asks for it). pages: kivi2's (key_pages, value_pages, quant_blocks [S]), the
+    caches being its full-precision residual (llmopt/kernels/kivi.py)."""
     if backend == "torch" and _cpp_decode(q, key_cache, seq_lens):   # a decode-only step on the CPU: the cache
-        reference._check_int8_scales(kv_dtype, k_scale_cache, v_scale_cache)   # read in place
+        reference._check_int8_scales(kv_dtype, k_scale_cache, v_scale_cache)   # (and kivi2's pages) read in place
+        key_pages, value_pages, quant_blocks = pages if pages is not None else (None, None, None)
         return _cpu_ops().decode_attention(q, key_cache, value_cache, block_tables.int().contiguous(),
                                            seq_lens.int().contiguous(), scale, -1 if window is None else window,
-                                           float(k_scale), float(v_scale), k_scale_cache, v_scale_cache)
+                                           float(k_scale), float(v_scale), k_scale_cache, v_scale_cache, key_pages,
+                                           value_pages, None if pages is None else quant_blocks.int().contiguous())
     impl = _impl(backend, q, "triton_attention")
     args = (q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window, kv_dtype, k_scale,
             v_scale, k_scale_cache, v_scale_cache)
     if impl is reference:
-        return impl.paged_attention(*args, plan=plan() if plan is not None else None)
+        return impl.paged_attention(*args, plan=plan() if plan is not None else None, pages=pages)
+    if pages is not None:
+        return impl.paged_attention(*args, pages=pages)
     return impl.paged_attention(*args)
 
 
@@ -102,7 +107,8 @@ def _cpu_ops():
 
 def _cpp_decode(q, key_cache, seq_lens) -> bool:
     """One query per sequence (q rows == sequences), float32 on the CPU, and the C++ kernels built:
-    llmopt_cpu.decode_attention reads the paged cache in place (the reference gathers each block)."""
+    llmopt_cpu.decode_attention reads the paged cache (kivi2: its residual and pages) in place (the
+    reference gathers each block)."""
     return (q.shape[0] == seq_lens.shape[0] and q.dtype == torch.float32 and key_cache.dtype in CPP_KV_DTYPES
             and not q.is_cuda and q.is_contiguous()
             and _cpu_ops() is not None)
@@ -121,9 +127,11 @@ class PagedStep:
 
     backend = "auto"
 
-    def set_step(self, slot_mapping, block_tables, seq_lens, query_start_loc) -> None:
+    quant_blocks = None   # kivi2: int32 [S], each sequence's quantized blocks (its table's page ids)
+
+    def set_step(self, slot_mapping, block_tables, seq_lens, query_start_loc, quant_blocks=None) -> None:
         self.slot_mapping, self.block_tables, self.seq_lens = slot_mapping, block_tables, seq_lens
-        self.query_start_loc = query_start_loc
+        self.query_start_loc, self.quant_blocks = query_start_loc, quant_blocks
         self._kept, self._plans = None, {}
 
     def write(self, key_cache, value_cache, k, v, kv_dtype="auto", k_scale=1.0, v_scale=1.0,
@@ -134,7 +142,8 @@ class PagedStep:
                  v_scale_cache, backend=self.backend, kept=self._kept)
 
     def attend(self, q, key_cache, value_cache, scale, window, kv_dtype="auto", k_scale=1.0, v_scale=1.0,
-               k_scale_cache=None, v_scale_cache=None):
+               k_scale_cache=None, v_scale_cache=None, pages=None):
+        """pages: kivi2's (key_pages, value_pages) of this layer; the caches are its residual."""
         def plan():
             if window not in self._plans:
                 self._plans[window] = reference.decode_plan(self.block_tables, self.seq_lens, self.query_start_loc,
@@ -143,7 +152,8 @@ class PagedStep:
 
         return paged_attention(q, key_cache, value_cache, self.block_tables, self.seq_lens, self.query_start_loc,
                                scale, window, kv_dtype, k_scale, v_scale, k_scale_cache, v_scale_cache,
-                               backend=self.backend, plan=plan)
+                               backend=self.backend, plan=plan,
+                               pages=None if pages is None else (*pages, self.quant_blocks))
 
 
 def rms_norm(x, weight, eps, *, backend: str):

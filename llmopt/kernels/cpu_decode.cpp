@@ -16,7 +16,9 @@
 // Cache layout: [num_blocks, block_size, num_kv_heads, head_dim], slot = block * bs + offset; float32,
 // bfloat16 or float16 (read widened, written rounded to nearest even), fp8 e4m3fn / e5m2 (one scale a
 // tensor), int8 (a scale per slot and head) or int4 (q4_0 blocks: a head's row is head_dim / 32 blocks of
-// 18 bytes), written as llmopt/kernels/reference.py quantizes.
+// 18 bytes), written as llmopt/kernels/reference.py quantizes. kivi2: a float residual cache as above
+// (written as one), its block size the group size G, and 2-bit pages a row reads for its first
+// quant_blocks blocks (llmopt/kernels/kivi.py; the pages are written in Python, not here).
 #include <torch/custom_class.h>
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
@@ -272,6 +274,12 @@ struct Cache {
     float* ksc; float* vsc;         // int8: per-(slot, head) scales, else null
     const int32_t* bt; int64_t W;   // block tables [M, W]
     const int32_t* lens;            // context lengths [M], the new token included
+    // kivi2 (llmopt/kernels/kivi.py), else null: the caches above are the full-precision residual
+    // (float32, bfloat16 or float16; its block size bs is the group size G) and row m's first qb[m]
+    // table entries are ids of 2-bit pages, kp [np, Hkv, kpb] (keys) and vp [np, Hkv, vpb] (values)
+    const uint8_t* kp = nullptr; const uint8_t* vp = nullptr;
+    int64_t kpb = 0, vpb = 0, np = 0;
+    const int32_t* qb = nullptr;
 };
 
 // float32 magnitude a (finite, at most the format's largest) -> the fp8 code, rounded to nearest even
@@ -373,14 +381,187 @@ inline float dot_row(const float* q, const uint8_t* r, int64_t n) {
     return t;
 }
 
+// the scores (q . row_j (+ add with ADD)) * kscale (times kf[j * Hkv] when kf: int8 keys' scales) of
+// keys j in [j0, j1), row j at first + (j - j0) * rb (element type E: F32, BF16, F16, fp8, int8), into
+// pg[j], their max into mx
+template <class E, bool ADD = false>
+inline void score_rows(const float* qg, const uint8_t* first, int64_t rb, int64_t D, int64_t j0, int64_t j1,
+                       float add, float kscale, const float* kf, int64_t Hkv, float* pg, float& mx) {
+    int64_t j = j0;
+    if (D % 8 == 0)
+        for (; j + 4 <= j1; j += 4) {   // 4 keys at once: one 4-way horizontal sum, not four
+            const uint8_t* k0 = first + (j - j0) * rb;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t d = 0; d < D; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(qg + d);
+                a0 = _mm256_fmadd_ps(qv, E::at(k0, d), a0);
+                a1 = _mm256_fmadd_ps(qv, E::at(k0 + rb, d), a1);
+                a2 = _mm256_fmadd_ps(qv, E::at(k0 + 2 * rb, d), a2);
+                a3 = _mm256_fmadd_ps(qv, E::at(k0 + 3 * rb, d), a3);
+            }
+            const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+            __m128 sc = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+            if constexpr (ADD) sc = _mm_add_ps(sc, _mm_set1_ps(add));
+            sc = _mm_mul_ps(sc, _mm_set1_ps(kscale));
+            if (kf) sc = _mm_mul_ps(sc, _mm_setr_ps(kf[j * Hkv], kf[(j + 1) * Hkv], kf[(j + 2) * Hkv], kf[(j + 3) * Hkv]));
+            _mm_storeu_ps(pg + j, sc);
+            mx = std::max(mx, std::max(std::max(pg[j], pg[j + 1]), std::max(pg[j + 2], pg[j + 3])));
+        }
+    for (; j < j1; ++j) {
+        float sc = dot_row<E>(qg, first + (j - j0) * rb, D);
+        if constexpr (ADD) sc += add;
+        pg[j] = sc * kscale;
+        if (kf) pg[j] *= kf[j * Hkv];
+        mx = std::max(mx, pg[j]);
+    }
+}
+
+// acc[0, D) += sum of pg[j] * row_j over keys j in [j0, j1), row j at first + (j - j0) * rb (element
+// type E), 64 columns at a time in registers
+template <class E>
+inline void accumulate_rows(const float* pg, const uint8_t* first, int64_t rb, int64_t D, int64_t j0, int64_t j1,
+                            float* acc) {
+    const int64_t D8 = D / 8 * 8;
+    for (int64_t d0 = 0; d0 < D8; d0 += 64) {
+        const int64_t w8 = std::min<int64_t>(64, D8 - d0) / 8;
+        __m256 a[8];
+        for (int i = 0; i < w8; ++i) a[i] = _mm256_loadu_ps(acc + d0 + 8 * i);
+        for (int64_t j = j0; j < j1; ++j) {
+            const __m256 w = _mm256_set1_ps(pg[j]);
+            const uint8_t* r = first + (j - j0) * rb;
+            if (w8 == 8)
+                for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(w, E::at(r, d0 + 8 * i), a[i]);
+            else
+                for (int i = 0; i < w8; ++i) a[i] = _mm256_fmadd_ps(w, E::at(r, d0 + 8 * i), a[i]);
+        }
+        for (int i = 0; i < w8; ++i) _mm256_storeu_ps(acc + d0 + 8 * i, a[i]);
+    }
+    for (int64_t d = D8; d < D; ++d) {   // odd head sizes: the plain loop
+        float t = acc[d];
+        for (int64_t j = j0; j < j1; ++j) t += pg[j] * E::one(first + (j - j0) * rb, d);
+        acc[d] = t;
+    }
+}
+
+// kivi2's 2-bit pages (llmopt/kernels/kivi.py): code c of a token's row in bits 2 * (c % 4) of byte
+// c / 4. codes16: 16 codes from column c (a multiple of 4) as floats, codes c.. c + 7 in lo, the next 8
+// in hi (one 4-byte word broadcast, shifted per lane); codes8: 8 codes; code1: one
+inline void codes16(const uint8_t* r, int64_t c, __m256& lo, __m256& hi) {
+    int32_t w;
+    std::memcpy(&w, r + c / 4, 4);
+    const __m256i v = _mm256_set1_epi32(w), three = _mm256_set1_epi32(3);
+    lo = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)), three));
+    hi = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(16, 18, 20, 22, 24, 26, 28, 30)),
+                                             three));
+}
+
+inline __m256 codes8(const uint8_t* r, int64_t c) {
+    uint16_t w;
+    std::memcpy(&w, r + c / 4, 2);
+    const __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32(w), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+    return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(3)));
+}
+
+inline float code1(const uint8_t* r, int64_t c) { return float((r[c / 4] >> (2 * (c % 4))) & 3); }
+
+inline float half_at(const uint8_t* p, int64_t i) {
+    uint16_t h;
+    std::memcpy(&h, p + 2 * i, 2);
+    return _cvtsh_ss(h);
+}
+
+// The scores of keys [t0, t1) (offsets in the block) of one block's key page (fp16 scale[D], fp16
+// zero[D], codes [G][D / 4]: key = code * scale[c] + zero[c]) for the `group` query heads q [group, D]:
+// (q * scale) . codes + q . zero, times kscale; the codes decoded once for the group into rows
+// ([t1 - t0, D] floats), q * scale and q . zero made once per head. Head g's scores into pb[g * ldp + t].
+void page_scores(const uint8_t* page, int64_t D, int64_t t0, int64_t t1, const float* q, int64_t group, float kscale,
+                 float* pb, int64_t ldp, float* mx, float* rows, float* sz, float* qs) {
+    const uint8_t* cd = page + 4 * D + t0 * D / 4;   // rows t0.. are contiguous: decoded as one run
+    const int64_t nc = (t1 - t0) * D;
+    int64_t i = 0;
+    for (; i + 16 <= nc; i += 16) {
+        __m256 lo, hi;
+        codes16(cd, i, lo, hi);
+        _mm256_storeu_ps(rows + i, lo);
+        _mm256_storeu_ps(rows + i + 8, hi);
+    }
+    for (; i + 8 <= nc; i += 8) _mm256_storeu_ps(rows + i, codes8(cd, i));
+    for (; i < nc; ++i) rows[i] = code1(cd, i);
+    for (i = 0; i + 8 <= 2 * D; i += 8)   // scale[D], zero[D]
+        _mm256_storeu_ps(sz + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(page + 2 * i))));
+    for (; i < 2 * D; ++i) sz[i] = half_at(page, i);
+    for (int64_t g = 0; g < group; ++g) {
+        const float* qg = q + g * D;
+        int64_t c = 0;
+        for (; c + 8 <= D; c += 8) _mm256_storeu_ps(qs + c, _mm256_mul_ps(_mm256_loadu_ps(qg + c), _mm256_loadu_ps(sz + c)));
+        for (; c < D; ++c) qs[c] = qg[c] * sz[c];
+        score_rows<F32, true>(qs, reinterpret_cast<const uint8_t*>(rows), 4 * D, D, t0, t1, dot(qg, sz + D, D), kscale,
+                              nullptr, 0, pb + g * ldp, mx[g]);
+    }
+}
+
+// Values [t0, t1) of one block's value page (fp16 scale[G][D / V], fp16 zero[G][D / V], codes [G][D / 4],
+// V = min(G, D) channels a group: value = code * scale[t][c / V] + zero[t][c / V]) dequantized into rows
+// [t1 - t0, D]: once for the group's query heads, which then read them as float32 rows
+void page_values(const uint8_t* page, int64_t G, int64_t D, int64_t t0, int64_t t1, float* rows) {
+    const int64_t V = std::min(G, D), ng = D / V;
+    const uint8_t *sp = page, *zp = page + 2 * G * ng, *cd = page + 4 * G * ng;
+    for (int64_t t = t0; t < t1; ++t) {
+        const uint8_t* r = cd + t * D / 4;
+        float* out = rows + (t - t0) * D;
+        for (int64_t k = 0; k < ng; ++k) {
+            const float s = half_at(sp, t * ng + k), z = half_at(zp, t * ng + k);
+            const __m256 vs = _mm256_set1_ps(s), vz = _mm256_set1_ps(z);
+            int64_t c = k * V;
+            for (; c + 16 <= (k + 1) * V; c += 16) {
+                __m256 lo, hi;
+                codes16(r, c, lo, hi);
+                _mm256_storeu_ps(out + c, _mm256_fmadd_ps(lo, vs, vz));
+                _mm256_storeu_ps(out + c + 8, _mm256_fmadd_ps(hi, vs, vz));
+            }
+            for (; c + 8 <= (k + 1) * V; c += 8) _mm256_storeu_ps(out + c, _mm256_fmadd_ps(codes8(r, c), vs, vz));
+            for (; c < (k + 1) * V; ++c) out[c] = std::fma(code1(r, c), s, z);
+        }
+    }
+}
+
+// kivi2's p @ V for row m and KV head hk: block by block, a page's values dequantized once for the
+// group's query heads, residual rows (E) read in place; sums in acc [group, D], out [group, D] = acc * inv.
+// p: the softmax numerators, head g's of key j at p[g * ldp + j - lo]
+template <class E>
+void page_attend_values(const Cache& c, int64_t m, int64_t hk, int64_t Hkv, int64_t D, int64_t lo, int64_t L,
+                        const float* p, int64_t ldp, int64_t group, const float* inv, float* out, float* rows,
+                        float* acc) {
+    const int32_t* table = c.bt + m * c.W;
+    const int64_t qbm = c.qb[m], rb = Hkv * c.hb;
+    std::fill(acc, acc + group * D, 0.f);
+    for (int64_t b = lo / c.bs; b * c.bs < L; ++b) {
+        const int64_t j0 = std::max(lo, b * c.bs), j1 = std::min(L, (b + 1) * c.bs);
+        if (b < qbm) {
+            page_values(c.vp + ((int64_t)table[b] * Hkv + hk) * c.vpb, c.bs, D, j0 - b * c.bs, j1 - b * c.bs, rows);
+            for (int64_t g = 0; g < group; ++g)
+                accumulate_rows<F32>(p + g * ldp - lo, reinterpret_cast<const uint8_t*>(rows), 4 * D, D, j0, j1,
+                                     acc + g * D);
+        } else {
+            const uint8_t* first = c.v + ((int64_t)table[b] * c.bs + j0 - b * c.bs) * rb + hk * c.hb;
+            for (int64_t g = 0; g < group; ++g) accumulate_rows<E>(p + g * ldp - lo, first, rb, D, j0, j1, acc + g * D);
+        }
+    }
+    for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < D; ++d) out[g * D + d] = acc[g * D + d] * inv[g];
+}
+
 // o[m, hq] = softmax(q k^T * scale) v over the context of row m (its last token is the query), with
 // the keys of the last `window` positions only when window > 0. q rows have stride ldq, o rows Hq * D.
 // One task per (row, kv head): its `group` query heads share each K/V row's loads; keys are walked
 // block by block (no division per key). E: the cache's element type; its codes' factors (the fp8
 // scale, an int8 row's scale) multiply the scores and the softmax weights, not the rows.
+// kivi2 (float residual caches with pages, c.kp): a row's first c.qb[m] blocks are read from the 2-bit
+// pages (page_scores, page_attend_values), the rest from the residual as a float cache.
 template <class E>
 void attention_t(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv, int64_t D, const Cache& c,
                float scale, int64_t window, float* o) {
+    constexpr bool FLOAT = std::is_same_v<E, F32> || std::is_same_v<E, BF16> || std::is_same_v<E, F16>;
     const int64_t group = Hq / Hkv, hb = E::rowb(D), rb = Hkv * hb;   // bytes of one head's row, between slots
     const float kscale = scale * c.ks, vscale = c.vs;  // (exact for the float caches: ks = vs = 1)
 #pragma omp parallel for schedule(static)
@@ -388,15 +569,29 @@ void attention_t(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv
         const int64_t m = t / Hkv, hk = t % Hkv;
         const int64_t L = c.lens[m], lo = window > 0 ? std::max<int64_t>(0, L - window) : 0, n = L - lo;
         const int32_t* table = c.bt + m * c.W;
+        const int64_t qbm = c.qb ? c.qb[m] : 0;   // kivi2: blocks b < qbm are pages
         std::vector<float> p(group * (n + 8));
+        std::vector<float> rows(c.kp ? c.bs * D + 3 * D : 0), acc(c.kp ? group * D : 0);   // kivi2's scratch
         float mx[64];
         for (int64_t g = 0; g < group; ++g) mx[g] = -INFINITY;
         for (int64_t b = lo / c.bs; b * c.bs < L; ++b) {   // scores, block by block
             const int64_t j0 = std::max(lo, b * c.bs), j1 = std::min(L, (b + 1) * c.bs);
+            if constexpr (FLOAT) {
+                if (b < qbm) {   // kivi2: a page (the next one's keys into L1, this one's values into L2)
+                    const uint8_t* kpg = c.kp + ((int64_t)table[b] * Hkv + hk) * c.kpb;
+                    if (b + 1 < qbm)
+                        prefetch_rows<_MM_HINT_T0>(c.kp + ((int64_t)table[b + 1] * Hkv + hk) * c.kpb, 1, 0, c.kpb);
+                    prefetch_rows<_MM_HINT_T1>(c.vp + ((int64_t)table[b] * Hkv + hk) * c.vpb, 1, 0, c.vpb);
+                    float* sz = rows.data() + c.bs * D;
+                    page_scores(kpg, D, j0 - b * c.bs, j1 - b * c.bs, q + m * ldq + hk * group * D, group, kscale,
+                                p.data() + b * c.bs - lo, n + 8, mx, rows.data(), sz, sz + 2 * D);
+                    continue;
+                }
+            }
             const uint8_t* kb = c.k + ((int64_t)table[b] * c.bs) * rb + hk * hb;
             // the prefetchers do not follow the table: keys two blocks ahead into L1, this block's
             // values into L2 for the p @ V pass (first block: its keys too)
-            if (b == lo / c.bs) {
+            if (b == std::max(lo / c.bs, qbm)) {
                 prefetch_rows<_MM_HINT_T0>(kb, c.bs, rb, hb);
                 if ((b + 1) * c.bs < L)
                     prefetch_rows<_MM_HINT_T0>(c.k + ((int64_t)table[b + 1] * c.bs) * rb + hk * hb, c.bs, rb, hb);
@@ -408,8 +603,8 @@ void attention_t(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv
             for (int64_t g = 0; g < group; ++g) {
                 const float* qg = q + m * ldq + (hk * group + g) * D;
                 float* pg = p.data() + g * (n + 8) - lo;   // pg[j], j in [lo, L)
-                int64_t j = j0;
                 if constexpr (std::is_same_v<E, Q4>) {   // per block: d * (q . (codes - 8)), one d a block
+                    int64_t j = j0;
                     for (; j + 4 <= j1; j += 4) {   // 4 keys at once: one 4-way horizontal sum
                         const uint8_t* k0 = kb + (j - b * c.bs) * rb;
                         __m256 a[4], cv[4];
@@ -451,30 +646,7 @@ void attention_t(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv
                         mx[g] = std::max(mx[g], pg[j]);
                     }
                 } else {
-                    if (D % 8 == 0)
-                        for (; j + 4 <= j1; j += 4) {   // 4 keys at once: one 4-way horizontal sum, not four
-                            const uint8_t* k0 = kb + (j - b * c.bs) * rb;
-                            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-                            for (int64_t d = 0; d < D; d += 8) {
-                                const __m256 qv = _mm256_loadu_ps(qg + d);
-                                a0 = _mm256_fmadd_ps(qv, E::at(k0, d), a0);
-                                a1 = _mm256_fmadd_ps(qv, E::at(k0 + rb, d), a1);
-                                a2 = _mm256_fmadd_ps(qv, E::at(k0 + 2 * rb, d), a2);
-                                a3 = _mm256_fmadd_ps(qv, E::at(k0 + 3 * rb, d), a3);
-                            }
-                            const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-                            __m128 sc = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)),
-                                                   _mm_set1_ps(kscale));
-                            if (kf) sc = _mm_mul_ps(sc, _mm_setr_ps(kf[j * Hkv], kf[(j + 1) * Hkv], kf[(j + 2) * Hkv],
-                                                                     kf[(j + 3) * Hkv]));
-                            _mm_storeu_ps(pg + j, sc);
-                            mx[g] = std::max(mx[g], std::max(std::max(pg[j], pg[j + 1]), std::max(pg[j + 2], pg[j + 3])));
-                        }
-                    for (; j < j1; ++j) {
-                        pg[j] = dot_row<E>(qg, kb + (j - b * c.bs) * rb, D) * kscale;
-                        if (kf) pg[j] *= kf[j * Hkv];
-                        mx[g] = std::max(mx[g], pg[j]);
-                    }
+                    score_rows<E>(qg, kb + (j0 - b * c.bs) * rb, rb, D, j0, j1, 0.f, kscale, kf, Hkv, pg, mx[g]);
                 }
             }
         }
@@ -494,6 +666,13 @@ void attention_t(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv
                 sum += pg[i];
             }
             inv[g] = 1.f / sum * vscale;
+        }
+        if constexpr (FLOAT) {
+            if (c.kp) {   // kivi2: p @ V block by block
+                page_attend_values<E>(c, m, hk, Hkv, D, lo, L, p.data(), n + 8, group, inv, o + (m * Hq + hk * group) * D,
+                                      rows.data(), acc.data());
+                continue;
+            }
         }
         for (int64_t g = 0; g < group; ++g) {   // p @ V: 64 columns of one head in registers over all keys
             float* out = o + (m * Hq + hk * group + g) * D;
@@ -617,11 +796,16 @@ void check_scales(const at::Tensor& t, int64_t kind, const char* what) {
     check_f32(t, what);
 }
 
+// an optional tensor argument: undefined or empty means none
+inline bool given(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
+
 // checks the cache (and its scales), tables and lengths for M decode rows; every block a row reads
-// must exist. ks, vs: an fp8 cache's scales; ksc, vsc: an int8 cache's [num_blocks, block_size, Hkv]
+// must exist. ks, vs: an fp8 cache's scales; ksc, vsc: an int8 cache's [num_blocks, block_size, Hkv].
+// kivi2: kpages, vpages its pages uint8 [num_pages, Hkv, key / value page bytes], qblocks int32 [M] each
+// row's page count (undefined or empty: no pages); the caches are then its residual, of block size G
 Cache make_cache(const at::Tensor& kc, const at::Tensor& vc, double ks, double vs, const at::Tensor& ksc,
                  const at::Tensor& vsc, const at::Tensor& bt, const at::Tensor& lens, int64_t M, int64_t Hkv,
-                 int64_t D) {
+                 int64_t D, const at::Tensor& kpages = {}, const at::Tensor& vpages = {}, const at::Tensor& qblocks = {}) {
     const auto dt = kc.scalar_type();
     TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf || dt == at::kFloat8_e4m3fn ||
                  dt == at::kFloat8_e5m2 || dt == at::kChar || dt == at::kByte) && vc.scalar_type() == dt &&
@@ -650,10 +834,35 @@ Cache make_cache(const at::Tensor& kc, const at::Tensor& vc, double ks, double v
     Cache c{static_cast<uint8_t*>(kc.data_ptr()), static_cast<uint8_t*>(vc.data_ptr()), kc.size(0), kc.size(1), dt,
             width * kc.element_size(), fp8 ? (float)ks : 1.f, fp8 ? (float)vs : 1.f, kp, vp, bt.data_ptr<int32_t>(), bt.size(1),
             lens.data_ptr<int32_t>()};
+    if (given(kpages) || given(vpages) || given(qblocks)) {   // kivi2 (llmopt/cache/kivi.py: the page sizes)
+        const int64_t G = c.bs, V = std::min(G, D);
+        TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
+                    "kivi2's residual caches must be float32, bfloat16 or float16");
+        TORCH_CHECK(G % 4 == 0 && D % 4 == 0 && D % V == 0, "kivi2 needs the group size (the residual's block size, ",
+                    G, ") and head_dim (", D, ") multiples of 4, and head_dim one of min(group size, head_dim)");
+        const int64_t kpb = 4 * D + G * D / 4, vpb = 4 * G * (D / V) + G * D / 4;
+        for (const at::Tensor* t : {&kpages, &vpages})
+            TORCH_CHECK(t->defined() && t->scalar_type() == at::kByte && t->is_contiguous() && t->device().is_cpu() &&
+                        t->dim() == 3 && t->size(0) == kpages.size(0) && t->size(1) == Hkv &&
+                        t->size(2) == (t == &kpages ? kpb : vpb),
+                        "kivi2 pages must be contiguous uint8 CPU tensors [num_pages, ", Hkv, ", ", kpb,
+                        "] (keys) and [num_pages, ", Hkv, ", ", vpb, "] (values)");
+        TORCH_CHECK(qblocks.defined() && qblocks.scalar_type() == at::kInt && qblocks.is_contiguous() &&
+                    qblocks.device().is_cpu() && qblocks.numel() == M, "quant_blocks must be contiguous int32 [", M, "]");
+        c.kp = static_cast<const uint8_t*>(kpages.data_ptr());
+        c.vp = static_cast<const uint8_t*>(vpages.data_ptr());
+        c.kpb = kpb;
+        c.vpb = vpb;
+        c.np = kpages.size(0);
+        c.qb = qblocks.data_ptr<int32_t>();
+    }
     for (int64_t m = 0; m < M; ++m) {
-        const int64_t L = c.lens[m], used = (L + c.bs - 1) / c.bs;
+        const int64_t L = c.lens[m], used = (L + c.bs - 1) / c.bs, q = c.qb ? c.qb[m] : 0;
         TORCH_CHECK(L >= 1 && used <= c.W, "sequence ", m, ": length ", L, " does not fit its block table");
-        for (int64_t b = 0; b < used; ++b)
+        TORCH_CHECK(q >= 0 && q <= used, "sequence ", m, ": quant_blocks ", q, " is not in [0, ", used, "]");
+        for (int64_t b = 0; b < q; ++b)
+            TORCH_CHECK(c.bt[m * c.W + b] >= 0 && c.bt[m * c.W + b] < c.np, "page id out of range");
+        for (int64_t b = q; b < used; ++b)
             TORCH_CHECK(c.bt[m * c.W + b] >= 0 && c.bt[m * c.W + b] < c.nb, "block id out of range");
     }
     return c;
@@ -764,9 +973,11 @@ struct DecodeLayer : torch::CustomClassHolder {
 
     // x [M, H]: the residual stream, updated in place; row m decodes one sequence at cos/sin[m]'s
     // position, its K/V written at slots[m] (negative: not written) before attending.
-    // ks, vs: an fp8 cache's scales; ksc, vsc: an int8 cache's scale caches (else empty)
+    // ks, vs: an fp8 cache's scales; ksc, vsc: an int8 cache's scale caches (else empty); kp, vp, qb:
+    // kivi2's pages and each row's page count (else empty), kc / vc being its residual (written as a float cache)
     void forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor kc, at::Tensor vc, at::Tensor bt,
-                 at::Tensor lens, at::Tensor slots, double ks, double vs, at::Tensor ksc, at::Tensor vsc) {
+                 at::Tensor lens, at::Tensor slots, double ks, double vs, at::Tensor ksc, at::Tensor vsc,
+                 at::Tensor kp, at::Tensor vp, at::Tensor qb) {
         const int64_t M = x.size(0), NQ = (Hq + 2 * Hkv) * D;
         check_f32(x, "x");
         check_f32(cos, "cos");
@@ -775,7 +986,7 @@ struct DecodeLayer : torch::CustomClassHolder {
         TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == M, "slots must be int64 [M]");
         TORCH_CHECK(width(groups[0]) == NQ && width(groups[1]) == H && width(groups[2]) == 2 * I &&
                     width(groups[3]) == H, "the layer's linears are incomplete");
-        Cache c = make_cache(kc, vc, ks, vs, ksc, vsc, bt, lens, M, Hkv, D);
+        Cache c = make_cache(kc, vc, ks, vs, ksc, vsc, bt, lens, M, Hkv, D, kp, vp, qb);
         float* xs = x.data_ptr<float>();
         const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
         const int64_t* sl = slots.data_ptr<int64_t>();
@@ -824,16 +1035,20 @@ struct DecodeLayer : torch::CustomClassHolder {
 };
 
 // Attention alone, for batched decode steps in the Python layer (reference.paged_attention):
-// q [M, Hq, D] -> o [M, Hq, D], one query per sequence, over the paged cache (any dtype make_cache takes).
+// q [M, Hq, D] -> o [M, Hq, D], one query per sequence, over the paged cache (any dtype make_cache takes;
+// kivi2: the residual caches with key_pages, value_pages and quant_blocks [M]).
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& bt,
                             const at::Tensor& lens, double scale, int64_t window, double ks, double vs,
-                            const std::optional<at::Tensor>& ksc, const std::optional<at::Tensor>& vsc) {
+                            const std::optional<at::Tensor>& ksc, const std::optional<at::Tensor>& vsc,
+                            const std::optional<at::Tensor>& kp, const std::optional<at::Tensor>& vp,
+                            const std::optional<at::Tensor>& qb) {
     check_f32(q, "q");
     TORCH_CHECK(q.dim() == 3 && kc.dim() == 4 && q.size(1) % kc.size(2) == 0 && q.size(1) / kc.size(2) <= 64,
                 "q must be [M, Hq, D] (at most 64 query heads per KV head)");
     const int64_t M = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = kc.size(2);
     const at::Tensor none;
-    Cache c = make_cache(kc, vc, ks, vs, ksc ? *ksc : none, vsc ? *vsc : none, bt, lens, M, Hkv, D);
+    Cache c = make_cache(kc, vc, ks, vs, ksc ? *ksc : none, vsc ? *vsc : none, bt, lens, M, Hkv, D, kp ? *kp : none,
+                         vp ? *vp : none, qb ? *qb : none);
     at::Tensor o = at::empty({M, Hq, D}, q.options());
     attention(q.data_ptr<float>(), Hq * D, M, Hq, Hkv, D, c, (float)scale, window, o.data_ptr<float>());
     return o;
@@ -930,7 +1145,7 @@ TORCH_LIBRARY_FRAGMENT(llmopt_cpu, m) {
           TORCH_FN(tiles_config));   // no tensors: a catch-all kernel
     m.def("decode_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
           "float scale, int window, float k_scale=1.0, float v_scale=1.0, Tensor? k_scale_cache=None, "
-          "Tensor? v_scale_cache=None) -> Tensor");
+          "Tensor? v_scale_cache=None, Tensor? key_pages=None, Tensor? value_pages=None, Tensor? quant_blocks=None) -> Tensor");
     m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
     m.def("write_kv(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor k, Tensor v, Tensor slots, float k_scale=1.0, "
           "float v_scale=1.0, Tensor(c!)? k_scale_cache=None, Tensor(d!)? v_scale_cache=None) -> ()");

@@ -10,7 +10,8 @@ of shape [num_blocks, block_size, num_kv_heads]) and `int4` (llama.cpp's q4_0 bl
 head_dim: per 32 values an fp16 scale d = the signed absmax / -8, then 16 bytes of codes q with
 x = (q - 8) * d, value j in byte j's low nibble and value j + 16 in its high one; a head's row is
 head_dim / 32 such 18-byte blocks, so the cache is uint8 [num_blocks, block_size, num_kv_heads,
-head_dim / 32 * 18] and needs no scale tensors).
+head_dim / 32 * 18] and needs no scale tensors). `kivi2`: a full-precision residual written as a float
+cache, and 2-bit pages read for each sequence's first `quant_blocks` blocks (llmopt/kernels/kivi.py).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from llmopt.errors import UserInputError
+from llmopt.kernels import kivi
 from llmopt.ggml_types import Q4_0_BYTES as Q4_BYTES, Q4_0_VALUES as Q4_VALUES, kv_int4_head_bytes
 
-KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "kivi2")
 FLOAT_KV = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}   # stored as cast
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 INT8_MAX = 127.0
@@ -166,7 +168,8 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     scale: float, window: int | None, kv_dtype: str, k_scale: float, v_scale: float,
                     k_scale_cache: torch.Tensor | None = None,
-                    v_scale_cache: torch.Tensor | None = None, plan: tuple | None = None) -> torch.Tensor:
+                    v_scale_cache: torch.Tensor | None = None, plan: tuple | None = None,
+                    pages: tuple | None = None) -> torch.Tensor:
     """Varlen causal attention over the paged cache. q [Nq, Hq, D] -> [Nq, Hq, D].
 
     Sequence s owns queries q[query_start_loc[s]:query_start_loc[s+1]], the last positions of its
@@ -176,6 +179,7 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     zero-initialized): they are masked out of the softmax, but a NaN there would still reach p @ V.
     plan: `decode_plan(block_tables, seq_lens, query_start_loc, block_size, window, device)`, built
     once per step by a caller whose layers share the metadata (the runner's attention context).
+    pages: kivi2's (key_pages, value_pages, quant_blocks [S]); the caches are then its residual.
     """
     _check_int8_scales(kv_dtype, k_scale_cache, v_scale_cache)
     out = torch.empty_like(q)
@@ -183,19 +187,19 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         return out
     cdt = _compute_dtype(q)
     bs = key_cache.shape[1]
-    kv = (key_cache, value_cache, kv_dtype, k_scale, v_scale, k_scale_cache, v_scale_cache)
+    kv = (key_cache, value_cache, kv_dtype, k_scale, v_scale, k_scale_cache, v_scale_cache, pages)
     buckets, longer = plan if plan is not None else decode_plan(block_tables, seq_lens, query_start_loc, bs,
                                                                  window, q.device)
-    for rows, blocks, mask in buckets:
-        _decode_batch(q, out, kv, rows, blocks, mask, scale, cdt)
+    for rows, seqs, blocks, mask in buckets:
+        _decode_batch(q, out, kv, rows, seqs, blocks, mask, scale, cdt)
     for s, start, n, length in longer:
-        _one_sequence(q, out, kv, block_tables[s], start, n, length, bs, scale, window, cdt)
+        _one_sequence(q, out, kv, s, block_tables[s], start, n, length, bs, scale, window, cdt)
     return out
 
 
 def decode_plan(block_tables, seq_lens, query_start_loc, bs, window, dev):
     """Decode rows (one query) in buckets of lengths within a factor of two of the bucket's longest
-    (little padding): (query rows, block ids [S, nb], mask [S, nb * bs]) each; longer queries one by
+    (little padding): (query rows, sequences, block ids [S, nb], mask [S, nb * bs]) each; longer queries one by
     one: (sequence, first query row, queries, length)."""
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -212,21 +216,25 @@ def decode_plan(block_tables, seq_lens, query_start_loc, bs, window, dev):
         mask = d >= 0
         if window is not None:
             mask &= d < window
-        buckets.append((torch.tensor([starts[s] for s in seqs], device=dev), blocks, mask[:, None, None, :]))
+        buckets.append((torch.tensor([starts[s] for s in seqs], device=dev), torch.tensor(seqs, device=dev), blocks,
+                        mask[:, None, None, :]))
     longer = [(s, starts[s], starts[s + 1] - starts[s], lens[s]) for s in range(len(lens)) if starts[s + 1] - starts[s] > 1]
     return buckets, longer
 
 
-def _keys_values(kv, blocks, cdt):
-    key_cache, value_cache, kv_dtype, k_scale, v_scale, k_sc, v_sc = kv
+def _keys_values(kv, seqs, blocks, cdt):
+    key_cache, value_cache, kv_dtype, k_scale, v_scale, k_sc, v_sc, pages = kv
+    if pages is not None:
+        key_pages, value_pages, quant_blocks = pages
+        return kivi.gather_rows(key_cache, value_cache, key_pages, value_pages, blocks, quant_blocks[seqs], cdt)
     k = _gather(key_cache, blocks, kv_dtype, k_scale, k_sc, cdt)
     v = _gather(value_cache, blocks, kv_dtype, v_scale, v_sc, cdt)
     return k, v
 
 
-def _one_sequence(q, out, kv, table, start, n, length, bs, scale, window, cdt):
+def _one_sequence(q, out, kv, s, table, start, n, length, bs, scale, window, cdt):
     nblocks = -(-length // bs)
-    k, v = _keys_values(kv, table[None, :nblocks].long(), cdt)
+    k, v = _keys_values(kv, torch.tensor([s], device=q.device), table[None, :nblocks].long(), cdt)
     k, v = k[0, :length].transpose(0, 1), v[0, :length].transpose(0, 1)  # [Hkv, L, D]
     qs = q[start:start + n].to(cdt).transpose(0, 1)  # [Hq, n, D]
     gqa = qs.shape[0] != k.shape[0]
@@ -241,8 +249,8 @@ def _one_sequence(q, out, kv, table, start, n, length, bs, scale, window, cdt):
     out[start:start + n] = o.transpose(0, 1).to(out.dtype)
 
 
-def _decode_batch(q, out, kv, rows, blocks, mask, scale, cdt):
-    k, v = _keys_values(kv, blocks, cdt)  # [S, L, Hkv, D]
+def _decode_batch(q, out, kv, rows, seqs, blocks, mask, scale, cdt):
+    k, v = _keys_values(kv, seqs, blocks, cdt)  # [S, L, Hkv, D]
     ns, hkv = rows.shape[0], k.shape[2]
     qs = q[rows].to(cdt).view(ns, hkv, -1, q.shape[-1])  # the head group as query rows of its kv head
     o = F.scaled_dot_product_attention(qs, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)

@@ -7,6 +7,10 @@ once per group (the GQA saving). A tile of keys is BLOCK_N consecutive context p
 position finds its page through the block table, so any page size (1, 16, ...) works. fp8 caches are
 read as bytes and bitcast, int8 codes are multiplied by their per-(token, head) scale on load, int4
 rows are q4_0 blocks (per 32 values an fp16 scale, then 16 bytes of nibbles) decoded on load.
+kivi2 (KV_KIVI): the caches are the full-precision residual and ks_ptr/vs_ptr its 2-bit key/value
+pages (layout: llmopt/kernels/kivi.py); a position of block b < quant_blocks[s] (qb_ptr) is decoded
+from the page its table entry names, any other read from the residual block it names, per position,
+so a tile may straddle the two.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-KV_PLAIN, KV_FP8E4, KV_FP8E5, KV_INT8, KV_Q4 = 0, 1, 2, 3, 4  # KV_MODE: how a cache's elements are dequantized
+KV_PLAIN, KV_FP8E4, KV_FP8E5, KV_INT8, KV_Q4, KV_KIVI = 0, 1, 2, 3, 4, 5  # KV_MODE: how a cache's elements are dequantized
 
 
 @triton.jit
@@ -46,19 +50,53 @@ def _load_kv(cache_ptr, scale_ptr, slots, valid_n, h, offs_d, mask_d, kv_scale,
 
 
 @triton.jit
-def _attend(q, acc, m_i, l_i, q_pos, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, j_start, j_end, h,
+def _load_kivi(cache_ptr, page_ptr, ids, t, quant, resid, h, offs_d, mask_d,
+               IS_KEY: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr):
+    """kivi2: [BLOCK_N, D_PAD] float32 tile of kv head h. Position n is offset t[n] of block ids[n]:
+    a 2-bit page (quant) or a residual block (resid); positions in neither stay 0."""
+    m = mask_d[None, :]
+    c = offs_d[None, :]
+    res = tl.load(cache_ptr + ((ids * PAGE + t)[:, None] * HKV + h) * D + c, mask=resid[:, None] & m, other=0)
+    mq = quant[:, None] & m
+    if IS_KEY:   # per channel c: fp16 scale[D], fp16 zero[D], codes [PAGE][D / 4]
+        base = page_ptr + (ids * HKV + h)[:, None] * (4 * D + PAGE * D // 4)
+        sz = 2 * c
+        zero_at = 2 * D
+        codes_at = 4 * D
+    else:        # per (token t, group of V channels): fp16 scale[PAGE][D / V], fp16 zero[PAGE][D / V], codes
+        V: tl.constexpr = min(PAGE, D)
+        base = page_ptr + (ids * HKV + h)[:, None] * (4 * PAGE * (D // V) + PAGE * D // 4)
+        sz = 2 * (t[:, None] * (D // V) + c // V)
+        zero_at = 2 * PAGE * (D // V)
+        codes_at = 4 * PAGE * (D // V)
+    scale = tl.load((base + sz).to(tl.pointer_type(tl.float16)), mask=mq, other=0.0).to(tl.float32)
+    zero = tl.load((base + zero_at + sz).to(tl.pointer_type(tl.float16)), mask=mq, other=0.0).to(tl.float32)
+    byte = tl.load(base + codes_at + t[:, None] * (D // 4) + c // 4, mask=mq, other=0).to(tl.int32)
+    code = (byte >> (2 * (c % 4))) & 3
+    return tl.where(quant[:, None], code.to(tl.float32) * scale + zero, res.to(tl.float32))
+
+
+@triton.jit
+def _attend(q, acc, m_i, l_i, q_pos, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, qb, j_start, j_end, h,
             k_scale, v_scale, qk_scale, window, offs_d, mask_d,
             HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
             KV_MODE: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_IEEE: tl.constexpr):
     """Online-softmax accumulation of keys [j_start, j_end) for the query rows q (positions q_pos).
-    Scores are kept in log2 units (qk_scale includes log2(e))."""
+    Scores are kept in log2 units (qk_scale includes log2(e)). qb: kivi2's quantized blocks (else unused)."""
     for j0 in range(j_start, j_end, BLOCK_N):
         offs_n = j0 + tl.arange(0, BLOCK_N)
         valid_n = offs_n < j_end
         page = tl.load(table_ptr + offs_n // PAGE, mask=valid_n, other=0).to(tl.int64)
-        slots = page * PAGE + offs_n % PAGE
-        k = _load_kv(k_ptr, ks_ptr, slots, valid_n, h, offs_d, mask_d, k_scale, HKV, D, KV_MODE)
-        v = _load_kv(v_ptr, vs_ptr, slots, valid_n, h, offs_d, mask_d, v_scale, HKV, D, KV_MODE)
+        if KV_MODE == 5:
+            quant = valid_n & (offs_n // PAGE < qb)
+            resid = valid_n & (offs_n // PAGE >= qb)
+            t = offs_n % PAGE
+            k = _load_kivi(k_ptr, ks_ptr, page, t, quant, resid, h, offs_d, mask_d, True, HKV, D, PAGE)
+            v = _load_kivi(v_ptr, vs_ptr, page, t, quant, resid, h, offs_d, mask_d, False, HKV, D, PAGE)
+        else:
+            slots = page * PAGE + offs_n % PAGE
+            k = _load_kv(k_ptr, ks_ptr, slots, valid_n, h, offs_d, mask_d, k_scale, HKV, D, KV_MODE)
+            v = _load_kv(v_ptr, vs_ptr, slots, valid_n, h, offs_d, mask_d, v_scale, HKV, D, KV_MODE)
         if DOT_IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -83,7 +121,7 @@ def _attend(q, acc, m_i, l_i, q_pos, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, j_
 
 # runtime sizes that change from step to step are not specialized (no recompiles mid-run)
 @triton.jit(do_not_specialize=["stride_bt", "window", "num_splits"])
-def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, qsl_ptr, o_ptr, part_ptr, ml_ptr,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, qsl_ptr, qb_ptr, o_ptr, part_ptr, ml_ptr,
                    stride_qn, stride_qh, stride_bt, stride_on, stride_oh, k_scale, v_scale, qk_scale, window,
                    num_splits, G: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                    G_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, KV_MODE: tl.constexpr,
@@ -113,7 +151,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, qsl_pt
     acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
-    acc, m_i, l_i = _attend(q, acc, m_i, l_i, q_pos, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr + s * stride_bt,
+    qb = 0
+    if KV_MODE == 5:
+        qb = tl.load(qb_ptr + s)
+    acc, m_i, l_i = _attend(q, acc, m_i, l_i, q_pos, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr + s * stride_bt, qb,
                             j_start, j_end, h, k_scale, v_scale, qk_scale, window, offs_d, mask_d,
                             HKV, D, PAGE, BLOCK_N, KV_MODE, USE_WINDOW, DOT_IEEE)
     out_mask = mask_g[:, None] & mask_d[None, :]
@@ -152,7 +193,7 @@ def _merge_kernel(part_ptr, ml_ptr, qsl_ptr, o_ptr, stride_on, stride_oh, num_sp
 
 
 @triton.jit(do_not_specialize=["stride_bt", "window", "num_seqs"])
-def _varlen_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, qsl_ptr, o_ptr,
+def _varlen_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, qsl_ptr, qb_ptr, o_ptr,
                    stride_qn, stride_qh, stride_bt, stride_on, stride_oh, k_scale, v_scale, qk_scale, window,
                    num_seqs, G: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -197,7 +238,10 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, qsl_pt
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc, m_i, l_i = _attend(q, acc, m_i, l_i, q_pos, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr + s * stride_bt,
+    qb = 0
+    if KV_MODE == 5:
+        qb = tl.load(qb_ptr + s)
+    acc, m_i, l_i = _attend(q, acc, m_i, l_i, q_pos, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr + s * stride_bt, qb,
                             j_start, j_end, h, k_scale, v_scale, qk_scale, window, offs_d, mask_d,
                             HKV, D, PAGE, BLOCK_N, KV_MODE, USE_WINDOW, DOT_IEEE)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

@@ -7,7 +7,8 @@ layouts of quantized modules (int8 / int4 codes with scales, fp8) and the fused 
 storage (llmopt/layers/fuse.py). Embedding, the final norm and the head stay in Python (one call
 each). The runner uses it on the CPU, for a float32 model and any KV cache dtype (16-bit rows read
 widened and written rounded to nearest even, fp8 and int8 ones quantized as the reference path
-quantizes them and dequantized inside attention), for steps of up to
+quantizes them and dequantized inside attention; kivi2: the float residual written, its 2-bit pages
+read in place, `run(pages=...)`), for steps of up to
 CPU_DECODE_MAX_ROWS tokens: decode steps, speculative decoding's verification steps and prefill
 chunks, each token a row that attends over its own prefix (prefill measured 1.1-2.0x faster than
 the Python layers for prompts of 256 to 4,000 tokens, docs/benchmarks.md); models it cannot take
@@ -142,23 +143,34 @@ class CpuDecode:
     @staticmethod
     def rows_context(attn, seq_idx: torch.Tensor, positions: torch.Tensor):
         """The step's tables per token row: row t of sequence s gets s's block table and the context
-        length positions[t] + 1 (a verified draft sees the drafts before it, not after); per KV-cache
-        group (`for_layer`)."""
+        length positions[t] + 1 (a verified draft sees the drafts before it, not after), and kivi2's
+        quant_blocks[s] (None without pages); per KV-cache group (`for_layer`)."""
         from types import SimpleNamespace
         lens = (positions + 1).to(torch.int32)
         steps = [SimpleNamespace(block_tables=st.block_tables[seq_idx].contiguous(), seq_lens=lens,
-                                 slot_mapping=st.slot_mapping) for st in [attn] + attn.group_steps]
+                                 slot_mapping=st.slot_mapping,
+                                 quant_blocks=None if st.quant_blocks is None else st.quant_blocks[seq_idx])
+                 for st in [attn] + attn.group_steps]
         first = steps[0]
         first.for_layer = lambda i: steps[attn.r.layer_group[i]]
         return first
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, attn, key_caches, value_caches,
             logit_rows: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
-            k_scale_caches: list | None = None, v_scale_caches: list | None = None) -> torch.Tensor:
+            k_scale_caches: list | None = None, v_scale_caches: list | None = None,
+            pages: tuple | None = None) -> torch.Tensor:
         """Float32 logits [len(logit_rows) or len(ids), vocab] of a step of token rows: row t attends
         over attn.block_tables[t] up to attn.seq_lens[t] (its own position included). k_scale, v_scale:
-        an fp8 cache's scales; k/v_scale_caches: an int8 cache's, one tensor a layer."""
+        an fp8 cache's scales; k/v_scale_caches: an int8 cache's, one tensor a layer. pages: kivi2's
+        (key pages, value pages), one tensor a layer each, the caches being its residual: row t reads
+        its first attn.quant_blocks[t] blocks from the pages (llmopt/kernels/kivi.py)."""
         from llmopt.models.llama import rope_cos_sin   # deferred: start-up time (model code)
+        key_pages, value_pages = pages if pages is not None else (None, None)
+        quant_blocks = _EMPTY
+        if pages is not None:
+            if attn.quant_blocks is None:
+                raise ValueError("kivi2 pages need the step's quant_blocks")
+            quant_blocks = attn.quant_blocks.to(torch.int32).contiguous()
         m = self.model
         x = m.embed(ids).contiguous()   # a new tensor: the layers update it in place
         cos, sin = rope_cos_sin(m.inv_freq, positions, x.dtype)
@@ -170,7 +182,9 @@ class CpuDecode:
             st = attn.for_layer(i)   # the layer's KV-cache group: its tables and slots
             layer.forward(x, cos, sin, key_caches[i], value_caches[i], st.block_tables, st.seq_lens,
                           st.slot_mapping, k_scale, v_scale, k_scale_caches[i] if k_scale_caches else _EMPTY,
-                          v_scale_caches[i] if v_scale_caches else _EMPTY)
+                          v_scale_caches[i] if v_scale_caches else _EMPTY,
+                          _EMPTY if key_pages is None else key_pages[i], _EMPTY if value_pages is None else value_pages[i],
+                          quant_blocks)
         h = m.model.norm(x)
         if capture is not None:
             m.captured = (h, aux)
