@@ -45,8 +45,10 @@ GpuMemoryUtilizationOpt = typer.Option(defaults.GPU_MEMORY_UTILIZATION, "--gpu-m
                                        "(0, 1] (vLLM's meaning).")
 KvCacheDtypeOpt = typer.Option(defaults.KV_CACHE_DTYPE, "--kv-cache-dtype",
                                help="auto (a 16-bit model's dtype, else the compute dtype: float32 on the CPU), "
-                               "float32, bfloat16, float16, fp8, fp8_e4m3, fp8_e5m2, int8 or int4 (llama.cpp's q4_0 "
-                               "blocks along each head: 4.5 bits a value; head_dim a multiple of 32).")
+                               "float32, bfloat16, float16, fp8, fp8_e4m3, fp8_e5m2, int8, int4 (llama.cpp's q4_0 "
+                               "blocks along each head: 4.5 bits a value; head_dim a multiple of 32) or kivi2 (KIVI: "
+                               "2-bit keys per channel and values per token, the last --kivi-residual-length tokens "
+                               "in full precision; the block size becomes --kivi-group-size).")
 MaxModelLenOpt = typer.Option(None, "--max-model-len", callback=in_range(2),
                               help="Context per request, 2 to the model's context length (the default).")
 MaxNumSeqsOpt = typer.Option(defaults.MAX_NUM_SEQS, "--max-num-seqs", callback=in_range(1),
@@ -77,6 +79,12 @@ KvOffloadBytesOpt = typer.Option(None, "--kv-offload-bytes",
 KvOffloadDirOpt = typer.Option(None, "--kv-offload-dir",
                                help="Keep the --kv-offload-bytes tier in a memory-mapped file in this folder: a "
                                "restart with the same model, dtypes and block size finds its blocks.")
+KiviGroupSizeOpt = typer.Option(defaults.KIVI_GROUP_SIZE, "--kivi-group-size", callback=in_range(4),
+                                help="kivi2: tokens a key group spans and channels a value group spans (the paper's "
+                                f"{defaults.KIVI_GROUP_SIZE}); a multiple of 4.")
+KiviResidualLengthOpt = typer.Option(defaults.KIVI_RESIDUAL_LENGTH, "--kivi-residual-length", callback=in_range(0),
+                                     help="kivi2: the most recent tokens kept in full precision (the paper's "
+                                     f"{defaults.KIVI_RESIDUAL_LENGTH}); a multiple of the group size.")
 HybridOpt = typer.Option(False, "--disable-hybrid-kv-cache-manager",
                          help="vLLM's flag: layers of different windows share one block table and keep every "
                          "block (default: a table per window, each freeing what its window has left).")
@@ -103,6 +111,8 @@ ENGINE_FLAGS: dict[str, tuple[type, Any]] = {
     "kv_offload_bytes": (str, KvOffloadBytesOpt),
     "kv_offload_dir": (str, KvOffloadDirOpt),
     "disable_hybrid_kv_cache_manager": (bool, HybridOpt),
+    "kivi_group_size": (int, KiviGroupSizeOpt),
+    "kivi_residual_length": (int, KiviResidualLengthOpt),
 }
 # flag name -> EngineArgs field, where they differ
 _ENGINE_FIELDS = {"prefix_caching": "enable_prefix_caching"}

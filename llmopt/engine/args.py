@@ -5,12 +5,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import logging
+
 from llmopt import defaults
+from llmopt.cache.kivi import KiviConfig
 from llmopt.errors import UserInputError
 from llmopt.models.config import resolve_device_name
 from llmopt.validate import check_engine_limits
 
 UNLIMITED_TOKENS = 1 << 40
+log = logging.getLogger("llmopt.engine")
 
 
 def default_batched_tokens(device: str) -> int:
@@ -45,6 +49,18 @@ class EngineArgs:
     kv_offload_bytes: int | None = None   # a second tier of this many bytes for evicted prefix blocks (host memory)
     kv_offload_dir: str | None = None     # ... kept in a memory-mapped file in this folder instead (persists)
     disable_hybrid_kv_cache_manager: bool = False   # vLLM's flag: mixed windows share one table, every block kept
+    kivi_group_size: int = defaults.KIVI_GROUP_SIZE            # kivi2: tokens per key group (the block size)
+    kivi_residual_length: int = defaults.KIVI_RESIDUAL_LENGTH  # kivi2: recent tokens kept in full precision
+
+    @property
+    def kivi(self) -> KiviConfig | None:
+        """KIVI's sizes when the cache is kivi2 (llmopt/cache/kivi.py)."""
+        if self.kv_cache_dtype != "kivi2":
+            if (self.kivi_group_size, self.kivi_residual_length) != (defaults.KIVI_GROUP_SIZE,
+                                                                     defaults.KIVI_RESIDUAL_LENGTH):
+                raise UserInputError("--kivi-group-size and --kivi-residual-length apply to --kv-cache-dtype kivi2 only")
+            return None
+        return KiviConfig(self.kivi_group_size, self.kivi_residual_length)
 
     @property
     def hybrid_kv_cache(self) -> bool:
@@ -66,6 +82,22 @@ class EngineArgs:
         if not self.max_num_batched_tokens:
             self.max_num_batched_tokens = UNLIMITED_TOKENS
         self._check_offload()
+        self._check_kivi()
+
+    def _check_kivi(self) -> None:
+        if self.kv_cache_dtype in ("kivi", "kivi-2bit", "kivi_2bit"):   # kv-estimate's spellings
+            self.kv_cache_dtype = "kivi2"
+        if self.kv_cache_dtype != "kivi2":
+            if (self.kivi_group_size, self.kivi_residual_length) != (defaults.KIVI_GROUP_SIZE,
+                                                                     defaults.KIVI_RESIDUAL_LENGTH):
+                raise UserInputError("--kivi-group-size and --kivi-residual-length apply to --kv-cache-dtype kivi2 only")
+            return
+        if self.speculative_config is not None:
+            raise UserInputError("kivi2 does not run with --speculative-config (drafts would rewind its residual): "
+                                 "pick another --kv-cache-dtype")
+        if self.block_size != self.kivi_group_size:   # a block is one KIVI group (vLLM forces a backend's block size too)
+            log.info("kivi2: block size %d (its group size)", self.kivi_group_size)
+            self.block_size = self.kivi_group_size
 
     def _check_offload(self) -> None:
         if self.kv_offload_dir is not None and self.kv_offload_bytes is None:

@@ -26,6 +26,7 @@ import logging
 import threading
 from dataclasses import dataclass
 
+from llmopt.cache.kivi import request_blocks as kivi_request_blocks
 from llmopt.cache.kv_manager import KVCacheManager, cdiv, request_blocks
 from llmopt.cache.offload import OffloadIndex
 from llmopt.engine.args import EngineArgs
@@ -130,6 +131,8 @@ class LLMEngine:
         windows = info.group_windows if args.speculative_config is None else [None] * len(info.group_windows)
         need = sum(request_blocks(self.max_model_len, args.block_size, w, args.max_num_batched_tokens) for w in windows)
         window = windows[0] if len(windows) == 1 else None
+        if args.kivi is not None:   # the pools were sized for requests of max_model_len (llmopt/cache/kivi.py)
+            need = kivi_request_blocks(self.max_model_len, args.kivi.group_size, args.kivi.residual_length)[0]
         if need > info.num_blocks:
             if len(windows) > 1:
                 raise UserInputError(f"the KV cache holds {info.num_blocks:,} blocks of {args.block_size} tokens, fewer "
@@ -151,7 +154,7 @@ class LLMEngine:
                      info.offload_slots * info.offload_block_bytes / 2**20, args.kv_offload_dir or "host memory",
                      len(info.offload_restored))
         self.kv = KVCacheManager(info.num_blocks, args.block_size, args.enable_prefix_caching, offload=offload,
-                                 group_windows=windows)
+                                 group_windows=windows, kivi=args.kivi, num_residual_blocks=info.num_residual_blocks)
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len,
                                    args.scheduling_policy)
         # Speculative decoding: a proposer drafts tokens that the engine verifies in the same forward
@@ -170,7 +173,11 @@ class LLMEngine:
         self._counter = 0
         log.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB (%s)", info.num_blocks, info.block_size,
                  info.num_tokens, info.bytes_allocated / 2**20, info.kv_cache_dtype)
-        log.info("Maximum concurrency for %d tokens per request: %.2fx", self.max_model_len, info.num_blocks / need)
+        if args.kivi is not None:
+            log.info("kivi2: %d full-precision residual blocks, %.1f MiB", info.num_residual_blocks,
+                     info.num_residual_blocks * info.residual_bytes_per_block * info.num_layers / 2**20)
+        log.info("Maximum concurrency for %d tokens per request: %.2fx", self.max_model_len,
+                 info.num_blocks / need if need else float(args.max_num_seqs))
 
     # -- speculative decoding ----------------------------------------------------------------------
     def proposer_context(self) -> ProposerContext:
@@ -458,9 +465,10 @@ class LLMEngine:
 
     def _probe(self) -> bool:
         """Whether a forward and a draw still work: one token alone in a free block."""
-        if self.kv.pool.num_free_blocks < 1:
+        pool = self.kv.pool if self.kv.kivi is None else self.kv.kivi.pool   # kivi2 writes the residual
+        if pool.num_free_blocks < 1:
             return False
-        (block,) = self.kv.pool.get_new_blocks(1)
+        (block,) = pool.get_new_blocks(1)
         try:
             probe = ScheduledRequest("probe", [0], 0, [block.block_id], 1)
             if len(self.kv.groups) > 1:   # every group's table: the one block (it writes it in each)
@@ -474,7 +482,7 @@ class LLMEngine:
             log.error("the engine's probe failed too: %s: %s", type(e).__name__, e)
             return False
         finally:
-            self.kv.pool.free_blocks([block])
+            pool.free_blocks([block])
 
     def _output(self, parent: _Parent) -> RequestOutput:
         outs = [CompletionOutput(req.index, req.text, list(req.output_token_ids),

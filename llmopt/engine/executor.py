@@ -33,4 +33,5 @@ def create_executor(args: EngineArgs, loaded: LoadedModel | None, progress=None,
     check(loaded)
     return ModelRunner(loaded, args.block_size, args.kv_cache_dtype, args.kv_cache_memory, args.gpu_memory_utilization,
                        args.max_num_batched_tokens, args.attention_backend, args.enforce_eager,
-                       args.kv_offload_bytes, args.kv_offload_dir, args.hybrid_kv_cache)
+                       args.kv_offload_bytes, args.kv_offload_dir, args.hybrid_kv_cache, args.kivi, args.max_model_len,
+                       args.max_num_seqs)

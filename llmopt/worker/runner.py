@@ -16,8 +16,10 @@ import torch
 
 from llmopt import defaults, kernels
 from llmopt.cache.groups import kv_cache_groups
+from llmopt.cache.kivi import KiviConfig, check_kivi, kivi_pools, key_page_bytes, value_page_bytes
 from llmopt.core.scheduler import SchedulerOutput
 from llmopt.errors import LLMOptError, UserInputError
+from llmopt.kernels import kivi as kivi_kernels
 from llmopt.models.attention import DenseCausalAttention
 from llmopt.models.config import auto_kv_dtype_name
 from llmopt.models.loader import LoadedModel
@@ -54,6 +56,8 @@ class KVCacheInfo:
     offload_slots: int = 0           # blocks the offload tier holds (0: no tier)
     offload_block_bytes: int = 0     # bytes of one block of every layer, as the tier stores it
     offload_restored: list = field(default_factory=list)   # (hash, slot) a disk tier held at start-up
+    num_residual_blocks: int = 0     # kivi2: full-precision blocks (llmopt/cache/kivi.py)
+    residual_bytes_per_block: int = 0   # kivi2: one residual block in one layer
 
     @property
     def num_tokens(self) -> int:
@@ -88,9 +92,13 @@ class PagedAttention(kernels.PagedStep):
                  window: int | None) -> torch.Tensor:
         r = self.r
         kc, vc = r.key_caches[layer_idx], r.value_caches[layer_idx]
+        step = self.for_layer(layer_idx)
+        if r.kivi is not None:   # new rows into the full-precision residual; attention reads the pages too
+            step.write(kc, vc, k, v, r.residual_dtype)
+            pages = (r.key_pages[layer_idx], r.value_pages[layer_idx])
+            return step.attend(q, kc, vc, r.scale, window, r.kv_dtype, pages=pages)
         ksc = r.k_scale_caches[layer_idx] if r.k_scale_caches else None
         vsc = r.v_scale_caches[layer_idx] if r.v_scale_caches else None
-        step = self.for_layer(layer_idx)
         step.write(kc, vc, k, v, r.kv_dtype, r.k_scale, r.v_scale, ksc, vsc)
         return step.attend(q, kc, vc, r.scale, window, r.kv_dtype, r.k_scale, r.v_scale, ksc, vsc)
 
@@ -102,7 +110,10 @@ class ModelRunner:
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
                  max_num_batched_tokens: int = 2048, attention_backend: str = "auto",
                  enforce_eager: bool = True, kv_offload_bytes: int | None = None,
-                 kv_offload_dir: str | None = None, hybrid: bool = False) -> None:
+                 kv_offload_dir: str | None = None, hybrid: bool = False, kivi: KiviConfig | None = None,
+                 max_model_len: int | None = None, max_num_seqs: int = defaults.MAX_NUM_SEQS) -> None:
+        """kivi: KIVI's sizes for --kv-cache-dtype kivi2 (its pools are sized for requests of
+        max_model_len, at most max_num_seqs of them: llmopt/cache/kivi.py)."""
         self.loaded = loaded
         self.model = loaded.model
         self.cfg = loaded.config
@@ -120,8 +131,17 @@ class ModelRunner:
         self.num_layers = self.cfg.num_hidden_layers
         self.tp = getattr(self.model, "tp", None)    # tensor parallel: this rank's KV heads (llmopt/distributed/plan.py)
         self.num_kv_heads = self.tp.plan.kv_heads_per_rank if self.tp is not None else self.cfg.num_key_value_heads
-        self.bytes_per_block = kernels.kv_block_bytes(block_size, self.num_kv_heads, self.cfg.head_dim,
-                                                      kv_cache_dtype, self.dtype)
+        self.kivi = self._check_kivi(kivi) if kv_cache_dtype == "kivi2" else None
+        self.num_residual_blocks = self.residual_bytes_per_block = 0
+        if self.kivi is not None:   # the pages of one block, K and V; the residual: a float block
+            d, g = self.cfg.head_dim, self.kivi.group_size
+            self.bytes_per_block = self.num_kv_heads * (key_page_bytes(g, d) + value_page_bytes(g, d))
+            self.residual_dtype = auto_kv_dtype_name(*(str(t).removeprefix("torch.") for t in (self.dtype, loaded.weight_dtype)))
+            self.residual_bytes_per_block = kernels.kv_block_bytes(block_size, self.num_kv_heads, d,
+                                                                   self.residual_dtype, self.dtype)
+        else:
+            self.bytes_per_block = kernels.kv_block_bytes(block_size, self.num_kv_heads, self.cfg.head_dim,
+                                                          kv_cache_dtype, self.dtype)
         # KV-cache groups (llmopt/cache/groups.py): layer j of every group shares the j-th tensors
         self.block_layers, self.kv_groups = kv_cache_groups(self.cfg.layer_windows or [None] * self.num_layers,
                                                             hybrid)
@@ -131,6 +151,12 @@ class ModelRunner:
                 self.layer_group[layer], self.layer_slot[layer] = g, j
         budget = self._kv_budget(kv_cache_memory, gpu_memory_utilization, max_num_batched_tokens)
         self.num_blocks = budget // (self.block_layers * self.bytes_per_block)
+        if self.kivi is not None:
+            pools = kivi_pools(budget, self.num_layers * self.bytes_per_block,
+                               self.num_layers * self.residual_bytes_per_block,
+                               max_model_len or self.cfg.max_position_embeddings, max_num_seqs, max_num_batched_tokens,
+                               self.kivi.group_size, self.kivi.residual_length)
+            self.num_blocks, self.num_residual_blocks = pools.num_blocks, pools.num_residual_blocks
         if self.tp is not None:   # every rank holds the same blocks: the fewest any rank has room for
             self.num_blocks = self.tp.min_int(self.num_blocks)
         if self.num_blocks < 1:
@@ -145,6 +171,8 @@ class ModelRunner:
             log.info("tensor parallel: the compiled decode step is off (eager steps)")
         elif not enforce_eager and len(self.kv_groups) > 1:
             log.info("KV-cache groups (mixed windows): the compiled decode step is off (eager steps)")
+        elif not enforce_eager and self.kivi is not None:
+            log.info("kivi2: the compiled decode step is off (eager steps)")
         elif not enforce_eager and self.device.type == "cpu":
             from llmopt.worker.compiled import CompiledDecode   # deferred: start-up time (torch.compile), --no-enforce-eager only
             if CompiledDecode.supports(self.model):
@@ -155,6 +183,17 @@ class ModelRunner:
             self.cpu_decode = CpuDecode.build(self)
 
     # -- KV memory -------------------------------------------------------------------------------
+    def _check_kivi(self, kivi: KiviConfig | None) -> KiviConfig:
+        kivi = kivi or KiviConfig()
+        check_kivi(kivi.group_size, kivi.residual_length, self.cfg.head_dim)
+        if self.block_size != kivi.group_size:
+            raise UserInputError(f"kivi2 needs --block-size equal to its group size {kivi.group_size}, got {self.block_size}")
+        if any(self.cfg.layer_windows or ()):
+            raise UserInputError("kivi2 does not run sliding-window layers: pick another --kv-cache-dtype for this model")
+        if self.tp is not None:
+            raise UserInputError("kivi2 runs with --tensor-parallel-size 1 only")
+        return kivi
+
     def _kv_budget(self, kv_cache_memory, utilization, max_tokens) -> int:
         if kv_cache_memory is not None:
             if kv_cache_memory <= 0:
@@ -188,25 +227,39 @@ class ModelRunner:
         return budget
 
     def _allocate(self) -> None:
-        shape = (self.num_blocks, self.block_size, self.num_kv_heads, kernels.kv_head_width(self.kv_dtype, self.cfg.head_dim))
-        cache_dtype = kernels.kv_cache_torch_dtype(self.kv_dtype, self.dtype)
 
         def alloc(s, dt):   # one tensor a group position, shared by that position's layer of each group
             shared = [torch.zeros(s, dtype=dt, device=self.device) for _ in range(self.block_layers)]
             return [shared[self.layer_slot[i]] for i in range(self.num_layers)]
 
-        self.key_caches = alloc(shape, cache_dtype)
-        self.value_caches = alloc(shape, cache_dtype)
         self.k_scale_caches: list[torch.Tensor] = []
         self.v_scale_caches: list[torch.Tensor] = []
+        self.key_pages: list[torch.Tensor] = []
+        self.value_pages: list[torch.Tensor] = []
+        if self.kivi is not None:   # the residual is the float cache the layers write; the pages, the main pool
+            d, g = self.cfg.head_dim, self.kivi.group_size
+            residual = (self.num_residual_blocks, self.block_size, self.num_kv_heads, d)
+            rdt = kernels.kv_cache_torch_dtype(self.residual_dtype, self.dtype)
+            self.key_caches, self.value_caches = alloc(residual, rdt), alloc(residual, rdt)
+            self.key_pages = alloc((self.num_blocks, self.num_kv_heads, key_page_bytes(g, d)), torch.uint8)
+            self.value_pages = alloc((self.num_blocks, self.num_kv_heads, value_page_bytes(g, d)), torch.uint8)
+            self._unique_kv = self.key_pages + self.value_pages
+            self._residual = self.key_caches + self.value_caches
+            return
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, kernels.kv_head_width(self.kv_dtype, self.cfg.head_dim))
+        cache_dtype = kernels.kv_cache_torch_dtype(self.kv_dtype, self.dtype)
+        self.key_caches = alloc(shape, cache_dtype)
+        self.value_caches = alloc(shape, cache_dtype)
         if self.kv_dtype == "int8":
             self.k_scale_caches = alloc(shape[:3], torch.float32)
             self.v_scale_caches = alloc(shape[:3], torch.float32)
         every = self.key_caches + self.value_caches + self.k_scale_caches + self.v_scale_caches
         self._unique_kv = list({id(t): t for t in every}.values())
+        self._residual = []
 
     def _kv_tensors(self) -> list[torch.Tensor]:
-        """Every K/V (and scale) tensor once (hybrid groups share them), as allocated."""
+        """Every tensor of the main pool's blocks once (hybrid groups share them), as allocated: K/V
+        and their scales, or kivi2's pages (its residual: `_residual`)."""
         return self._unique_kv
 
     def _offload_store(self, num_bytes: int | None, directory: str | None):
@@ -240,8 +293,9 @@ class ModelRunner:
     def kv_cache_info(self) -> KVCacheInfo:
         tensors = self._kv_tensors()
         info = KVCacheInfo(self.num_blocks, self.block_size, self.num_layers, self.kv_dtype,
-                           self.bytes_per_block, sum(t.nbytes for t in tensors), self.block_layers,
-                           [g.window for g in self.kv_groups])
+                           self.bytes_per_block, sum(t.nbytes for t in tensors + self._residual), self.block_layers,
+                           [g.window for g in self.kv_groups], num_residual_blocks=self.num_residual_blocks,
+                           residual_bytes_per_block=self.residual_bytes_per_block)
         if self.offload is not None:
             info.offload_slots, info.offload_block_bytes = self.offload.num_slots, self.offload.block_bytes
             info.offload_restored = self.offload.found
@@ -255,6 +309,21 @@ class ModelRunner:
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
         for t in self._kv_tensors():
             t[dst] = t[src]
+
+    def kivi_work(self, copies: list[tuple[int, int]], converts: list[tuple[int, int]]) -> None:
+        """KIVI: copy residual blocks src -> dst, then quantize residual blocks into main-pool pages,
+        in every layer."""
+        if copies:
+            src = torch.tensor([p[0] for p in copies], device=self.device)
+            dst = torch.tensor([p[1] for p in copies], device=self.device)
+            for t in self._residual:
+                t[dst] = t[src]
+        if converts:
+            res = torch.tensor([p[0] for p in converts], device=self.device)
+            page = torch.tensor([p[1] for p in converts], device=self.device)
+            for i in range(self.num_layers):
+                kivi_kernels.convert_blocks(self.key_caches[i], self.value_caches[i], self.key_pages[i],
+                                            self.value_pages[i], res, page)
 
     def check_health(self) -> None:
         """One process: nothing outside it can die."""
@@ -290,6 +359,7 @@ class ModelRunner:
             self.offload.save(out.kv_saves)
             self.offload.load(out.kv_loads)
         self.copy_blocks(out.blocks_to_copy)
+        self.kivi_work(out.kivi_copies, out.kivi_converts)
         sched = out.scheduled
         if not sched:
             return torch.empty(0, self.cfg.vocab_size), {}
@@ -310,8 +380,10 @@ class ModelRunner:
                                 for i, s in enumerate(sched)])
 
         a = self.attn
+        quant = None if self.kivi is None else \
+            torch.tensor([s.num_quantized_blocks for s in sched], dtype=torch.int32).to(dev, non_blocking=True)
         a.set_step(slots.to(dev, non_blocking=True), tables.to(dev, non_blocking=True),
-                   (starts + n_new).to(torch.int32).to(dev, non_blocking=True), qsl.to(dev, non_blocking=True))
+                   (starts + n_new).to(torch.int32).to(dev, non_blocking=True), qsl.to(dev, non_blocking=True), quant)
         if len(self.kv_groups) > 1:   # every later group's own tables and slots
             steps = []
             for g in range(1, len(self.kv_groups)):
@@ -334,7 +406,8 @@ class ModelRunner:
             every = all(s.num_logits == len(s.token_ids) for s in sched)
             return f.run(ids, positions, a if decode else f.rows_context(a, seq_idx, positions),
                          self.key_caches, self.value_caches, None if every else logit_rows, self.k_scale, self.v_scale,
-                         self.k_scale_caches, self.v_scale_caches), {}
+                         self.k_scale_caches, self.v_scale_caches,
+                         None if self.kivi is None else (self.key_pages, self.value_pages)), {}
         hidden = self.model(ids, positions.to(dev, non_blocking=True), a)
         return self.model.compute_logits(hidden[logit_rows.to(dev)]).float(), self._score(hidden, scoring)
 
