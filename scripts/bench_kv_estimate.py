@@ -24,12 +24,15 @@ def engine_rows(memory: int) -> list[dict]:
     arch = resolve_model_arch(str(loaded.path))          # the converted checkpoint the engine runs
     out = []
     for engine_kv, est_kv in (("auto", "float32"), ("fp8", "fp8"), ("fp8_e5m2", "fp8_e5m2"), ("int8", "int8"),
-                              ("int4", "int4")):
+                              ("int4", "int4"), ("kivi2", "kivi2")):
         args = EngineArgs(dtype="float32", device="cpu", kv_cache_memory=memory, kv_cache_dtype=engine_kv,
                           max_model_len=2048)
         info = LLMEngine(args, loaded=loaded).kv_cache_info()
-        est = estimate(arch, kv_cache_dtype=est_kv, kv_cache_memory=memory, max_model_len=2048)
+        est = estimate(arch, kv_cache_dtype=est_kv, kv_cache_memory=memory, max_model_len=2048,
+                       max_num_batched_tokens=args.max_num_batched_tokens)   # kivi2's residual pool holds a step
         out.append({"kv_dtype": engine_kv, "engine_blocks": info.num_blocks, "estimated_blocks": est.paged.num_blocks,
+                    "engine_residual_blocks": info.num_residual_blocks,
+                    "estimated_residual_blocks": est.paged.residual_blocks,
                     "engine_bytes": info.bytes_allocated, "estimated_bytes": est.paged.kv_cache_bytes})
     return out
 
@@ -57,11 +60,12 @@ def main() -> None:
     per_estimate = (time.perf_counter() - t) / 20
     result = {"engine": engine_rows(a.kv_cache_memory), "naive": naive_rows(a.seq_len),
               "seconds_per_estimate_70b_with_what_if": per_estimate}
-    print("| KV dtype | engine blocks | estimated blocks | engine bytes | estimated bytes |")
+    print("| KV dtype | engine blocks (+ residual) | estimated blocks (+ residual) | engine bytes | estimated bytes |")
     print("|---|---:|---:|---:|---:|")
     for r in result["engine"]:
-        print(f"| {r['kv_dtype']} | {r['engine_blocks']:,} | {r['estimated_blocks']:,} | {r['engine_bytes']:,} | "
-              f"{r['estimated_bytes']:,} |")
+        res = [f" + {r[k]:,}" if r[k] else "" for k in ("engine_residual_blocks", "estimated_residual_blocks")]
+        print(f"| {r['kv_dtype']} | {r['engine_blocks']:,}{res[0]} | {r['estimated_blocks']:,}{res[1]} | "
+              f"{r['engine_bytes']:,} | {r['estimated_bytes']:,} |")
     print(f"\n| model | attention | KV B/token (bf16) | naive GiB @{a.seq_len:,} | real GiB | naive / real |")
     print("|---|---|---:|---:|---:|---:|")
     for r in result["naive"]:

@@ -8,7 +8,8 @@ import typer
 
 from llmopt import defaults
 from llmopt.cli import output
-from llmopt.cli.common import JsonOpt, ModelOpt
+from llmopt.cache.kivi import KiviConfig
+from llmopt.cli.common import JsonOpt, KiviGroupSizeOpt, KiviResidualLengthOpt, ModelOpt
 from llmopt.cli.kv_estimate_view import list_presets as show_presets
 from llmopt.cli.kv_estimate_view import render
 from llmopt.cli.ranges import in_range
@@ -49,7 +50,9 @@ def kv_estimate(
                                        help="auto (the model's dtype)|float32|bfloat16|float16|fp8|fp8_e4m3|fp8_e5m2|"
                                        "int8|int4|kivi2|fp8_ds_mla."),
     block_size: int = typer.Option(defaults.BLOCK_SIZE, "--block-size", callback=in_range(1),
-                                   help="Tokens per KV block, >= 1."),
+                                   help="Tokens per KV block, >= 1 (kivi2: its group size)."),
+    kivi_group_size: int = KiviGroupSizeOpt,
+    kivi_residual_length: int = KiviResidualLengthOpt,
     max_model_len: Optional[str] = typer.Option(None, "--max-model-len", help="Context per request, e.g. 32768 or 32k "
                                                 "(default: the model's max_position_embeddings)."),
     max_num_batched_tokens: str = typer.Option(str(defaults.MAX_NUM_BATCHED_TOKENS), "--max-num-batched-tokens",
@@ -118,7 +121,7 @@ def kv_estimate(
         reserve_bytes=None if reserve_gib is None else int(reserve_gib * GIB), weight_format=weight_format,
         group_size=group_size, batch_sizes=parse_list(batch_sizes, "--batch-sizes") if batch_sizes else None,
         seq_lens=parse_list(seq_lens, "--seq-lens") if seq_lens else None, naive=naive, hybrid=not no_hybrid,
-        what_if=what_if)
+        what_if=what_if, kivi=KiviConfig(kivi_group_size, kivi_residual_length))
     if est.max_model_len > est.max_position_embeddings:   # as the engine and vLLM refuse it
         raise UserInputError(f"--max-model-len {est.max_model_len:,} is longer than the model's context of "
                              f"{est.max_position_embeddings:,} tokens (max_position_embeddings): give at most that")

@@ -83,6 +83,10 @@ def _paged_table(est) -> Table:
             (f"blocks per {est.max_model_len:,}-token request", p.blocks_per_request),
             ("max concurrency", f"{p.max_concurrency:,.2f} requests of {est.max_model_len:,} tokens"),
             ("longest context for one request", f"{p.longest_context:,} tokens{limit}")]
+    if p.residual_blocks:   # kivi2's full-precision pool
+        rows.insert(5, ("full-precision residual", f"{p.residual_blocks:,} blocks of {p.residual_block_bytes:,} bytes "
+                        f"({_gib(p.residual_blocks * p.residual_block_bytes)}), {p.residual_blocks_per_request} per "
+                        "request"))
     return _kv("Paged KV cache", rows)
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
 from llmopt import defaults
+from llmopt.cache.kivi import KiviConfig
 from llmopt.errors import UserInputError
 from llmopt.estimate import naive as naive_mod
 from llmopt.distributed.plan import quant_group_size
@@ -49,13 +50,16 @@ class PagedPlan:
     block_bytes: int            # bytes one block id costs (all layers using it, one rank)
     available_bytes: int
     num_blocks: int
-    kv_cache_bytes: int         # num_blocks * block_bytes: what is allocated
+    kv_cache_bytes: int         # num_blocks * block_bytes (+ KIVI's residual): what is allocated
     tokens: int
     blocks_per_request: int     # at max_model_len
     request_bytes: int
     max_concurrency: float
     longest_context: int
     longest_context_limited_by: str   # memory | model
+    residual_blocks: int = 0    # KIVI: full-precision blocks (of residual_block_bytes each)
+    residual_block_bytes: int = 0
+    residual_blocks_per_request: int = 0   # at max_model_len
 
 
 @dataclass
@@ -130,13 +134,15 @@ def estimate(arch: ModelArch, *, device: str | None = None, dtype: str = default
              gpu_memory_gib: float | None = None, gpu_memory_utilization: float = defaults.GPU_MEMORY_UTILIZATION,
              kv_cache_memory: int | None = None, reserve_bytes: int | None = None, weight_format: str = "auto",
              group_size: int | None = None, batch_sizes: list[int] | None = None, seq_lens: list[int] | None = None,
-             naive: bool = False, hybrid: bool = True, what_if: bool = False) -> KVEstimate:
+             naive: bool = False, hybrid: bool = True, what_if: bool = False,
+             kivi: KiviConfig | None = None) -> KVEstimate:
     """The whole plan. `device`/`dtype` resolve `auto` as the engine does (models/config.py):
     device auto is a GPU when one is planned for (gpu / gpu_memory_gib) or present here, else the
     CPU; None plans for a GPU. dtype auto computes in float32 on the CPU (a 16-bit checkpoint's
     weights held 16-bit), in the checkpoint's dtype on a GPU; a KV dtype of auto is the compute
     dtype. `what_if` re-runs the plan with the usual levers (fp8
-    KV, quantized weights, 2x GPUs, the longest context that fits) when a memory budget is given."""
+    KV, quantized weights, 2x GPUs, the longest context that fits) when a memory budget is given.
+    kivi: KIVI's group and residual sizes for kivi2 (default: the paper's)."""
     dev = resolve_device_name(device or "cuda", gpu_planned=gpu is not None or gpu_memory_gib is not None,
                               must_exist=False)
     kind = "cpu" if dev == "cpu" else "cuda"
@@ -150,7 +156,8 @@ def estimate(arch: ModelArch, *, device: str | None = None, dtype: str = default
                   max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                   tensor_parallel_size=tensor_parallel_size, gpu=gpu, gpu_memory_gib=gpu_memory_gib,
                   gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory=kv_cache_memory,
-                  reserve_bytes=reserve_bytes, weight_format=weight_format, group_size=group_size, hybrid=hybrid)
+                  reserve_bytes=reserve_bytes, weight_format=weight_format, group_size=group_size, hybrid=hybrid,
+                  kivi=kivi)
     tp = tensor_parallel_size
     plan = tp_split(arch, tp, _tp_group_size(arch, weight_format, group_size))   # the engine's check and split
     check_engine_limits(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -158,8 +165,9 @@ def estimate(arch: ModelArch, *, device: str | None = None, dtype: str = default
     kv_dtype = canonical_kv_dtype(kv_cache_dtype, arch)
     max_len = max_model_len or arch.max_position_embeddings
     max_num_batched_tokens = max_num_batched_tokens or max_len   # 0: unlimited, a whole context per step
-    layers = layer_kv_specs(arch, kv_dtype, tp)
+    layers = layer_kv_specs(arch, kv_dtype, tp, kivi)
     layout = build_layout(layers, block_size, hybrid)
+    block_size = layout.groups[0].block_size if layout.kivi is not None else block_size   # the engine's
     per_kind: dict[tuple, list] = {}
     for x in layers:
         per_kind.setdefault((x.kind, x.window), []).append(x)
@@ -178,13 +186,13 @@ def estimate(arch: ModelArch, *, device: str | None = None, dtype: str = default
         tensor_parallel_size=tp, block_size=block_size, max_model_len=max_len,
         max_num_batched_tokens=max_num_batched_tokens,
         bytes_per_token=_num(sum((x.token_bytes for x in layers), Fraction(0))),
-        bytes_per_token_model=_num(sum((x.token_bytes for x in layer_kv_specs(arch, kv_dtype, 1)), Fraction(0))),
+        bytes_per_token_model=_num(sum((x.token_bytes for x in layer_kv_specs(arch, kv_dtype, 1, kivi)), Fraction(0))),
         layers=summary, weights=weights, request_bytes=layout.bytes_for(max_len, max_num_batched_tokens), note=note)
     available = _fit_memory(est, arch, dev, weights, gpu, gpu_memory_gib, gpu_memory_utilization, tp,
                             max_num_batched_tokens, max_num_seqs, reserve_bytes, kv_cache_memory)
-    _fit_blocks(est, layout, available, max_len, max_num_batched_tokens, arch, batch_sizes, seq_lens)
+    _fit_blocks(est, layout, available, max_len, max_num_batched_tokens, max_num_seqs, arch, batch_sizes, seq_lens)
     if naive:
-        layers1 = layer_kv_specs(arch, kv_dtype, 1)
+        layers1 = layer_kv_specs(arch, kv_dtype, 1, kivi)
         est.naive = naive_mod.compare(arch, kv_dtype, layers1, build_layout(layers1, block_size, hybrid), max_len, 1,
                                       block_size, max_num_batched_tokens)
     est.fits = None if available is None else not est.problems
@@ -216,11 +224,16 @@ def _fit_memory(est: KVEstimate, arch: ModelArch, dev: str, weights: WeightMemor
     return available
 
 
-def _fit_blocks(est: KVEstimate, layout: KVLayout, available: int | None, max_len: int, mnbt: int, arch: ModelArch,
-                batch_sizes: list[int] | None, seq_lens: list[int] | None) -> None:
+def _fit_blocks(est: KVEstimate, layout: KVLayout, available: int | None, max_len: int, mnbt: int, max_num_seqs: int,
+                arch: ModelArch, batch_sizes: list[int] | None, seq_lens: list[int] | None) -> None:
     """est.paged (the blocks `available` bytes hold) and est.grid, with their problems."""
     if available is not None:
-        est.paged = _paged(layout, max(0, available), max_len, mnbt, arch)
+        if layout.kivi is not None:
+            est.paged = _paged_kivi(layout, max(0, available), max_len, mnbt, max_num_seqs, est)
+            if est.paged is None:
+                return
+        else:
+            est.paged = _paged(layout, max(0, available), max_len, mnbt, arch)
         budget_ok = est.memory is None or est.memory.kv_available_bytes > 0
         if est.paged.num_blocks < est.paged.blocks_per_request and budget_ok:
             est.problems.append(f"one request of {max_len:,} tokens needs {est.paged.blocks_per_request:,} blocks, the "
@@ -228,7 +241,8 @@ def _fit_blocks(est: KVEstimate, layout: KVLayout, available: int | None, max_le
                                 f"{est.paged.longest_context:,} tokens")
     if batch_sizes or seq_lens:
         est.grid = grid(layout, batch_sizes or [1], seq_lens or [max_len], mnbt,
-                        est.paged.num_blocks if est.paged else None)
+                        est.paged.num_blocks if est.paged else None,
+                        est.paged.residual_blocks if est.paged and layout.kivi is not None else None)
         misses = [c for c in est.grid if c.fits is False]
         if misses:
             est.problems.append(f"{len(misses)} of {len(est.grid)} grid cells do not fit (e.g. batch "
@@ -249,6 +263,34 @@ def _budget(arch, gpu, gpu_memory_gib, util, weights, tp, mnbt, max_num_seqs, re
     budget = int(total * util)
     return MemoryBudget(name, total, util, budget, weights.bytes_per_rank, reserve, detail,
                         budget - weights.bytes_per_rank - reserve)
+
+
+def _paged_kivi(layout: KVLayout, available: int, max_len: int, mnbt: int, max_num_seqs: int,
+                est: KVEstimate) -> PagedPlan | None:
+    """The engine's two KIVI pools (llmopt/cache/kivi.py: kivi_pools); None, with the problem, when
+    the budget holds no request of max_len."""
+    try:
+        pools = layout.kivi_pools(available, max_len, max_num_seqs, mnbt)
+    except UserInputError as e:
+        est.problems.append(str(e))
+        return None
+    n, nr = pools.num_blocks, pools.num_residual_blocks
+    per, res = layout.blocks_per_request(max_len, mnbt), layout.residual_blocks(max_len)
+    free_residual = pools.planned_requests * res    # the step's share is not a request's
+    fits = lambda length: (layout.blocks_per_request(length, mnbt) <= n   # noqa: E731
+                           and layout.residual_blocks(length) <= free_residual)
+    upper = max(max_len, est.max_position_embeddings)
+    lo, hi = 0, upper
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    concurrency = min(n / per if per else float("inf"), free_residual / res if res else float("inf"))
+    groups = [{"kind": g.kind, "window": g.window, "layers": len(g.layers), "block_size": g.block_size,
+               "page_bytes": g.page_bytes, "blocks_per_request": g.blocks(max_len, mnbt)} for g in layout.groups]
+    rb = layout.residual_block_bytes
+    return PagedPlan(layout.mode, groups, layout.groups[0].block_size, layout.block_bytes, available, n,
+                     n * layout.block_bytes + nr * rb, layout.tokens(n), per, layout.bytes_for(max_len, mnbt),
+                     concurrency, lo, "model" if lo >= upper else "memory", nr, rb, res)
 
 
 def _paged(layout: KVLayout, available: int, max_len: int, mnbt: int, arch: ModelArch) -> PagedPlan:

@@ -17,7 +17,8 @@ KV dtypes and the bytes they really take (scales counted):
   the engine's layout (head_dim a multiple of 32).
 - kivi2: KIVI 2-bit (Liu et al. 2024, arXiv:2402.02750): keys quantized per channel in groups of G
   tokens, values per token in groups of G channels, an fp16 scale and zero point per group, and
-  the most recent R tokens kept in full precision (the residual window, a per-request cost).
+  the most recent R tokens kept in full precision (the residual window, a per-request cost): the
+  engine's pages (llmopt/cache/kivi.py), a block being one group of G tokens.
 - fp8_ds_mla: vLLM's FlashMLA sparse layout for MLA, 656 bytes per token per layer.
 """
 
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from math import ceil
 
-from llmopt import defaults
+from llmopt.cache.kivi import KiviConfig, check_kivi, key_page_bytes, value_page_bytes
 from llmopt.distributed.plan import TPPlan, tp_plan
 from llmopt.errors import UserInputError
 from llmopt.estimate.arch import ModelArch
@@ -64,14 +65,15 @@ class LayerKV:
     head_size: int               # values per head per token (K and V each; MLA: the latent width)
     token_bytes: Fraction        # bytes per token, all heads of this rank, amortized over groups
     residual_tokens: int = 0     # KIVI: most recent tokens kept in full precision
-    residual_token_bytes: int = 0
+    residual_token_bytes: int = 0   # KIVI: a full-precision token, all heads of this rank
+    kivi: KiviConfig | None = None
 
     def page_bytes(self, block_size: int) -> int:
         """Bytes of one block of this layer (vLLM's page_size_bytes)."""
         return ceil(self.token_bytes * block_size)
 
 
-def _head_token_bytes(dtype: str, head_dim: int, fp_bytes: int) -> tuple[Fraction, int, int]:
+def _head_token_bytes(dtype: str, head_dim: int, fp_bytes: int, kivi: KiviConfig) -> tuple[Fraction, int, int]:
     """(K+V bytes per token per KV head, residual tokens, K+V full-precision bytes per residual token)."""
     if dtype in FLOAT_BYTES:
         return Fraction(2 * head_dim * FLOAT_BYTES[dtype]), 0, 0
@@ -79,12 +81,11 @@ def _head_token_bytes(dtype: str, head_dim: int, fp_bytes: int) -> tuple[Fractio
         return Fraction(2 * head_dim + 2 * 4), 0, 0
     if dtype == "int4":
         return Fraction(2 * kv_int4_head_bytes(head_dim)), 0, 0
-    if dtype == "kivi2":
-        g, sb = defaults.KIVI_GROUP_SIZE, 2
-        codes = Fraction(2 * head_dim * 2, 8)                   # K and V, 2 bits each
-        k_meta = Fraction(2 * head_dim * sb, g)                 # per-channel scale + zero, one per G tokens
-        v_meta = Fraction(2 * ceil(head_dim / g) * sb)          # per-token scale + zero, one per G channels
-        return codes + k_meta + v_meta, defaults.KIVI_RESIDUAL_LENGTH, 2 * head_dim * fp_bytes
+    if dtype == "kivi2":   # a block's pages over its G tokens: codes, per-channel and per-token scales and zeros
+        g = kivi.group_size
+        check_kivi(g, kivi.residual_length, head_dim)
+        page = key_page_bytes(g, head_dim) + value_page_bytes(g, head_dim)
+        return Fraction(page, g), kivi.residual_length, 2 * head_dim * fp_bytes
     raise UserInputError(f"--kv-cache-dtype {dtype} applies to MLA models only")
 
 
@@ -117,7 +118,8 @@ def tp_split(arch: ModelArch, tp: int, group_size: int | None = None) -> TPPlan:
     return plan
 
 
-def layer_kv_specs(arch: ModelArch, kv_dtype: str, tp: int = 1) -> list[LayerKV]:
+def layer_kv_specs(arch: ModelArch, kv_dtype: str, tp: int = 1, kivi: KiviConfig | None = None) -> list[LayerKV]:
+    """kivi: KIVI's sizes for kivi2 (default: the paper's)."""
     plan = tp_split(arch, tp)
     dtype = canonical_kv_dtype(kv_dtype, arch)
     if arch.mla:
@@ -126,9 +128,12 @@ def layer_kv_specs(arch: ModelArch, kv_dtype: str, tp: int = 1) -> list[LayerKV]
         return [LayerKV(i, "mla", None, 1, width, tb) for i in range(arch.num_layers)]
     heads = plan.kv_heads_per_rank
     fp_bytes = FLOAT_BYTES.get(canonical_kv_dtype("auto", arch), 2)
-    per_head, res_tokens, res_bytes = _head_token_bytes(dtype, arch.head_dim, fp_bytes)
-    return [LayerKV(i, "sliding" if w else "full", w, heads, arch.head_dim, per_head * heads, res_tokens, res_bytes * heads)
-            for i, w in enumerate(arch.layer_windows)]
+    kivi = (kivi or KiviConfig()) if dtype == "kivi2" else None
+    if kivi is not None and any(arch.layer_windows):
+        raise UserInputError("kivi2 does not run sliding-window layers: pick another --kv-cache-dtype for this model")
+    per_head, res_tokens, res_bytes = _head_token_bytes(dtype, arch.head_dim, fp_bytes, kivi)
+    return [LayerKV(i, "sliding" if w else "full", w, heads, arch.head_dim, per_head * heads, res_tokens, res_bytes * heads,
+                    kivi) for i, w in enumerate(arch.layer_windows)]
 
 
 def bytes_per_token(arch: ModelArch, kv_dtype: str = "auto", tp: int = 1) -> Fraction:

@@ -17,13 +17,17 @@ count the blocks a request holds.
 - Maximum concurrency (get_max_concurrency_for_kv_cache_config): num_blocks / blocks per request at
   max_model_len. Tokens (the "GPU KV cache size" log line): num_blocks // num_groups * block_size.
 - Longest context (estimate_max_model_len): the largest L with block_bytes * blocks(L) <= available.
+- KIVI 2-bit (llmopt/cache/kivi.py): a block is one group; the budget is split between the quantized
+  blocks and the full-precision residual as the engine splits it (`kivi_pools`), and a request holds
+  `request_blocks(L)` of each.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from llmopt.cache.groups import cdiv, split_by_type
+from llmopt.cache.groups import split_by_type
+from llmopt.cache.kivi import KiviConfig, KiviPools, kivi_pools, request_blocks as kivi_request_blocks
 from llmopt.cache.kv_manager import request_blocks
 from llmopt.errors import UserInputError
 from llmopt.estimate.kv import LayerKV
@@ -36,22 +40,22 @@ class KVGroup:
     layers: list[int]           # layer indices (padding slots are not listed)
     block_size: int             # tokens per block in this group
     page_bytes: int             # bytes of one block of one layer (uniform-type: of all layers)
-    residual_tokens: int = 0    # KIVI full-precision window
-    residual_token_bytes: int = 0   # per layer per token in that window
+    kivi: KiviConfig | None = None
+    residual_token_bytes: int = 0   # KIVI: per layer per token in the full-precision residual
     page_layers: int = 1        # layers whose blocks page_bytes covers (uniform-type: all of them)
 
     def blocks(self, length: int, max_num_batched_tokens: int) -> int:
-        """Blocks a request of `length` tokens holds in this group (the engine's own count where it
-        holds no KIVI residual)."""
+        """Blocks a request of `length` tokens holds in this group: the engine's own count (KIVI: its
+        quantized ones; `residual_blocks` the others)."""
+        if self.kivi is not None:
+            return kivi_request_blocks(length, self.block_size, self.kivi.residual_length)[0]
         window = self.window if self.kind == "sliding" else None
-        if not self.residual_tokens:
-            return request_blocks(length, self.block_size, window, max_num_batched_tokens)
-        tokens, extra = length, 0
-        if self.kind == "sliding" and self.window:
-            tokens, extra = min(self.window - 1 + max_num_batched_tokens, length), 1
-        fp = min(tokens, self.residual_tokens)
-        residual = cdiv(fp * self.residual_token_bytes * self.page_layers, self.page_bytes) if fp else 0
-        return cdiv(tokens - fp, self.block_size) + extra + residual
+        return request_blocks(length, self.block_size, window, max_num_batched_tokens)
+
+    def residual_blocks(self, length: int) -> int:
+        if self.kivi is None:
+            return 0
+        return kivi_request_blocks(length, self.block_size, self.kivi.residual_length)[1]
 
 
 @dataclass
@@ -65,14 +69,35 @@ class KVLayout:
     def blocks_per_request(self, length: int, max_num_batched_tokens: int) -> int:
         return sum(g.blocks(length, max_num_batched_tokens) for g in self.groups)
 
+    @property
+    def kivi(self) -> KiviConfig | None:
+        return self.groups[0].kivi
+
+    @property
+    def residual_block_bytes(self) -> int:
+        """KIVI: one full-precision block of every layer."""
+        g = self.groups[0]
+        return g.residual_token_bytes * g.block_size * len(g.layers)
+
+    def residual_blocks(self, length: int) -> int:
+        return sum(g.residual_blocks(length) for g in self.groups)
+
     def num_blocks(self, available_bytes: int) -> int:
         return max(0, available_bytes // self.block_bytes)
+
+    def kivi_pools(self, available_bytes: int, max_model_len: int, max_num_seqs: int,
+                   max_num_batched_tokens: int) -> KiviPools:
+        """The engine's split of a KIVI budget into quantized and residual blocks."""
+        k = self.kivi
+        return kivi_pools(available_bytes, self.block_bytes, self.residual_block_bytes, max_model_len, max_num_seqs,
+                          max_num_batched_tokens, k.group_size, k.residual_length)
 
     def tokens(self, num_blocks: int) -> int:
         return num_blocks // len(self.groups) * min(g.block_size for g in self.groups)
 
     def bytes_for(self, length: int, max_num_batched_tokens: int) -> int:
-        return self.block_bytes * self.blocks_per_request(length, max_num_batched_tokens)
+        return (self.block_bytes * self.blocks_per_request(length, max_num_batched_tokens)
+                + self.residual_block_bytes * self.residual_blocks(length))
 
     def longest_context(self, available_bytes: int, max_num_batched_tokens: int, upper: int) -> int:
         """Largest length whose blocks fit (0: not even one token), searched up to `upper`."""
@@ -88,13 +113,15 @@ class KVLayout:
 
 def _group(layers: list[LayerKV], kind: str, window, block_size: int, page: int, page_layers: int = 1) -> KVGroup:
     first = layers[0]
-    return KVGroup(kind, window, [x.index for x in layers], block_size, page, first.residual_tokens,
-                   first.residual_token_bytes, page_layers)
+    return KVGroup(kind, window, [x.index for x in layers], block_size, page, first.kivi, first.residual_token_bytes,
+                   page_layers)
 
 
 def build_layout(layers: list[LayerKV], block_size: int, hybrid: bool = True) -> KVLayout:
     if block_size < 1:
         raise UserInputError(f"--block-size must be positive, got {block_size}")
+    if layers and layers[0].kivi is not None:   # a block is one KIVI group, as the engine sets it
+        block_size = layers[0].kivi.group_size
     if not layers:
         raise UserInputError("the model has no attention layers")
     if not hybrid:      # vLLM --disable-hybrid-kv-cache-manager: windows computed, but full blocks held
@@ -130,13 +157,17 @@ class GridCell:
 
 
 def grid(layout: KVLayout, batch_sizes: list[int], seq_lens: list[int], max_num_batched_tokens: int,
-         num_blocks: int | None) -> list[GridCell]:
+         num_blocks: int | None, residual_blocks: int | None = None) -> list[GridCell]:
+    """residual_blocks: KIVI's full-precision pool, which the batch's residual must fit too."""
     out = []
     for s in seq_lens:
         per = layout.blocks_per_request(s, max_num_batched_tokens)
+        res = layout.residual_blocks(s)
         for b in batch_sizes:
             blocks = b * per
-            out.append(GridCell(b, s, blocks, blocks * layout.block_bytes,
-                                None if num_blocks is None else blocks <= num_blocks,
+            fits = None if num_blocks is None else blocks <= num_blocks
+            if fits and residual_blocks is not None:
+                fits = b * res <= residual_blocks
+            out.append(GridCell(b, s, blocks, layout.bytes_for(s, max_num_batched_tokens) * b, fits,
                                 None if not num_blocks else blocks / num_blocks))
     return out

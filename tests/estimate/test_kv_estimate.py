@@ -83,9 +83,12 @@ def test_kv_dtypes_and_their_scales():
     per_head = Fraction(2 * D * 2, 8) + Fraction(2 * D * 2, 32) + 2 * (D // 32) * 2
     assert bytes_per_token(arch, "kivi2") == L * H * per_head == 24_576
     est = estimate(arch, kv_cache_dtype="kivi2", kv_cache_memory=4 * GIB, max_model_len=4096)
-    residual = 128 * 2 * D * 2 * H * L                                         # last 128 tokens at bf16
-    page_all_layers = 16 * 24_576
-    assert est.paged.blocks_per_request == cdiv(4096 - 128, 16) + cdiv(residual, page_all_layers)
+    # a block is one group of 32 tokens: the groups before the last 128 tokens quantized, those at bf16
+    assert est.block_size == 32 and est.paged.block_bytes == 32 * 24_576
+    assert est.paged.blocks_per_request == (4096 - 128) // 32
+    assert est.paged.residual_blocks_per_request == 128 // 32
+    assert est.paged.residual_block_bytes == 32 * 2 * D * 2 * H * L
+    assert est.request_bytes == 124 * 32 * 24_576 + 4 * 32 * 2 * D * 2 * H * L
     with pytest.raises(UserInputError):
         bytes_per_token(arch, "int3")
     with pytest.raises(UserInputError):

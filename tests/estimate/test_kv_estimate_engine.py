@@ -10,6 +10,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from llmopt.cache.kivi import KiviConfig
 from llmopt.engine.args import EngineArgs
 from llmopt.engine.engine import LLMEngine
 from llmopt.estimate import estimate, resolve_model_arch
@@ -67,6 +68,35 @@ def test_int4_cache_allocates_what_the_estimate_says(tiny_factory, block_size, m
     assert info.bytes_per_block == 2 * block_size * 2 * 18      # 2 kv heads of 32 values: one block each
     assert (est.paged.num_blocks, est.paged.block_bytes, est.paged.kv_cache_bytes) == \
         (info.num_blocks, info.num_layers * info.bytes_per_block, info.bytes_allocated)
+
+
+@pytest.mark.parametrize("dtype,max_len,seqs,memory,kivi", [
+    ("float32", 256, 256, 1 << 20, (32, 128)), ("bfloat16", 200, 4, 3_000_001, (32, 128)),
+    ("float32", 100, 8, 2_000_003, (16, 32))])
+def test_kivi2_allocates_what_the_estimate_says(tiny_factory, dtype, max_len, seqs, memory, kivi):
+    """kivi2: the engine's two pools (quantized pages, full-precision residual) are kv-estimate's,
+    block for block and byte for byte, the block size being KIVI's group size."""
+    folder = tiny_factory(num_hidden_layers=3, intermediate_size=96, vocab_size=128, max_position_embeddings=256,
+                          eos_token_id=1, head_dim=32, hidden_size=128)
+    loaded = load_model(str(folder), dtype, "cpu", tokenizer=False)
+    args = EngineArgs(model=str(folder), dtype=dtype, device="cpu", max_model_len=max_len, max_num_seqs=seqs,
+                      kv_cache_memory=memory, kv_cache_dtype="kivi2", detokenize=False, max_num_batched_tokens=64,
+                      kivi_group_size=kivi[0], kivi_residual_length=kivi[1])
+    engine = LLMEngine(args, loaded=loaded)
+    info = engine.kv_cache_info()
+    est = estimate(resolve_model_arch(str(folder)), kv_cache_dtype="kivi2", kv_cache_memory=memory, device="cpu",
+                   dtype=dtype, max_model_len=max_len, max_num_seqs=seqs, max_num_batched_tokens=64,
+                   kivi=KiviConfig(*kivi))
+    g, d, heads, layers = kivi[0], 32, 2, 3
+    page = heads * ((4 * d + g * d // 4) + (4 * g * (d // min(g, d)) + g * d // 4))   # the layout, from its definition
+    fp = 4 if dtype == "float32" else 2
+    assert info.block_size == est.block_size == g
+    assert info.bytes_per_block == page and est.paged.block_bytes == layers * page
+    assert est.bytes_per_token == layers * page / g
+    assert est.paged.residual_block_bytes == layers * info.residual_bytes_per_block == layers * 2 * g * heads * d * fp
+    assert (est.paged.num_blocks, est.paged.residual_blocks) == (info.num_blocks, info.num_residual_blocks)
+    assert est.paged.kv_cache_bytes == info.bytes_allocated
+    assert est.paged.blocks_per_request == engine.blocks_per_request
 
 
 def test_int4_refuses_a_head_dim_off_its_blocks(tiny):
