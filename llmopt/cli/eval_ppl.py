@@ -71,7 +71,8 @@ def eval_ppl(
     lm_head_dtype: str = common.LmHeadDtypeOpt,
     kv_cache_dtype: str = typer.Option(None, "--kv-cache-dtype", help="Score through the engine's paged KV cache "
                                        "in this dtype (auto, float32, bfloat16, float16, fp8, fp8_e4m3, "
-                                       "fp8_e5m2, int8, int4); default: dense attention, no cache. --base-model then "
+                                       "fp8_e5m2, int8, int4, kivi2: KIVI's paper sizes, read as it decodes); "
+                                       "default: dense attention, no cache. --base-model then "
                                        "scores through a float32 cache the same way: with the same model, the "
                                        "KL divergence is the cache's."),
     json_out: bool = common.JsonOpt,
@@ -88,7 +89,8 @@ def eval_ppl(
         check_output_file(out_file, [dataset, model, base_model])
     if kv_cache_dtype is not None:   # refused before loading anything
         from llmopt.kernels import kv_cache_torch_dtype
-        kv_cache_torch_dtype(kv_cache_dtype, None)
+        if kv_cache_dtype != "kivi2":
+            kv_cache_torch_dtype(kv_cache_dtype, None)
     data = load_text_dataset(dataset, text_field)
     lm = load_model(model, dtype, device, quantization=quantization, lm_head_dtype=lm_head_dtype)
     base = load_model(base_model, dtype, device) if base_model else None

@@ -6,7 +6,10 @@ divergence and top-1 agreement in the same pass.
 
 With a `PagedScoring` the windows run through the engine's runner instead, as prompts of one step:
 their K/V written into its paged cache of the asked dtype and read back from it by every later
-position (the C++ decode layers on the CPU), the logits of the scored positions returned."""
+position (the C++ decode layers on the CPU), the logits of the scored positions returned. A kivi2
+cache is read as KIVI decodes: the windows advance one group of G tokens a step, the engine's KV
+manager quantizing between steps the groups that leave the last R tokens (within a group the
+quantized prefix is the same for every position, so this is token-by-token decoding's cache)."""
 
 from __future__ import annotations
 
@@ -16,8 +19,12 @@ from typing import Callable, Sequence
 import torch
 
 from llmopt import defaults, kernels
+from llmopt.cache.kivi import KiviConfig, request_blocks
+from llmopt.cache.kv_manager import KVCacheManager
 from llmopt.core.scheduler import ScheduledRequest, SchedulerOutput
+from llmopt.errors import LLMOptError
 from llmopt.eval.windows import Window
+from llmopt.kernels import kivi
 from llmopt.models.logprobs import score_tokens
 from llmopt.models.attention import DenseCausalAttention
 
@@ -68,6 +75,10 @@ class PagedScoring:
                  block_size: int = defaults.BLOCK_SIZE) -> None:
         from llmopt.worker.runner import ModelRunner   # deferred: start-up time (the engine's runner)
         longest = max(len(w.ids) for w in windows)
+        self.kivi = None
+        if kv_cache_dtype == "kivi2":
+            self._kivi_runner(loaded, longest, max(1, batch_size))
+            return
         self.block_size = block_size
         blocks = max(1, batch_size) * -(-longest // block_size)
         cfg = loaded.config
@@ -77,8 +88,62 @@ class PagedScoring:
                                   max_num_batched_tokens=max(1, batch_size) * longest)
         self.kv_dtype = self.runner.kv_dtype   # auto resolved
 
+    def _kivi_runner(self, loaded, longest: int, batch: int) -> None:
+        """A runner whose two pools hold `batch` windows of `longest` tokens, stepped a group at a time."""
+        from llmopt.worker.runner import ModelRunner   # deferred: start-up time (the engine's runner)
+        self.kivi = KiviConfig()
+        g, cfg = self.kivi.group_size, loaded.config
+        self.block_size = g
+        q, r = request_blocks(longest, g, self.kivi.residual_length)
+        d, heads, layers = cfg.head_dim, cfg.num_key_value_heads, cfg.num_hidden_layers
+        page = layers * heads * (kivi.key_page_bytes(g, d) + kivi.value_page_bytes(g, d))
+        residual = layers * kernels.kv_block_bytes(g, heads, d, "float32", torch.float32)
+        memory = batch * (q * page + r * residual) + (batch + 1) * residual   # kivi_pools: a step's group each
+        self.runner = ModelRunner(loaded, g, "kivi2", kv_cache_memory=memory, max_num_batched_tokens=batch * g,
+                                  kivi=self.kivi, max_model_len=longest, max_num_seqs=batch)
+        self.kv = KVCacheManager(self.runner.num_blocks, g, False, kivi=self.kivi,
+                                 num_residual_blocks=self.runner.num_residual_blocks)
+        self.kv_dtype = "kivi2"
+
+    def _kivi_logits(self, wins: list[Window]) -> torch.Tensor:
+        """The windows a group of tokens a step through the runner and the KV manager: the logits of
+        each window's positions from its first scored one, window after window."""
+        from types import SimpleNamespace
+        g = self.block_size
+        reqs = [SimpleNamespace(request_id=f"w{i}", all_token_ids=w.ids.tolist(), num_computed_tokens=0)
+                for i, w in enumerate(wins)]
+        rows: list[list[torch.Tensor]] = [[] for _ in wins]
+        try:
+            while any(r.num_computed_tokens < len(r.all_token_ids) for r in reqs):
+                sched = []
+                for i, (r, w) in enumerate(zip(reqs, wins)):
+                    start = r.num_computed_tokens
+                    n = min(g, len(r.all_token_ids) - start)
+                    if n <= 0:
+                        continue
+                    if not self.kv.allocate_slots(r, n):
+                        raise LLMOptError("the kivi2 scoring cache ran out of blocks")   # sized for the batch
+                    s = ScheduledRequest(r.request_id, r.all_token_ids[start:start + n], start,
+                                         self.kv.get_block_ids(r.request_id), max(0, min(n, start + n - w.start)))
+                    s.num_quantized_blocks = self.kv.num_quantized_blocks(r.request_id)
+                    sched.append((i, s))
+                out = SchedulerOutput([s for _, s in sched])
+                out.kivi_copies, out.kivi_converts = self.kv.take_kivi_work()
+                logits = self.runner.execute(out)
+                off = 0
+                for i, s in sched:
+                    rows[i].append(logits[off:off + s.num_logits])
+                    off += s.num_logits
+                    reqs[i].num_computed_tokens += len(s.token_ids)
+        finally:
+            for r in reqs:
+                self.kv.free(r)
+        return torch.cat([torch.cat(r)[:len(w.targets)] for r, w in zip(rows, wins)])
+
     def logits(self, wins: list[Window]) -> tuple[torch.Tensor, torch.Tensor]:
         """Float32 logits of the windows' scored positions [rows, vocab] and their targets."""
+        if self.kivi is not None:
+            return self._kivi_logits(wins), torch.cat([w.targets for w in wins])
         sched, first = [], 0
         for i, w in enumerate(wins):
             n = -(-len(w.ids) // self.block_size)

@@ -299,6 +299,54 @@ def test_kv_cache_dtype_scores_as_transformers_over_that_cache(request, wiki, kv
         run_ppl(lm, plan, batch_size=2, kv_cache_dtype="int3")
 
 
+def _kivi_fake(x: torch.Tensor, over_tokens: bool, g: int) -> torch.Tensor:
+    """K or V [B, H, T, D] (T a multiple of g) with every group quantized as KIVI defines it: 2 bits,
+    zero = the group's minimum and scale = (max - min) / 3, both fp16; keys per channel over g tokens,
+    values per token over g channels (the whole head when it is narrower)."""
+    b, h, t, d = x.shape
+    xg = x.reshape(b, h, t // g, g, d) if over_tokens else x.reshape(b, h, t, -1, min(g, d))
+    dim = 3 if over_tokens else 4
+    lo, hi = xg.amin(dim, keepdim=True), xg.amax(dim, keepdim=True)
+    scale, zero = ((hi - lo) / 3).half().float(), lo.half().float()
+    q = torch.where(scale > 0, torch.round((xg - zero) / torch.where(scale > 0, scale, 1)), 0).clamp(0, 3)
+    return (q * scale + zero).reshape(x.shape)
+
+
+def test_kivi2_scores_as_transformers_decoding_with_kivi(tiny_head32, wiki):
+    """--kv-cache-dtype kivi2: the perplexity is transformers' with KIVI's cache as it decodes: the query
+    at position i reads the groups before its last R tokens (i - R rounded down to a group) as 2-bit
+    codes, every later key and value in full precision."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import repeat_kv
+    folder, hf, lm = tiny_head32
+    g, res = 32, 128
+
+    def attention(module, q, k, v, mask, scaling=None, **kw):
+        t = k.shape[2]
+        pad = -t % g
+        kq = _kivi_fake(torch.nn.functional.pad(k, (0, 0, 0, pad)), True, g)[:, :, :t]
+        vq = _kivi_fake(v, False, g)
+        k, v, kq, vq = (repeat_kv(x, module.num_key_value_groups) for x in (k, v, kq, vq))
+        i, j = torch.arange(t)[:, None], torch.arange(t)[None]
+        quantized = j < ((i - res).clamp_min(0) // g) * g             # the groups KIVI holds quantized for query i
+        s = torch.where(quantized, q @ kq.transpose(-1, -2), q @ k.transpose(-1, -2)) * scaling
+        p = torch.softmax(s.masked_fill(j > i, float("-inf")), -1)
+        o = (p * quantized) @ vq + (p * ~quantized) @ v
+        return o.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("llmopt_test_kivi", attention)
+    want_hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="llmopt_test_kivi")
+    plan = plan_ppl(lm.tokenizer, 1024, wiki, "llamacpp", limit=LIMIT)
+    r = run_ppl(lm, plan, batch_size=2, base=lm, kv_cache_dtype="kivi2")
+    assert r.kv_cache_dtype == "kivi2"
+    base = llamacpp_reference(hf, _ids(lm.tokenizer, wiki.as_stored)[0], 512)
+    want = llamacpp_reference(want_hf.eval(), _ids(lm.tokenizer, wiki.as_stored)[0], 512)
+    assert _rel(want, base) > 10 * REL                                # KIVI's error shows at this window
+    assert _rel(r.ppl, want) <= REL
+    assert _rel(r.kl.base_ppl, base) <= REL
+    assert 1e-4 < r.kl.kld_mean < 0.5             # the cache's own cost (a random model: top-1 is a coin toss)
+
+
 def test_float32_kv_cache_scores_as_no_cache(tiny, wiki):
     folder, hf, lm = tiny
     plan = plan_ppl(lm.tokenizer, 1024, wiki, "llamacpp", limit=LIMIT)
