@@ -64,9 +64,11 @@ def quantized_blocks(num_tokens: int, group_size: int, residual_length: int) -> 
 
 
 def request_blocks(length: int, group_size: int, residual_length: int) -> tuple[int, int]:
-    """(quantized, residual) blocks a request of `length` tokens holds between steps."""
+    """(quantized, residual) blocks a decoding request of up to `length` tokens holds at most: its
+    quantized groups at the end, and R / G + 1 residual blocks (a step writes its token before the
+    group that token pushes out of the window is converted, at the next step), fewer when shorter."""
     q = quantized_blocks(length, group_size, residual_length)
-    return q, cdiv(length - q * group_size, group_size)
+    return q, min(cdiv(length, group_size), residual_length // group_size + 1)
 
 
 @dataclass(frozen=True)

@@ -86,9 +86,9 @@ def test_kv_dtypes_and_their_scales():
     # a block is one group of 32 tokens: the groups before the last 128 tokens quantized, those at bf16
     assert est.block_size == 32 and est.paged.block_bytes == 32 * 24_576
     assert est.paged.blocks_per_request == (4096 - 128) // 32
-    assert est.paged.residual_blocks_per_request == 128 // 32
+    assert est.paged.residual_blocks_per_request == 128 // 32 + 1     # R..R+G tokens between conversions
     assert est.paged.residual_block_bytes == 32 * 2 * D * 2 * H * L
-    assert est.request_bytes == 124 * 32 * 24_576 + 4 * 32 * 2 * D * 2 * H * L
+    assert est.request_bytes == 124 * 32 * 24_576 + 5 * 32 * 2 * D * 2 * H * L
     with pytest.raises(UserInputError):
         bytes_per_token(arch, "int3")
     with pytest.raises(UserInputError):
