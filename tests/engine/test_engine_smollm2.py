@@ -115,3 +115,28 @@ def test_generate_speed_line_arithmetic():
     res = [NS(metrics=a, outputs=[NS(token_ids=[1, 2, 3])]), NS(metrics=b, outputs=[NS(token_ids=[4, 5])])]
     assert speed_line(res) == "5 output tokens in 3.00 s (1.7 tok/s); decode 1.5 tok/s after the first token at 1.00 s"
     assert speed_line([NS(metrics=None, outputs=[])]) is None
+
+
+@pytest.mark.parametrize("kv", ["bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2", "int4", "kivi2"])
+def test_every_kv_cache_dtype_generates_on_smollm2(smol, kv):
+    """The default model generates through each cache (a 300-token prompt, so kivi2 holds quantized
+    groups): 16-bit caches give float32's greedy tokens; every cache scores float32's continuation,
+    teacher-forced through its own cache, within 0.15 nats a token of float32's."""
+    loaded, llm = smol
+    text = " ".join(["The history of the city goes back to a small fishing village by the river."] * 18)
+    ids = loaded.tokenizer(text).input_ids[:300]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = llm.generate([ids], greedy)[0].outputs[0].token_ids
+    other = LLM(loaded=loaded, kv_cache_memory=64 << 20, max_model_len=1024, kv_cache_dtype=kv)
+    got = other.generate([ids], greedy)[0].outputs[0].token_ids
+    if kv in ("bfloat16", "float16"):
+        assert got == want
+    score = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    full = ids + want
+
+    def mean_lp(engine_llm):
+        lps = engine_llm.generate([full], score)[0].prompt_logprobs
+        return sum(t.logprob for t in lps[len(ids):]) / len(want)   # the prompt's own tokens' logprobs
+
+    assert abs(mean_lp(other) - mean_lp(llm)) < 0.15     # measured: int4 0.04, kivi2 0.03
+    assert other.engine.kv.num_free_blocks == other.engine.kv.pool.num_blocks

@@ -116,3 +116,30 @@ def test_kivi_flags_are_refused_where_they_do_not_apply(model):
     with pytest.raises(UserInputError, match="speculative"):
         EngineArgs(model=str(model), kv_cache_dtype="kivi2", speculative_config={"method": "ngram",
                                                                                    "num_speculative_tokens": 2})
+
+
+def test_quantized_blocks_evicted_to_the_tier_come_back_with_the_same_logits(model):
+    """Only quantized blocks are cached: a prompt's pages evicted from a 16-block pool are found in
+    the offload tier, loaded back, and give the logits the pool's own hit gave."""
+    from llmopt.worker.offload import HASH_BYTES
+    engine = _engine(model, memory=212_992, max_model_len=160, kv_offload_bytes=64 * (2048 + HASH_BYTES))
+    assert (engine.kv.pool.num_blocks, engine.kv.kivi.pool.num_blocks) == (16, 11)
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
+
+    def run(prompts):
+        from engine_helpers import run_outputs
+        return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs])
+                for o in run_outputs(engine, prompts, sp)]
+
+    p = mixed_prompts(1, 96, 100, 100, seed=11)[0]
+    run([p])
+    hits = engine.stats().prefix_cache_hits
+    want = run([p])                                          # 4 quantized blocks from the pool
+    assert engine.stats().prefix_cache_hits - hits == 4 * G
+    for seed in (12, 13, 14):
+        run(mixed_prompts(1, 96, 150, 150, seed=seed))         # their pages evict p's
+    got = run([p])
+    s = engine.stats()
+    assert s.kv_offload_hit_tokens == 4 * G and s.kv_offload_loaded_bytes == 4 * 2048
+    assert got == want
+    _no_leak(engine)

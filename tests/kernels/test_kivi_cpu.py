@@ -233,3 +233,47 @@ def test_cpu_decode_layers_read_kivi2_pages_as_the_python_layers(tiny_factory, r
     with pytest.raises(ValueError, match="quant_blocks"):
         f.run(ids, positions, plain if rows == "decode" else f.rows_context(plain, seq_idx, positions), plain.kcs,
               plain.vcs, pages=(kps, vps))
+
+
+def _pages_from_definition(x, per_channel: bool, g: int) -> bytes:
+    """One block of one head, [G, D] float32, as KIVI's page written from its definition, in numpy:
+    the groups' fp16 scales, their fp16 zeros, then the 2-bit codes token by token, channel c in
+    bits 2 * (c % 4) of byte c / 4."""
+    import numpy as np
+    x = x.numpy().astype(np.float32)
+    t, d = x.shape
+    v = min(g, d)
+    groups = x.T if per_channel else x.reshape(t, d // v, v)   # [groups..., members]
+    lo, hi = groups.min(-1), groups.max(-1)
+    scale, zero = ((hi - lo) / np.float32(3)).astype(np.float16), lo.astype(np.float16)
+    s32, z32 = scale.astype(np.float32), zero.astype(np.float32)
+    if per_channel:
+        s_full, z_full = np.broadcast_to(s32[None], x.shape), np.broadcast_to(z32[None], x.shape)
+    else:
+        s_full, z_full = np.repeat(s32, v, 1), np.repeat(z32, v, 1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(s_full > 0, np.rint((x - z_full) / np.where(s_full > 0, s_full, 1)), 0)
+    q = np.clip(q, 0, 3).astype(np.uint8).reshape(t, d // 4, 4)
+    codes = q[..., 0] | (q[..., 1] << 2) | (q[..., 2] << 4) | (q[..., 3] << 6)
+    return scale.tobytes() + zero.tobytes() + codes.tobytes()
+
+
+@pytest.mark.parametrize("g,d", [(32, 64), (16, 32), (32, 16)])
+def test_pages_are_kivis_definition_byte_for_byte_and_round_trip_within_half_a_step(g, d):
+    gen = torch.Generator().manual_seed(g + d)
+    x = torch.randn(3, g, 2, d, generator=gen) * 3 + torch.randn(2, d, generator=gen) * 4   # channel offsets
+    x[1, :, 0, 0] = 1.5                                                                      # a flat group
+    kp, vp = kivi.quantize_keys(x), kivi.quantize_values(x)
+    assert kp.shape[-1] == key_page_bytes(g, d) and vp.shape[-1] == value_page_bytes(g, d)
+    for n in range(3):
+        for h in range(2):
+            assert bytes(kp[n, h].numpy()) == _pages_from_definition(x[n, :, h], True, g)
+            assert bytes(vp[n, h].numpy()) == _pages_from_definition(x[n, :, h], False, g)
+    k, v = kivi.dequantize_keys(kp, g, d, torch.float64), kivi.dequantize_values(vp, g, d, torch.float64)
+    xd = x.double()
+    k_step = (xd.amax(1, keepdim=True) - xd.amin(1, keepdim=True)) / 3
+    vg = xd.reshape(3, g, 2, -1, min(g, d))
+    v_step = ((vg.amax(-1, keepdim=True) - vg.amin(-1, keepdim=True)) / 3).expand_as(vg).reshape(xd.shape)
+    assert ((k - xd).abs() <= k_step / 2 + 2e-3 * xd.abs().amax()).all()   # + the fp16 rounding of scale and zero
+    assert ((v - xd).abs() <= v_step / 2 + 2e-3 * xd.abs().amax()).all()
+    assert torch.equal(k[1, :, 0, 0], torch.full((g,), 1.5, dtype=torch.float64))           # exact where flat
