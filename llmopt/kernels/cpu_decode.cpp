@@ -1075,6 +1075,88 @@ void write_kv(const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& k, c
     }
 }
 
+// kivi2's conversions (llmopt/kernels/kivi.py quantize_keys / quantize_values, byte for byte): the
+// residual blocks res[i] of one layer ([nr, G, Hkv, D], float32, bfloat16 or float16) quantized into
+// the pages page[i]. Per group: lo, hi its extremes, scale = fp16((hi - lo) / 3), zero = fp16(lo),
+// code = round-half-even((x - zero) / scale) clamped to 0..3 (0 when the scale is 0), in float32.
+namespace kivi_put {
+inline uint16_t half(float x) { return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
+
+inline uint8_t code(float x, float s, float z) {
+    if (!(s > 0.f)) return 0;
+    float t = x - z;
+    asm volatile("" : "+x"(t));   // rounded to float32 before the division, as the reference
+    return uint8_t(std::min(3.f, std::max(0.f, std::nearbyint(t / s))));
+}
+
+template <class E>
+void block(const uint8_t* res, int64_t G, int64_t Hkv, int64_t D, uint8_t* kpage, uint8_t* vpage, int64_t kpb,
+           int64_t vpb, const uint8_t* vres) {
+    const int64_t V = std::min(G, D), ng = D / V, rb = Hkv * D * E::rowb(1);
+    std::vector<float> x(G * D);
+    for (int64_t h = 0; h < Hkv; ++h) {
+        for (int pass = 0; pass < 2; ++pass) {   // keys, then values
+            const uint8_t* src = (pass == 0 ? res : vres) + h * D * E::rowb(1);
+            for (int64_t t = 0; t < G; ++t)
+                for (int64_t c = 0; c < D; ++c) x[t * D + c] = E::one(src + t * rb, c);
+            uint8_t* page = (pass == 0 ? kpage : vpage) + h * (pass == 0 ? kpb : vpb);
+            const int64_t groups = pass == 0 ? D : G * ng;   // keys: per channel; values: per (token, channel group)
+            uint16_t* sc = reinterpret_cast<uint16_t*>(page);
+            uint16_t* zc = sc + groups;
+            uint8_t* codes = page + 4 * groups;
+            std::memset(codes, 0, G * D / 4);
+            for (int64_t gi = 0; gi < groups; ++gi) {
+                // the group's members: keys' channel gi over the G tokens, values' token gi / ng, channels of group gi % ng
+                const int64_t n = pass == 0 ? G : V;
+                auto at = [&](int64_t i) -> int64_t { return pass == 0 ? i * D + gi : (gi / ng) * D + (gi % ng) * V + i; };
+                float lo = INFINITY, hi = -INFINITY;
+                for (int64_t i = 0; i < n; ++i) lo = std::min(lo, x[at(i)]), hi = std::max(hi, x[at(i)]);
+                const uint16_t hs = half((hi - lo) / 3.f), hz = half(lo);
+                sc[gi] = hs;
+                zc[gi] = hz;
+                const float s = _cvtsh_ss(hs), z = _cvtsh_ss(hz);
+                for (int64_t i = 0; i < n; ++i) {
+                    const int64_t e = at(i);   // token e / D, channel e % D
+                    codes[(e / D) * (D / 4) + (e % D) / 4] |= uint8_t(code(x[e], s, z) << (2 * ((e % D) % 4)));
+                }
+            }
+        }
+    }
+}
+}  // namespace kivi_put
+
+void kivi_convert(const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& kp, const at::Tensor& vp,
+                  const at::Tensor& res, const at::Tensor& pages) {
+    const auto dt = kc.scalar_type();
+    TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf) && vc.scalar_type() == dt && kc.dim() == 4 &&
+                kc.sizes() == vc.sizes() && kc.is_contiguous() && vc.is_contiguous() && kc.device().is_cpu(),
+                "the residual must be two contiguous float32, bfloat16 or float16 CPU tensors [n, G, Hkv, D]");
+    const int64_t G = kc.size(1), Hkv = kc.size(2), D = kc.size(3), V = std::min(G, D);
+    TORCH_CHECK(D % 4 == 0 && D % V == 0, "head_dim must be a multiple of 4 and of min(G, head_dim)");
+    const int64_t kpb = 4 * D + G * D / 4, vpb = 4 * G * (D / V) + G * D / 4;
+    TORCH_CHECK(kp.scalar_type() == at::kByte && vp.scalar_type() == at::kByte && kp.is_contiguous() && vp.is_contiguous() &&
+                kp.dim() == 3 && vp.dim() == 3 && kp.size(0) == vp.size(0) && kp.size(1) == Hkv && vp.size(1) == Hkv &&
+                kp.size(2) == kpb && vp.size(2) == vpb, "pages must be contiguous uint8 [n, Hkv, page bytes]");
+    TORCH_CHECK(res.scalar_type() == at::kLong && pages.scalar_type() == at::kLong && res.numel() == pages.numel() &&
+                res.is_contiguous() && pages.is_contiguous(), "res and pages must be int64 [n]");
+    const int64_t n = res.numel(), *ri = res.data_ptr<int64_t>(), *pi = pages.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i)
+        TORCH_CHECK(ri[i] >= 0 && ri[i] < kc.size(0) && pi[i] >= 0 && pi[i] < kp.size(0), "block id out of range");
+    const int64_t rbb = G * Hkv * D * kc.element_size();
+    const auto* k = static_cast<const uint8_t*>(kc.data_ptr());
+    const auto* v = static_cast<const uint8_t*>(vc.data_ptr());
+    auto* kpp = kp.data_ptr<uint8_t>();
+    auto* vpp = vp.data_ptr<uint8_t>();
+#pragma omp parallel for schedule(static) if (n >= 2)
+    for (int64_t i = 0; i < n; ++i) {
+        uint8_t *ko = kpp + pi[i] * Hkv * kpb, *vo = vpp + pi[i] * Hkv * vpb;
+        const uint8_t *kr = k + ri[i] * rbb, *vr = v + ri[i] * rbb;
+        if (dt == at::kFloat) kivi_put::block<F32>(kr, G, Hkv, D, ko, vo, kpb, vpb, vr);
+        else if (dt == at::kBFloat16) kivi_put::block<BF16>(kr, G, Hkv, D, ko, vo, kpb, vpb, vr);
+        else kivi_put::block<F16>(kr, G, Hkv, D, ko, vo, kpb, vpb, vr);
+    }
+}
+
 // y = x @ w^T for float32 x [M, K], w [N, K] float32, bfloat16 or float16 (widened in the loop,
 // float32 sums): the float LM head of a decode step on both cores (the aten GEMV at M = 1 runs on
 // one thread), and the 16-bit linears of llmopt/layers/modules16.py at any M
@@ -1152,6 +1234,9 @@ TORCH_LIBRARY_FRAGMENT(llmopt_cpu, m) {
     m.impl("write_kv", c10::DispatchKey::CPU, TORCH_FN(write_kv));
     m.def("idot_gemm(Tensor x, Tensor codes, Tensor scales, Tensor szeros, int gs, int kind, bool checked=False) -> Tensor");
     m.impl("idot_gemm", c10::DispatchKey::CPU, TORCH_FN(idot_gemm));
+    m.def("kivi_convert(Tensor key_cache, Tensor value_cache, Tensor(a!) key_pages, Tensor(b!) value_pages, "
+          "Tensor residual_ids, Tensor page_ids) -> ()");
+    m.impl("kivi_convert", c10::DispatchKey::CPU, TORCH_FN(kivi_convert));
     m.def("f32_gemm(Tensor x, Tensor w) -> Tensor");
     m.impl("f32_gemm", c10::DispatchKey::CPU, TORCH_FN(f32_gemm));
     m.class_<DecodeLayer>("DecodeLayer")

@@ -92,9 +92,15 @@ def page_shapes(num_blocks: int, group_size: int, num_kv_heads: int, head_dim: i
 
 @torch.no_grad()
 def convert_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, key_pages: torch.Tensor,
-                   value_pages: torch.Tensor, residual_ids: torch.Tensor, page_ids: torch.Tensor) -> None:
-    """Quantize residual blocks `residual_ids` of one layer into pages `page_ids` (int64 [n] each)."""
+                   value_pages: torch.Tensor, residual_ids: torch.Tensor, page_ids: torch.Tensor,
+                   cpu_ops=None) -> None:
+    """Quantize residual blocks `residual_ids` of one layer into pages `page_ids` (int64 [n] each).
+    cpu_ops: the C++ kernels (llmopt_cpu.kivi_convert, the same bytes, blocks in parallel), for CPU
+    tensors; else these PyTorch ops."""
     if residual_ids.numel() == 0:
+        return
+    if cpu_ops is not None and not key_cache.is_cuda:
+        cpu_ops.kivi_convert(key_cache, value_cache, key_pages, value_pages, residual_ids, page_ids)
         return
     k, v = key_cache.index_select(0, residual_ids), value_cache.index_select(0, residual_ids)
     key_pages.index_copy_(0, page_ids, quantize_keys(k))

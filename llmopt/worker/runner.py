@@ -321,9 +321,10 @@ class ModelRunner:
         if converts:
             res = torch.tensor([p[0] for p in converts], device=self.device)
             page = torch.tensor([p[1] for p in converts], device=self.device)
+            ops = kernels._cpu_ops() if self.device.type == "cpu" else None   # the C++ conversion, same bytes
             for i in range(self.num_layers):
                 kivi_kernels.convert_blocks(self.key_caches[i], self.value_caches[i], self.key_pages[i],
-                                            self.value_pages[i], res, page)
+                                            self.value_pages[i], res, page, ops)
 
     def check_health(self) -> None:
         """One process: nothing outside it can die."""

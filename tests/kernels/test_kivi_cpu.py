@@ -277,3 +277,24 @@ def test_pages_are_kivis_definition_byte_for_byte_and_round_trip_within_half_a_s
     assert ((k - xd).abs() <= k_step / 2 + 2e-3 * xd.abs().amax()).all()   # + the fp16 rounding of scale and zero
     assert ((v - xd).abs() <= v_step / 2 + 2e-3 * xd.abs().amax()).all()
     assert torch.equal(k[1, :, 0, 0], torch.full((g,), 1.5, dtype=torch.float64))           # exact where flat
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("g,d", [(32, 64), (16, 32), (32, 16)])
+def test_cpp_conversion_writes_the_reference_pages_byte_for_byte(dtype, g, d):
+    """llmopt_cpu.kivi_convert (the runner's conversions on the CPU) stores the bytes of
+    kivi.quantize_keys / quantize_values, flat groups and fp16 rounding ties included."""
+    gen = torch.Generator().manual_seed(g * d)
+    kc = (torch.randn(6, g, 3, d, generator=gen) * 3 + torch.randn(3, d, generator=gen) * 4).to(dtype)
+    vc = torch.randn(6, g, 3, d, generator=gen).to(dtype)
+    kc[2, :, 1, 0] = 0.75                                               # a flat key channel
+    vc[4, 5, 2] = -2.0                                                  # a flat value token
+    vc[1, :, 0, :] = torch.arange(g * d).reshape(g, d).to(dtype) % 7    # exact ties of (x - zero) / scale
+    res, pages = torch.tensor([4, 0, 2, 1]), torch.tensor([1, 3, 0, 2])
+    kp = torch.full((4, 3, key_page_bytes(g, d)), 0xAB, dtype=torch.uint8)
+    vp = torch.full((4, 3, value_page_bytes(g, d)), 0xAB, dtype=torch.uint8)
+    cpu_quant.ops().kivi_convert(kc, vc, kp, vp, res, pages)
+    assert torch.equal(kp[pages], kivi.quantize_keys(kc[res]))
+    assert torch.equal(vp[pages], kivi.quantize_values(vc[res]))
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_quant.ops().kivi_convert(kc, vc, kp, vp, torch.tensor([6]), torch.tensor([0]))
