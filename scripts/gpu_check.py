@@ -66,6 +66,11 @@ ATTN_CASES = [  # label, specs, hq, hkv, d, block, kv_dtype, dtype, window, knob
     ("decode bf16 int8 blk1", "decode", 16, 2, 128, 1, "int8", torch.bfloat16, None, {}),
     ("decode fp16 fp8_e5m2 G=8", "decode", 64, 8, 128, 16, "fp8_e5m2", torch.float16, None, {}),
 ]
+KIVI_CASES = [  # label, (context, queries, quant_blocks) per sequence, hq, hkv, d, G, knobs
+    ("kivi2 decode bf16 G=32", [(1, 1, 0), (300, 1, 5), (2000, 1, 58), (129, 1, 0), (4000, 1, 120)], 32, 8, 128, 32,
+     {"num_splits": 4}),
+    ("kivi2 varlen bf16 G=32", [(300, 60, 5), (1, 1, 0), (513, 64, 12), (200, 200, 0)], 9, 3, 64, 32, {}),
+]
 SPECS = {"mixed": [(1, 1), (17, 1), (100, 37), (128, 128), (300, 300), (513, 64), (1000, 1), (64, 5)],
          "decode": [(1, 1), (16, 1), (17, 1), (255, 1), (1000, 1), (2047, 1), (4000, 1), (33, 1)]}
 
@@ -85,6 +90,13 @@ def check_kernels(table: Table, dev) -> None:
         err = (got.float() - want.float()).abs().max().item()
         tol = 1e-4 if dt == torch.float32 else 3e-2
         table.add(sec, f"attention {label}", f"max err {err:.2e} (tol {tol:.0e})", err <= tol)
+    for label, specs, hq, hkv, d, g, knobs in KIVI_CASES:   # kivi2: pages before quant_blocks, residual after
+        b = pb.make_kivi_batch(specs, hq, hkv, d, g, torch.bfloat16, torch.bfloat16, seed=len(label), device=dev)
+        got = pb.run_kivi(triton_attention.paged_attention, b, d ** -0.5, **knobs)
+        want = pb.kivi_oracle(pb.make_kivi_batch(specs, hq, hkv, d, g, torch.bfloat16, torch.bfloat16,
+                                                 seed=len(label), garbage="big"), d ** -0.5)
+        err = (got.double().cpu() - want).abs().max().item()
+        table.add(sec, f"attention {label}", f"max err {err:.2e} (tol 3e-02)", err <= 3e-2)
     for kvd in ("auto", "fp8", "fp8_e5m2", "int8"):
         a = empty_cache(64, 16, 8, 128, kvd, torch.bfloat16, dev)
         c = tuple(None if x is None else x.clone() for x in a)
@@ -220,7 +232,7 @@ def check_gguf(table: Table, dev) -> None:
 # -- --compile: ahead-of-time compile without a GPU ----------------------------------------------
 FLOAT_SCALARS = {"k_scale", "v_scale", "qk_scale", "eps"}
 QUICK = {"decode bf16 kv_mode=3 split=True", "varlen fp32 kv_mode=0", "varlen bf16 kv_mode=1", "merge", "write_kv u8",
-         "rms_norm bf16", "rotary bf16"}
+         "rms_norm bf16", "rotary bf16", "decode bf16 kv_mode=kivi2 split=True", "varlen fp16 kv_mode=kivi2 window"}
 
 
 def _signature(kernel, ptr_types: dict, constexprs: dict) -> dict:
@@ -252,6 +264,13 @@ def variants():
                         dict(common, G=3, G_PAD=16, SPLIT=split)))
         out.append((f"varlen {qdt} kv_mode={mode}", K._varlen_kernel, ptrs,
                     dict(common, G=3, BLOCK_M=64, BLOCK_Q=21)))
+    kivi = dict(attn_ptrs, qb_ptr="i32", ks_ptr="u8", vs_ptr="u8")   # kivi2: a float residual and 2-bit pages
+    out.append(("decode bf16 kv_mode=kivi2 split=True", K._decode_kernel, dict(kivi, **{"*": "bf16"}),
+                dict(HKV=2, D=128, D_PAD=128, PAGE=32, BLOCK_N=64, KV_MODE=K.KV_KIVI, USE_WINDOW=False,
+                     DOT_IEEE=False, G=4, G_PAD=16, SPLIT=True)))
+    out.append(("varlen fp16 kv_mode=kivi2 window", K._varlen_kernel, dict(kivi, **{"*": "fp16"}),
+                dict(HKV=2, D=64, D_PAD=64, PAGE=16, BLOCK_N=64, KV_MODE=K.KV_KIVI, USE_WINDOW=True,
+                     DOT_IEEE=False, G=4, BLOCK_M=64, BLOCK_Q=16)))
     out.append(("merge", K._merge_kernel, {"*": "fp32", "qsl_ptr": "i32", "o_ptr": "bf16"},
                 dict(HQ=6, D=64, D_PAD=64, SPLITS_PAD=8)))
     for cache, scales in (("fp32", False), ("bf16", False), ("u8", False), ("i8", True)):

@@ -165,4 +165,4 @@ def test_kernels_compile_for_sm90():
     r = subprocess.run([sys.executable, "scripts/gpu_check.py", "--compile", "90", "--quick"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "7/7 kernel variants compiled" in r.stdout
+    assert "9/9 kernel variants compiled" in r.stdout   # kivi2's decode and varlen among them
