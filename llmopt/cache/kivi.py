@@ -40,7 +40,9 @@ def check_kivi(group_size: int, residual_length: int, head_dim: int) -> None:
     if residual_length < 0 or residual_length % group_size:
         raise UserInputError(f"--kivi-residual-length must be a multiple of the group size {group_size}, "
                              f"got {residual_length}")
-    if head_dim % value_group(group_size, head_dim) or head_dim % 4:
+    if head_dim % 4:
+        raise UserInputError(f"kivi2 packs 4 codes a byte: head_dim {head_dim} is not a multiple of 4")
+    if head_dim % value_group(group_size, head_dim):
         raise UserInputError(f"kivi2 quantizes values in groups of {group_size} channels; head_dim {head_dim} "
                              f"is not a multiple of it")
 
@@ -84,7 +86,7 @@ def kivi_pools(budget: int, block_bytes: int, residual_block_bytes: int, max_mod
     every layer that uses it. The residual pool holds the residual of N requests of max_model_len, N the
     most the budget holds (at most max_num_seqs), and one step's new tokens; the main pool the rest."""
     q, r = request_blocks(max_model_len, group_size, residual_length)
-    step = cdiv(max_num_batched_tokens, group_size) + 1
+    step = cdiv(min(max_num_batched_tokens, max_model_len), group_size) + 1   # a step writes at most a context
     per_request = q * block_bytes + r * residual_block_bytes
     n = min(max_num_seqs, (budget - step * residual_block_bytes) // per_request)
     if n < 1:
@@ -94,6 +96,16 @@ def kivi_pools(budget: int, block_bytes: int, residual_block_bytes: int, max_mod
                              f"--max-model-len")
     residual = n * r + step
     return KiviPools((budget - residual * residual_block_bytes) // block_bytes, residual, n)
+
+
+def kivi_config(kv_cache_dtype: str, group_size: int, residual_length: int) -> "KiviConfig | None":
+    """KIVI's sizes for a kivi2 cache (None for another dtype); the KIVI flags given with another
+    dtype are refused (one rule for the engine and kv-estimate)."""
+    if kv_cache_dtype != "kivi2":
+        if (group_size, residual_length) != (defaults.KIVI_GROUP_SIZE, defaults.KIVI_RESIDUAL_LENGTH):
+            raise UserInputError("--kivi-group-size and --kivi-residual-length apply to --kv-cache-dtype kivi2 only")
+        return None
+    return KiviConfig(group_size, residual_length)
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from typing import Protocol, Sequence
 
 from llmopt.cache.block_pool import BlockHash, BlockPool, KVBlock, hash_request_blocks
 from llmopt.cache.groups import GroupTables, cdiv
-from llmopt.cache.kivi import KiviConfig, ResidualTables
+from llmopt.cache.kivi import KiviConfig, ResidualTables, quantized_blocks
 from llmopt.cache.offload import OffloadIndex, TierHit
 
 
@@ -133,6 +133,9 @@ class KVCacheManager:
             return [] if len(self.groups) == 1 else [[] for _ in self.groups], 0
         n_tokens = len(req.all_token_ids) if max_tokens is None else min(len(req.all_token_ids), max_tokens + 1)
         hashes = self.block_hashes(req)[:(n_tokens - 1) // self.block_size]
+        if self.kivi is not None:   # no more quantized blocks than KIVI holds for this prompt: a warm cache
+            k = self.kivi.config   # quantizes what a cold one would
+            hashes = hashes[:quantized_blocks(len(req.all_token_ids), k.group_size, k.residual_length)]
         found = [[self._find(g.key(h)) for h in hashes] for g in self.groups]
         k = len(hashes)
         while True:   # the longest every group can take (a window's need moves with the hit's end)
@@ -291,9 +294,13 @@ class KVCacheManager:
             self.copies = [c for c in self.copies if c[1] not in gone]
         if self.kivi is not None:
             self.kivi.free(req.request_id)
-            for _, m in self.kivi.converts:   # not converted yet: never saved to the tier before it is
-                if self.pool.blocks[m].ref_cnt == 0:
+            kept = []
+            for r, m in self.kivi.converts:   # into a page freed before its step ran: neither converted, nor
+                if self.pool.blocks[m].ref_cnt == 0:   # findable (a later request may take the page this step)
                     self.pool.uncache(self.pool.blocks[m])
+                else:
+                    kept.append((r, m))
+            self.kivi.converts = kept
 
     def forget(self, req: CacheRequest) -> None:
         """Drop per-request bookkeeping for a request that is gone for good."""

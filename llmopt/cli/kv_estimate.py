@@ -8,7 +8,7 @@ import typer
 
 from llmopt import defaults
 from llmopt.cli import output
-from llmopt.cache.kivi import KiviConfig
+from llmopt.cache.kivi import kivi_config
 from llmopt.cli.common import JsonOpt, KiviGroupSizeOpt, KiviResidualLengthOpt, ModelOpt
 from llmopt.cli.kv_estimate_view import list_presets as show_presets
 from llmopt.cli.kv_estimate_view import render
@@ -55,8 +55,11 @@ def kv_estimate(
     kivi_residual_length: int = KiviResidualLengthOpt,
     max_model_len: Optional[str] = typer.Option(None, "--max-model-len", help="Context per request, e.g. 32768 or 32k "
                                                 "(default: the model's max_position_embeddings)."),
-    max_num_batched_tokens: str = typer.Option(str(defaults.MAX_NUM_BATCHED_TOKENS), "--max-num-batched-tokens",
-                                               help="Tokens per scheduler step (caps sliding-window blocks)."),
+    max_num_batched_tokens: Optional[str] = typer.Option(None, "--max-num-batched-tokens",
+                                                         help="Tokens per scheduler step (caps sliding-window blocks; "
+                                                         "sizes kivi2's residual); default: the engine's, "
+                                                         f"{defaults.MAX_NUM_BATCHED_TOKENS} on a GPU, "
+                                                         f"{defaults.MAX_NUM_BATCHED_TOKENS_CPU} on the CPU."),
     max_num_seqs: int = typer.Option(defaults.MAX_NUM_SEQS, "--max-num-seqs", callback=in_range(1),
                                      help="Requests per step, >= 1 (sizes logits)."),
     kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help=f"KV cache bytes per GPU: {SIZE_HELP} "
@@ -103,6 +106,7 @@ def kv_estimate(
         show_presets(as_json)
         return
     from llmopt.estimate import estimate, resolve_model_arch
+    from llmopt.estimate.kv import canonical_kv_dtype
     from llmopt.units import parse_bytes, parse_list, parse_tokens
     overrides = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
                  "hidden_size": hidden_size, "num_attention_heads": num_attention_heads,
@@ -114,14 +118,16 @@ def kv_estimate(
     est = estimate(
         arch, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
         max_model_len=parse_tokens(max_model_len, "--max-model-len") if max_model_len else None,
-        max_num_batched_tokens=parse_tokens(max_num_batched_tokens, "--max-num-batched-tokens"),
+        max_num_batched_tokens=parse_tokens(max_num_batched_tokens, "--max-num-batched-tokens")
+        if max_num_batched_tokens is not None else None,
         max_num_seqs=max_num_seqs, tensor_parallel_size=tensor_parallel_size, gpu=gpu, gpu_memory_gib=gpu_memory,
         gpu_memory_utilization=gpu_memory_utilization,
         kv_cache_memory=parse_bytes(kv_cache_memory, "--kv-cache-memory") if kv_cache_memory is not None else None,
         reserve_bytes=None if reserve_gib is None else int(reserve_gib * GIB), weight_format=weight_format,
         group_size=group_size, batch_sizes=parse_list(batch_sizes, "--batch-sizes") if batch_sizes else None,
         seq_lens=parse_list(seq_lens, "--seq-lens") if seq_lens else None, naive=naive, hybrid=not no_hybrid,
-        what_if=what_if, kivi=KiviConfig(kivi_group_size, kivi_residual_length))
+        what_if=what_if, kivi=kivi_config(canonical_kv_dtype(kv_cache_dtype, arch), kivi_group_size,
+                                          kivi_residual_length))
     if est.max_model_len > est.max_position_embeddings:   # as the engine and vLLM refuse it
         raise UserInputError(f"--max-model-len {est.max_model_len:,} is longer than the model's context of "
                              f"{est.max_position_embeddings:,} tokens (max_position_embeddings): give at most that")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import logging
 
 from llmopt import defaults
-from llmopt.cache.kivi import KiviConfig
+from llmopt.cache.kivi import KiviConfig, kivi_config
 from llmopt.errors import UserInputError
 from llmopt.models.config import resolve_device_name
 from llmopt.validate import check_engine_limits
@@ -20,8 +20,7 @@ log = logging.getLogger("llmopt.engine")
 def default_batched_tokens(device: str) -> int:
     """--max-num-batched-tokens when none is given: smaller chunks on the CPU, where a prefill
     chunk is compute-bound and stalls every running decode for its whole length."""
-    on_cpu = resolve_device_name(device, must_exist=False) == "cpu"
-    return defaults.MAX_NUM_BATCHED_TOKENS_CPU if on_cpu else defaults.MAX_NUM_BATCHED_TOKENS
+    return defaults.batched_tokens(resolve_device_name(device, must_exist=False))
 
 
 @dataclass
@@ -55,12 +54,7 @@ class EngineArgs:
     @property
     def kivi(self) -> KiviConfig | None:
         """KIVI's sizes when the cache is kivi2 (llmopt/cache/kivi.py)."""
-        if self.kv_cache_dtype != "kivi2":
-            if (self.kivi_group_size, self.kivi_residual_length) != (defaults.KIVI_GROUP_SIZE,
-                                                                     defaults.KIVI_RESIDUAL_LENGTH):
-                raise UserInputError("--kivi-group-size and --kivi-residual-length apply to --kv-cache-dtype kivi2 only")
-            return None
-        return KiviConfig(self.kivi_group_size, self.kivi_residual_length)
+        return kivi_config(self.kv_cache_dtype, self.kivi_group_size, self.kivi_residual_length)
 
     @property
     def hybrid_kv_cache(self) -> bool:
@@ -87,11 +81,10 @@ class EngineArgs:
     def _check_kivi(self) -> None:
         if self.kv_cache_dtype in ("kivi", "kivi-2bit", "kivi_2bit"):   # kv-estimate's spellings
             self.kv_cache_dtype = "kivi2"
-        if self.kv_cache_dtype != "kivi2":
-            if (self.kivi_group_size, self.kivi_residual_length) != (defaults.KIVI_GROUP_SIZE,
-                                                                     defaults.KIVI_RESIDUAL_LENGTH):
-                raise UserInputError("--kivi-group-size and --kivi-residual-length apply to --kv-cache-dtype kivi2 only")
+        if self.kivi is None:   # (the KIVI flags with another dtype are refused there)
             return
+        if self.tensor_parallel_size > 1:
+            raise UserInputError("kivi2 runs with --tensor-parallel-size 1 only")
         if self.speculative_config is not None:
             raise UserInputError("kivi2 does not run with --speculative-config (drafts would rewind its residual): "
                                  "pick another --kv-cache-dtype")

@@ -129,7 +129,7 @@ def reserve_estimate(arch: ModelArch, tp: int, max_num_batched_tokens: int, max_
 
 def estimate(arch: ModelArch, *, device: str | None = None, dtype: str = defaults.DTYPE,
              kv_cache_dtype: str = defaults.KV_CACHE_DTYPE, block_size: int = defaults.BLOCK_SIZE,
-             max_model_len: int | None = None, max_num_batched_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS,
+             max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
              max_num_seqs: int = defaults.MAX_NUM_SEQS, tensor_parallel_size: int = 1, gpu: str | None = None,
              gpu_memory_gib: float | None = None, gpu_memory_utilization: float = defaults.GPU_MEMORY_UTILIZATION,
              kv_cache_memory: int | None = None, reserve_bytes: int | None = None, weight_format: str = "auto",
@@ -147,6 +147,8 @@ def estimate(arch: ModelArch, *, device: str | None = None, dtype: str = default
                               must_exist=False)
     kind = "cpu" if dev == "cpu" else "cuda"
     compute = resolve_dtype_name(dtype, kind, arch.checkpoint_dtype)
+    if max_num_batched_tokens is None:   # the engine's default on that device
+        max_num_batched_tokens = defaults.batched_tokens(kind)
     # 16-bit float weights: a float safetensors checkpoint's (the loader's holds_16bit); a quantized
     # one keeps its float tensors in the compute dtype, a GGUF its own types
     as_stored = arch.quantization_config or arch.source in ("gguf", "builtin")

@@ -129,6 +129,8 @@ def layer_kv_specs(arch: ModelArch, kv_dtype: str, tp: int = 1, kivi: KiviConfig
     heads = plan.kv_heads_per_rank
     fp_bytes = FLOAT_BYTES.get(canonical_kv_dtype("auto", arch), 2)
     kivi = (kivi or KiviConfig()) if dtype == "kivi2" else None
+    if kivi is not None and tp > 1:
+        raise UserInputError("kivi2 runs with --tensor-parallel-size 1 only")
     if kivi is not None and any(arch.layer_windows):
         raise UserInputError("kivi2 does not run sliding-window layers: pick another --kv-cache-dtype for this model")
     per_head, res_tokens, res_bytes = _head_token_bytes(dtype, arch.head_dim, fp_bytes, kivi)

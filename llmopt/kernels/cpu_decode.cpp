@@ -1110,7 +1110,9 @@ void block(const uint8_t* res, int64_t G, int64_t Hkv, int64_t D, uint8_t* kpage
                 const int64_t n = pass == 0 ? G : V;
                 auto at = [&](int64_t i) -> int64_t { return pass == 0 ? i * D + gi : (gi / ng) * D + (gi % ng) * V + i; };
                 float lo = INFINITY, hi = -INFINITY;
-                for (int64_t i = 0; i < n; ++i) lo = std::min(lo, x[at(i)]), hi = std::max(hi, x[at(i)]);
+                bool nan = false;
+                for (int64_t i = 0; i < n; ++i) lo = std::min(lo, x[at(i)]), hi = std::max(hi, x[at(i)]), nan |= std::isnan(x[at(i)]);
+                if (nan) lo = hi = NAN;   // as torch's amin / amax: the group's scale and zero NaN, its codes 0
                 const uint16_t hs = half((hi - lo) / 3.f), hz = half(lo);
                 sc[gi] = hs;
                 zc[gi] = hz;
@@ -1142,6 +1144,9 @@ void kivi_convert(const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& 
     const int64_t n = res.numel(), *ri = res.data_ptr<int64_t>(), *pi = pages.data_ptr<int64_t>();
     for (int64_t i = 0; i < n; ++i)
         TORCH_CHECK(ri[i] >= 0 && ri[i] < kc.size(0) && pi[i] >= 0 && pi[i] < kp.size(0), "block id out of range");
+    std::vector<int64_t> sorted(pi, pi + n);   // the blocks run in parallel: one conversion a page
+    std::sort(sorted.begin(), sorted.end());
+    TORCH_CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(), "a page converted twice in one call");
     const int64_t rbb = G * Hkv * D * kc.element_size();
     const auto* k = static_cast<const uint8_t*>(kc.data_ptr());
     const auto* v = static_cast<const uint8_t*>(vc.data_ptr());

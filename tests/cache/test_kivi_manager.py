@@ -111,3 +111,49 @@ def test_a_pending_conversion_target_is_never_saved_to_the_tier_before_it_is_wri
     kv.free(a)                                # preempted in the same step: its targets are not findable
     assert all(kv.pool.blocks[b].block_hash is None for b in converted)
     kv.pool.check_invariants()
+
+
+def test_a_request_preempted_in_its_conversion_step_leaves_no_conversion_behind():
+    """Under the priority policy the victim may already hold this step's conversions: its pages go
+    back to the pool with them dropped, so no page is converted twice (into another request's page)."""
+    from llmopt.core.request import Request
+    from llmopt.core.sampler import SampledTokens
+    from llmopt.core.sampling_params import SamplingParams
+    from llmopt.core.scheduler import Scheduler
+
+    def req(rid, tokens, priority):
+        return Request(rid, tokens, SamplingParams(max_tokens=40, ignore_eos=True), eos_token_ids=frozenset([1]),
+                       priority=priority)
+
+    def step(sched):
+        out = sched.schedule()
+        sched.update_from_output(out, {s.request_id: SampledTokens([5]) for s in out.scheduled if s.num_logits})
+        return out
+
+    preempted = 0
+    for pool in range(1, 6):
+        kv = KVCacheManager(pool, G, True, kivi=KiviConfig(G, R), num_residual_blocks=32)
+        sched = Scheduler(kv, 8, 100, 256, "priority")
+        sched.add_request(req("lo", list(range(1, 12)), 5))
+        step(sched)                                   # lo runs alone, first in the running list
+        sched.add_request(req("hi", list(range(100, 112)), 0))
+        for _ in range(30):
+            out = step(sched)
+            pages = [m for _, m in out.kivi_converts]
+            assert len(pages) == len(set(pages)), out.kivi_converts
+            assert all(kv.pool.blocks[m].ref_cnt > 0 for m in pages)   # every target still someone's
+            preempted += len(out.preempted)
+        kv.pool.check_invariants()
+    assert preempted > 0
+
+
+def test_prefix_hits_stop_at_the_blocks_kivi_holds_for_the_prompt():
+    kv = _manager()
+    a = Req("a", list(range(60)))
+    _step(kv, a, 60)
+    a.all_token_ids.append(1)
+    _step(kv, a, 1)                           # (60 - 8) // 4 = 13 pages cached
+    assert kv.num_quantized_blocks("a") == 13
+    b = Req("b", list(range(30)))             # shares 7 full blocks, KIVI holds (30 - 8) // 4 = 5 of them
+    _, n = kv.get_computed_blocks(b)
+    assert n == 5 * G

@@ -113,6 +113,10 @@ def test_kivi_flags_are_refused_where_they_do_not_apply(model):
         EngineArgs(model=str(model), kv_cache_dtype="float32", kivi_group_size=16)
     with pytest.raises(UserInputError, match="multiple of the group size"):
         _engine(model, kivi_residual_length=24)
+    with pytest.raises(UserInputError, match="tensor-parallel-size 1"):
+        EngineArgs(model=str(model), kv_cache_dtype="kivi2", tensor_parallel_size=2)
+    engine = _engine(model, max_num_batched_tokens=0)        # unlimited: a step writes at most a context
+    assert engine.kv.kivi.pool.num_blocks < 1000
     with pytest.raises(UserInputError, match="speculative"):
         EngineArgs(model=str(model), kv_cache_dtype="kivi2", speculative_config={"method": "ngram",
                                                                                    "num_speculative_tokens": 2})

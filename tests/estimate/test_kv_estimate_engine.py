@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from llmopt.cache.kivi import KiviConfig
 from llmopt.engine.args import EngineArgs
 from llmopt.engine.engine import LLMEngine
+from llmopt.errors import UserInputError
 from llmopt.estimate import estimate, resolve_model_arch
 from llmopt.models.loader import load_model
 
@@ -97,6 +98,11 @@ def test_kivi2_allocates_what_the_estimate_says(tiny_factory, dtype, max_len, se
     assert (est.paged.num_blocks, est.paged.residual_blocks) == (info.num_blocks, info.num_residual_blocks)
     assert est.paged.kv_cache_bytes == info.bytes_allocated
     assert est.paged.blocks_per_request == engine.blocks_per_request
+    default = estimate(resolve_model_arch(str(folder)), kv_cache_dtype="kivi2", kv_cache_memory=memory, device="cpu",
+                       dtype=dtype, max_model_len=max_len, max_num_seqs=seqs, kivi=KiviConfig(*kivi))
+    assert default.max_num_batched_tokens == EngineArgs(device="cpu").max_num_batched_tokens   # the engine's default
+    with pytest.raises(UserInputError, match="tensor-parallel-size 1"):
+        estimate(resolve_model_arch(str(folder)), kv_cache_dtype="kivi2", tensor_parallel_size=2, gpu="H100")
 
 
 def test_int4_refuses_a_head_dim_off_its_blocks(tiny):

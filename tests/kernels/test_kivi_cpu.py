@@ -298,3 +298,21 @@ def test_cpp_conversion_writes_the_reference_pages_byte_for_byte(dtype, g, d):
     assert torch.equal(vp[pages], kivi.quantize_values(vc[res]))
     with pytest.raises(RuntimeError, match="out of range"):
         cpu_quant.ops().kivi_convert(kc, vc, kp, vp, torch.tensor([6]), torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="converted twice"):   # blocks run in parallel: one writer a page
+        cpu_quant.ops().kivi_convert(kc, vc, kp, vp, torch.tensor([0, 1]), torch.tensor([2, 2]))
+
+
+def test_a_nan_in_the_residual_makes_its_group_nan_in_both_conversions():
+    """A NaN poisons its group (scale and zero NaN, as torch's amin / amax), never a finite page."""
+    kc, vc = torch.randn(2, 32, 2, 64), torch.randn(2, 32, 2, 64)
+    kc[1, 5, 0, 3] = vc[1, 7, 1, 9] = float("nan")
+    kp = torch.zeros(2, 2, key_page_bytes(32, 64), dtype=torch.uint8)
+    vp = torch.zeros(2, 2, value_page_bytes(32, 64), dtype=torch.uint8)
+    cpu_quant.ops().kivi_convert(kc, vc, kp, vp, torch.tensor([0, 1]), torch.tensor([0, 1]))
+    keys = (kivi.dequantize_keys(kp, 32, 64, torch.float32),
+            kivi.dequantize_keys(kivi.quantize_keys(kc), 32, 64, torch.float32))
+    values = (kivi.dequantize_values(vp, 32, 64, torch.float32),
+              kivi.dequantize_values(kivi.quantize_values(vc), 32, 64, torch.float32))
+    for got, want in (keys, values):
+        assert torch.equal(got.isnan(), want.isnan()) and int(got.isnan().sum()) == 32
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
