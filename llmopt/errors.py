@@ -25,3 +25,7 @@ class DoesNotFitError(LLMOptError):
     """A requested configuration does not fit in memory (used by CI gates)."""
 
     exit_code = 3
+
+
+class EngineDeadError(LLMOptError):
+    """A step failed in a way no single request explains: the engine serves nothing more."""

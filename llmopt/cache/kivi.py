@@ -141,7 +141,13 @@ class ResidualTables:
         already taken) and give it `new` fresh residual blocks."""
         blocks = self.blocks.setdefault(rid, [])
         done, blocks[:len(convert)] = blocks[:len(convert)], []
-        self.converts.extend((r.block_id, m.block_id) for r, m in zip(done, convert))
+        copied = {d: s for s, d in self.copies}
+        for r, m in zip(done, convert):
+            src = r.block_id
+            if src in copied:   # a fork's copy not run yet: convert its source, the copy is not needed (and its
+                self.copies.remove((copied[src], src))   # target may be taken, and freed, again in this step)
+                src = copied[src]
+            self.converts.append((src, m.block_id))
         self.pool.free_blocks(done)   # read by the conversion before this step's forward writes any block
         if new:
             blocks.extend(self.pool.get_new_blocks(new))

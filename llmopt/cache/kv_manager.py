@@ -133,8 +133,8 @@ class KVCacheManager:
             return [] if len(self.groups) == 1 else [[] for _ in self.groups], 0
         n_tokens = len(req.all_token_ids) if max_tokens is None else min(len(req.all_token_ids), max_tokens + 1)
         hashes = self.block_hashes(req)[:(n_tokens - 1) // self.block_size]
-        if self.kivi is not None:   # no more quantized blocks than KIVI holds for this prompt: a warm cache
-            k = self.kivi.config   # quantizes what a cold one would
+        if self.kivi is not None:   # no more pages than KIVI holds for the whole prompt (the tokens after the
+            k = self.kivi.config   # hit still read them quantized where a cold, chunked prefill read some in full)
             hashes = hashes[:quantized_blocks(len(req.all_token_ids), k.group_size, k.residual_length)]
         found = [[self._find(g.key(h)) for h in hashes] for g in self.groups]
         k = len(hashes)
@@ -185,7 +185,9 @@ class KVCacheManager:
             cow = self._shared_partial_block(req, blocks)
             cost += need + len(loads) + sum(1 for b in taken if b.ref_cnt == 0) + (cow is not None)
             plans.append((g, blocks, hits, need, taken, loads, cow))
-        if cost > self.pool.num_free_blocks or (self.kivi is not None and residual[1] > self.kivi.pool.num_free_blocks):
+        # (a conversion frees its residual block before the request's new ones are taken)
+        if cost > self.pool.num_free_blocks or (self.kivi is not None
+                                                and residual[1] > self.kivi.pool.num_free_blocks + residual[0]):
             return False
         # every group's hits first: no group's new blocks may evict another's free cached hit, nor
         # a save reuse a tier slot a hit will load

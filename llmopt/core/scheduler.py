@@ -308,6 +308,8 @@ class Scheduler:
         if not self.kv.fork(leader, sib, num_tokens):
             sib.num_computed_tokens = 0
             sib.num_cached_tokens = leader.num_cached_tokens
+            if sib.prompt_logprobs is not None:   # scored once: its recompute may take the prompt's pages
+                sib.prompt_logprobs = list(leader.prompt_logprobs or [None])
             sib.metrics.first_scheduled_time = leader.metrics.first_scheduled_time
             sib.status = RequestStatus.PREEMPTED
             self.waiting.add_front(sib)

@@ -15,13 +15,9 @@ from __future__ import annotations
 from typing import Protocol
 
 from llmopt.core.scheduler import SchedulerOutput
-from llmopt.errors import LLMOptError
+from llmopt.errors import EngineDeadError  # noqa: F401  (re-exported: where the engine and executors take it)
 from llmopt.models.loader import LoadedModel
 from llmopt.worker.runner import KVCacheInfo, ModelRunnerOutput
-
-
-class EngineDeadError(LLMOptError):
-    """A step failed in a way no single request explains: the engine serves nothing more."""
 
 
 class Executor(Protocol):

@@ -18,7 +18,7 @@ from llmopt import defaults, kernels
 from llmopt.cache.groups import kv_cache_groups
 from llmopt.cache.kivi import KiviConfig, check_kivi, kivi_pools, key_page_bytes, value_page_bytes
 from llmopt.core.scheduler import SchedulerOutput
-from llmopt.errors import LLMOptError, UserInputError
+from llmopt.errors import EngineDeadError, LLMOptError, UserInputError
 from llmopt.kernels import kivi as kivi_kernels
 from llmopt.models.attention import DenseCausalAttention
 from llmopt.models.config import auto_kv_dtype_name
@@ -356,11 +356,14 @@ class ModelRunner:
     def _run(self, out: SchedulerOutput) -> tuple[torch.Tensor, dict[str, ScoredTokens]]:
         """`execute`, and the prompt positions scored where the step asks (`prompt_targets`): those
         steps take the model's own forward (the fast paths return logits rows, not hidden states)."""
-        if self.offload is not None:   # saves read blocks before loads (or this step) overwrite them
-            self.offload.save(out.kv_saves)
-            self.offload.load(out.kv_loads)
+        try:   # the cache's own moves first: a failure leaves pages the prefix cache vouches for unwritten
+            if self.offload is not None:   # saves read blocks before loads (or this step) overwrite them
+                self.offload.save(out.kv_saves)
+                self.offload.load(out.kv_loads)
+            self.kivi_work(out.kivi_copies, out.kivi_converts)
+        except Exception as e:   # not rerun request by request (the engine's _isolate): the cache is unknown
+            raise EngineDeadError(f"the step's KV-cache transfers failed: {type(e).__name__}: {e}") from e
         self.copy_blocks(out.blocks_to_copy)
-        self.kivi_work(out.kivi_copies, out.kivi_converts)
         sched = out.scheduled
         if not sched:
             return torch.empty(0, self.cfg.vocab_size), {}

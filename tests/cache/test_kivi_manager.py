@@ -157,3 +157,29 @@ def test_prefix_hits_stop_at_the_blocks_kivi_holds_for_the_prompt():
     b = Req("b", list(range(30)))             # shares 7 full blocks, KIVI holds (30 - 8) // 4 = 5 of them
     _, n = kv.get_computed_blocks(b)
     assert n == 5 * G
+
+
+def test_the_residual_check_counts_the_blocks_the_conversions_free_first():
+    kv = _manager(residual=4)
+    a = Req("a", list(range(40)))
+    _step(kv, a, 16)                          # 4 residual blocks: the pool is full
+    assert kv.kivi.pool.num_free_blocks == 0
+    assert kv.allocate_slots(a, 4)            # converts 2, then needs 1 more for tokens 16-19
+
+
+def test_a_conversion_of_a_copy_not_run_yet_reads_the_copys_source():
+    """A child converting its first residual blocks in the step after its fork converts the leader's
+    blocks directly: the copy into a block it frees at once is dropped (that block may be taken, and
+    freed, again by another request of the same step, whose free drops copies into its blocks)."""
+    kv = _manager()
+    a = Req("a", list(range(14)))
+    _step(kv, a, 14)
+    c = Req("c", list(range(14)))
+    assert kv.fork(a, c, 14)
+    src = kv.kivi.ids("a")
+    c.num_computed_tokens = 14
+    c.all_token_ids.append(3)
+    assert kv.allocate_slots(c, 1)            # converts (14 - 8) // 4 = 1: its first block, a copy's target
+    copies, converts = kv.take_kivi_work()
+    assert converts == [(src[0], kv.get_block_ids("c")[0])]
+    assert [s for s, _ in copies] == src[1:]  # the copies still needed

@@ -147,3 +147,18 @@ def test_quantized_blocks_evicted_to_the_tier_come_back_with_the_same_logits(mod
     assert s.kv_offload_hit_tokens == 4 * G and s.kv_offload_loaded_bytes == 4 * 2048
     assert got == want
     _no_leak(engine)
+
+
+def test_a_failed_conversion_stops_the_engine_rather_than_serve_unwritten_pages(model, monkeypatch):
+    from llmopt.errors import EngineDeadError
+    engine = _engine(model)
+    engine.add_request("a", mixed_prompts(1, 96, 100, 100, seed=2)[0], GREEDY)
+    engine.step()
+
+    def fail(copies, converts):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(engine.runner, "kivi_work", fail)
+    with pytest.raises(EngineDeadError, match="KV-cache transfers failed"):
+        while engine.has_unfinished_requests():
+            engine.step()
