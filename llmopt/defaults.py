@@ -31,11 +31,6 @@ MAX_NUM_BATCHED_TOKENS = 2048      # token budget per step on a GPU (vLLM's chun
 # on the CPU: a burst's prefill chunks interleave with running decodes (docs/benchmarks.md#serve:
 # at concurrency 8, 256 gave 164 output tok/s and 615 ms median TTFT against 151 and 1,216 for 2048)
 MAX_NUM_BATCHED_TOKENS_CPU = 256
-
-
-def batched_tokens(device_kind: str) -> int:
-    """--max-num-batched-tokens when none is given, for a device kind ("cpu" or "cuda")."""
-    return MAX_NUM_BATCHED_TOKENS_CPU if device_kind == "cpu" else MAX_NUM_BATCHED_TOKENS
 GPU_MEMORY_UTILIZATION = 0.9
 KV_CACHE_MEMORY_CPU = 1 << 30  # bytes of KV cache on the CPU when --kv-cache-memory is not given
 KV_CACHE_DTYPE = "auto"
@@ -190,3 +185,8 @@ SPEC_TUNE_INSTRUCTIONS = (         # chat prompts: one of these, then a data pas
     "Explain the following text in simple words.",
     "List the key facts in the following text.",
 )
+
+
+def batched_tokens(device_kind: str) -> int:
+    """--max-num-batched-tokens when none is given, for a device kind ("cpu" or "cuda")."""
+    return MAX_NUM_BATCHED_TOKENS_CPU if device_kind == "cpu" else MAX_NUM_BATCHED_TOKENS

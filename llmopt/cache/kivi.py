@@ -59,6 +59,19 @@ def value_page_bytes(group_size: int, head_dim: int) -> int:
     return 2 * FP16_BYTES * group_size * groups + group_size * head_dim // 4
 
 
+def page_bytes(group_size: int, head_dim: int) -> int:
+    """One KV head's pages of one block, keys and values."""
+    return key_page_bytes(group_size, head_dim) + value_page_bytes(group_size, head_dim)
+
+
+def check_kivi_model(windowed: bool, tensor_parallel_size: int) -> None:
+    """What kivi2 does not run with (one rule for the engine and kv-estimate)."""
+    if tensor_parallel_size > 1:
+        raise UserInputError("kivi2 runs with --tensor-parallel-size 1 only")
+    if windowed:
+        raise UserInputError("kivi2 does not run sliding-window layers: pick another --kv-cache-dtype for this model")
+
+
 def quantized_blocks(num_tokens: int, group_size: int, residual_length: int) -> int:
     """Blocks of a request of `num_tokens` computed tokens that KIVI holds quantized: the full groups
     before its last `residual_length` tokens."""

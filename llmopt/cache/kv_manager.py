@@ -134,8 +134,8 @@ class KVCacheManager:
         n_tokens = len(req.all_token_ids) if max_tokens is None else min(len(req.all_token_ids), max_tokens + 1)
         hashes = self.block_hashes(req)[:(n_tokens - 1) // self.block_size]
         if self.kivi is not None:   # no more pages than KIVI holds for the whole prompt (the tokens after the
-            k = self.kivi.config   # hit still read them quantized where a cold, chunked prefill read some in full)
-            hashes = hashes[:quantized_blocks(len(req.all_token_ids), k.group_size, k.residual_length)]
+            cfg = self.kivi.config   # hit still read them quantized where a cold, chunked prefill read some in full)
+            hashes = hashes[:quantized_blocks(len(req.all_token_ids), cfg.group_size, cfg.residual_length)]
         found = [[self._find(g.key(h)) for h in hashes] for g in self.groups]
         k = len(hashes)
         while True:   # the longest every group can take (a window's need moves with the hit's end)
@@ -208,13 +208,10 @@ class KVCacheManager:
                 self.offload.plan_load(hits[i].slot, fresh.block_id)
                 hits[i] = fresh
             blocks.extend(hits)
-            if need:
-                fresh = self.pool.get_new_blocks(need)
-                blocks.extend(fresh)
-                if self.kivi is not None:
-                    self.kivi.take(rid, fresh, residual[1])
-            elif self.kivi is not None and residual[1]:
-                self.kivi.take(rid, [], residual[1])
+            fresh = self.pool.get_new_blocks(need) if need else []
+            blocks.extend(fresh)
+            if self.kivi is not None:   # (KIVI: fresh are the conversions' pages)
+                self.kivi.take(rid, fresh, residual[1])
             if self.enable_prefix_caching:
                 n_full = len(blocks) if self.kivi is not None else \
                     min(num_computed + num_new_tokens, len(req.all_token_ids)) // self.block_size

@@ -89,8 +89,7 @@ def eval_ppl(
         check_output_file(out_file, [dataset, model, base_model])
     if kv_cache_dtype is not None:   # refused before loading anything
         from llmopt.kernels import kv_cache_torch_dtype
-        if kv_cache_dtype != "kivi2":
-            kv_cache_torch_dtype(kv_cache_dtype, None)
+        kv_cache_torch_dtype(kv_cache_dtype, None)
     data = load_text_dataset(dataset, text_field)
     lm = load_model(model, dtype, device, quantization=quantization, lm_head_dtype=lm_head_dtype)
     base = load_model(base_model, dtype, device) if base_model else None

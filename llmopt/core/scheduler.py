@@ -305,21 +305,17 @@ class Scheduler:
         """A sibling takes the leader's computed prompt: its blocks (shared) and computed count. With
         no room to copy a KIVI residual, it waits at the front of the queue instead, as if preempted
         (it finds the prompt's quantized blocks in the prefix cache)."""
+        sib.num_cached_tokens = leader.num_cached_tokens
+        if sib.prompt_logprobs is not None:   # scored once (a recompute may take the prompt's pages)
+            sib.prompt_logprobs = list(leader.prompt_logprobs or [None])
+        sib.metrics.first_scheduled_time = leader.metrics.first_scheduled_time
         if not self.kv.fork(leader, sib, num_tokens):
             sib.num_computed_tokens = 0
-            sib.num_cached_tokens = leader.num_cached_tokens
-            if sib.prompt_logprobs is not None:   # scored once: its recompute may take the prompt's pages
-                sib.prompt_logprobs = list(leader.prompt_logprobs or [None])
-            sib.metrics.first_scheduled_time = leader.metrics.first_scheduled_time
             sib.status = RequestStatus.PREEMPTED
             self.waiting.add_front(sib)
             self.num_preemptions += 1
             return
         sib.num_computed_tokens = num_tokens
-        sib.num_cached_tokens = leader.num_cached_tokens
-        if sib.prompt_logprobs is not None:
-            sib.prompt_logprobs = list(leader.prompt_logprobs or [None])
-        sib.metrics.first_scheduled_time = leader.metrics.first_scheduled_time
         sib.status = RequestStatus.RUNNING
         self.running.append(sib)
 

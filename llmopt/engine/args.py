@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
-import logging
-
 from llmopt import defaults
-from llmopt.cache.kivi import KiviConfig, kivi_config
+from llmopt.cache.kivi import KiviConfig, check_kivi_model, kivi_config
 from llmopt.errors import UserInputError
 from llmopt.models.config import resolve_device_name
 from llmopt.validate import check_engine_limits
@@ -83,8 +82,7 @@ class EngineArgs:
             self.kv_cache_dtype = "kivi2"
         if self.kivi is None:   # (the KIVI flags with another dtype are refused there)
             return
-        if self.tensor_parallel_size > 1:
-            raise UserInputError("kivi2 runs with --tensor-parallel-size 1 only")
+        check_kivi_model(False, self.tensor_parallel_size)   # (windows: known once the model loads)
         if self.speculative_config is not None:
             raise UserInputError("kivi2 does not run with --speculative-config (drafts would rewind its residual): "
                                  "pick another --kv-cache-dtype")

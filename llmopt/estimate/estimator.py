@@ -13,7 +13,7 @@ from llmopt.estimate import naive as naive_mod
 from llmopt.distributed.plan import quant_group_size
 from llmopt.estimate.kv import FLOAT_BYTES, canonical_kv_dtype, layer_kv_specs, tp_split
 from llmopt.estimate.arch import ModelArch
-from llmopt.estimate.plan import GridCell, KVLayout, build_layout, grid
+from llmopt.estimate.plan import GridCell, KVLayout, build_layout, grid, largest_length
 from llmopt.estimate.presets import find_gpu
 from llmopt.units import GIB
 from llmopt.estimate.weights import WeightMemory, weight_memory
@@ -279,20 +279,20 @@ def _paged_kivi(layout: KVLayout, available: int, max_len: int, mnbt: int, max_n
     n, nr = pools.num_blocks, pools.num_residual_blocks
     per, res = layout.blocks_per_request(max_len, mnbt), layout.residual_blocks(max_len)
     free_residual = pools.planned_requests * res    # the step's share is not a request's
-    fits = lambda length: (layout.blocks_per_request(length, mnbt) <= n   # noqa: E731
-                           and layout.residual_blocks(length) <= free_residual)
     upper = max(max_len, est.max_position_embeddings)
-    lo, hi = 0, upper
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    longest = largest_length(lambda length: layout.blocks_per_request(length, mnbt) <= n
+                             and layout.residual_blocks(length) <= free_residual, upper)
     concurrency = min(n / per if per else float("inf"), free_residual / res if res else float("inf"))
-    groups = [{"kind": g.kind, "window": g.window, "layers": len(g.layers), "block_size": g.block_size,
-               "page_bytes": g.page_bytes, "blocks_per_request": g.blocks(max_len, mnbt)} for g in layout.groups]
     rb = layout.residual_block_bytes
-    return PagedPlan(layout.mode, groups, layout.groups[0].block_size, layout.block_bytes, available, n,
-                     n * layout.block_bytes + nr * rb, layout.tokens(n), per, layout.bytes_for(max_len, mnbt),
-                     concurrency, lo, "model" if lo >= upper else "memory", nr, rb, res)
+    return PagedPlan(layout.mode, _group_rows(layout, max_len, mnbt), layout.groups[0].block_size, layout.block_bytes,
+                     available, n, n * layout.block_bytes + nr * rb, layout.tokens(n), per,
+                     layout.bytes_for(max_len, mnbt), concurrency, longest, "model" if longest >= upper else "memory",
+                     nr, rb, res)
+
+
+def _group_rows(layout: KVLayout, max_len: int, mnbt: int) -> list[dict]:
+    return [{"kind": g.kind, "window": g.window, "layers": len(g.layers), "block_size": g.block_size,
+             "page_bytes": g.page_bytes, "blocks_per_request": g.blocks(max_len, mnbt)} for g in layout.groups]
 
 
 def _paged(layout: KVLayout, available: int, max_len: int, mnbt: int, arch: ModelArch) -> PagedPlan:
@@ -300,8 +300,6 @@ def _paged(layout: KVLayout, available: int, max_len: int, mnbt: int, arch: Mode
     per = layout.blocks_per_request(max_len, mnbt)
     upper = max(max_len, arch.max_position_embeddings)
     longest = layout.longest_context(available, mnbt, upper)
-    groups = [{"kind": g.kind, "window": g.window, "layers": len(g.layers), "block_size": g.block_size,
-               "page_bytes": g.page_bytes, "blocks_per_request": g.blocks(max_len, mnbt)} for g in layout.groups]
-    return PagedPlan(layout.mode, groups, layout.groups[0].block_size, layout.block_bytes, available, n,
-                     n * layout.block_bytes, layout.tokens(n), per, per * layout.block_bytes,
+    return PagedPlan(layout.mode, _group_rows(layout, max_len, mnbt), layout.groups[0].block_size, layout.block_bytes,
+                     available, n, n * layout.block_bytes, layout.tokens(n), per, per * layout.block_bytes,
                      n / per if per else float("inf"), longest, "model" if longest >= upper else "memory")

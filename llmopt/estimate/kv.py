@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from math import ceil
 
-from llmopt.cache.kivi import KiviConfig, check_kivi, key_page_bytes, value_page_bytes
+from llmopt.cache.kivi import KiviConfig, check_kivi, check_kivi_model, page_bytes
 from llmopt.distributed.plan import TPPlan, tp_plan
 from llmopt.errors import UserInputError
 from llmopt.estimate.arch import ModelArch
@@ -64,7 +64,6 @@ class LayerKV:
     kv_heads: int                # heads this rank stores (1 for MLA: the latent)
     head_size: int               # values per head per token (K and V each; MLA: the latent width)
     token_bytes: Fraction        # bytes per token, all heads of this rank, amortized over groups
-    residual_tokens: int = 0     # KIVI: most recent tokens kept in full precision
     residual_token_bytes: int = 0   # KIVI: a full-precision token, all heads of this rank
     kivi: KiviConfig | None = None
 
@@ -73,19 +72,17 @@ class LayerKV:
         return ceil(self.token_bytes * block_size)
 
 
-def _head_token_bytes(dtype: str, head_dim: int, fp_bytes: int, kivi: KiviConfig) -> tuple[Fraction, int, int]:
-    """(K+V bytes per token per KV head, residual tokens, K+V full-precision bytes per residual token)."""
+def _head_token_bytes(dtype: str, head_dim: int, fp_bytes: int, kivi: KiviConfig) -> tuple[Fraction, int]:
+    """(K+V bytes per token per KV head, K+V full-precision bytes per KIVI residual token)."""
     if dtype in FLOAT_BYTES:
-        return Fraction(2 * head_dim * FLOAT_BYTES[dtype]), 0, 0
+        return Fraction(2 * head_dim * FLOAT_BYTES[dtype]), 0
     if dtype == "int8":
-        return Fraction(2 * head_dim + 2 * 4), 0, 0
+        return Fraction(2 * head_dim + 2 * 4), 0
     if dtype == "int4":
-        return Fraction(2 * kv_int4_head_bytes(head_dim)), 0, 0
+        return Fraction(2 * kv_int4_head_bytes(head_dim)), 0
     if dtype == "kivi2":   # a block's pages over its G tokens: codes, per-channel and per-token scales and zeros
-        g = kivi.group_size
-        check_kivi(g, kivi.residual_length, head_dim)
-        page = key_page_bytes(g, head_dim) + value_page_bytes(g, head_dim)
-        return Fraction(page, g), kivi.residual_length, 2 * head_dim * fp_bytes
+        check_kivi(kivi.group_size, kivi.residual_length, head_dim)
+        return Fraction(page_bytes(kivi.group_size, head_dim), kivi.group_size), 2 * head_dim * fp_bytes
     raise UserInputError(f"--kv-cache-dtype {dtype} applies to MLA models only")
 
 
@@ -129,13 +126,11 @@ def layer_kv_specs(arch: ModelArch, kv_dtype: str, tp: int = 1, kivi: KiviConfig
     heads = plan.kv_heads_per_rank
     fp_bytes = FLOAT_BYTES.get(canonical_kv_dtype("auto", arch), 2)
     kivi = (kivi or KiviConfig()) if dtype == "kivi2" else None
-    if kivi is not None and tp > 1:
-        raise UserInputError("kivi2 runs with --tensor-parallel-size 1 only")
-    if kivi is not None and any(arch.layer_windows):
-        raise UserInputError("kivi2 does not run sliding-window layers: pick another --kv-cache-dtype for this model")
-    per_head, res_tokens, res_bytes = _head_token_bytes(dtype, arch.head_dim, fp_bytes, kivi)
-    return [LayerKV(i, "sliding" if w else "full", w, heads, arch.head_dim, per_head * heads, res_tokens, res_bytes * heads,
-                    kivi) for i, w in enumerate(arch.layer_windows)]
+    if kivi is not None:
+        check_kivi_model(any(arch.layer_windows), tp)
+    per_head, res_bytes = _head_token_bytes(dtype, arch.head_dim, fp_bytes, kivi)
+    return [LayerKV(i, "sliding" if w else "full", w, heads, arch.head_dim, per_head * heads, res_bytes * heads, kivi)
+            for i, w in enumerate(arch.layer_windows)]
 
 
 def bytes_per_token(arch: ModelArch, kv_dtype: str = "auto", tp: int = 1) -> Fraction:

@@ -56,7 +56,7 @@ def compare(arch: ModelArch, dtype: str, layers: list[LayerKV], layout: KVLayout
         diffs.append("int4 (q4_0) stores an fp16 scale per 32 values (4.5 bits per value)")
     elif dtype == "kivi2":
         diffs.append("KIVI stores fp16 scales and zero points per group and keeps the last "
-                     f"{layers[0].residual_tokens} tokens in full precision")
+                     f"{layers[0].kivi.residual_length} tokens in full precision")
     if layout.mode == "hybrid" and layout.padding_layers:
         diffs.append(f"vLLM pads the layer groups with {layout.padding_layers} empty layer slots")
     if seq_len % block_size:

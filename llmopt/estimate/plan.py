@@ -101,14 +101,16 @@ class KVLayout:
 
     def longest_context(self, available_bytes: int, max_num_batched_tokens: int, upper: int) -> int:
         """Largest length whose blocks fit (0: not even one token), searched up to `upper`."""
-        fits = lambda n: self.bytes_for(n, max_num_batched_tokens) <= available_bytes  # noqa: E731
-        if not fits(1):
-            return 0
-        lo, hi = 1, upper
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-        return lo
+        return largest_length(lambda n: self.bytes_for(n, max_num_batched_tokens) <= available_bytes, upper)
+
+
+def largest_length(fits, upper: int) -> int:
+    """The largest length up to `upper` that `fits` (monotone: shorter ones fit too), 0 when none does."""
+    lo, hi = 0, upper
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
 
 
 def _group(layers: list[LayerKV], kind: str, window, block_size: int, page: int, page_layers: int = 1) -> KVGroup:

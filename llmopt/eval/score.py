@@ -19,12 +19,11 @@ from typing import Callable, Sequence
 import torch
 
 from llmopt import defaults, kernels
-from llmopt.cache.kivi import KiviConfig, request_blocks
+from llmopt.cache.kivi import KiviConfig, page_bytes, request_blocks
 from llmopt.cache.kv_manager import KVCacheManager
 from llmopt.core.scheduler import ScheduledRequest, SchedulerOutput
 from llmopt.errors import LLMOptError
 from llmopt.eval.windows import Window
-from llmopt.kernels import kivi
 from llmopt.models.logprobs import score_tokens
 from llmopt.models.attention import DenseCausalAttention
 
@@ -96,7 +95,7 @@ class PagedScoring:
         self.block_size = g
         q, r = request_blocks(longest, g, self.kivi.residual_length)
         d, heads, layers = cfg.head_dim, cfg.num_key_value_heads, cfg.num_hidden_layers
-        page = layers * heads * (kivi.key_page_bytes(g, d) + kivi.value_page_bytes(g, d))
+        page = layers * heads * page_bytes(g, d)
         residual = layers * kernels.kv_block_bytes(g, heads, d, "float32", torch.float32)
         memory = batch * (q * page + r * residual) + (batch + 1) * residual   # kivi_pools: a step's group each
         self.runner = ModelRunner(loaded, g, "kivi2", kv_cache_memory=memory, max_num_batched_tokens=batch * g,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from llmopt.cache.kivi import key_page_bytes, value_group, value_page_bytes
+from llmopt.cache.kivi import value_group
 
 
 def pack2(q: torch.Tensor) -> torch.Tensor:
@@ -84,24 +84,20 @@ def dequantize_values(pages: torch.Tensor, group_size: int, head_dim: int, dtype
     return (q * scale + zero).reshape(n, h, g, d).permute(0, 2, 1, 3)
 
 
-def page_shapes(num_blocks: int, group_size: int, num_kv_heads: int, head_dim: int):
-    """Shapes of one layer's key and value pages."""
-    return ((num_blocks, num_kv_heads, key_page_bytes(group_size, head_dim)),
-            (num_blocks, num_kv_heads, value_page_bytes(group_size, head_dim)))
-
-
 @torch.no_grad()
 def convert_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, key_pages: torch.Tensor,
-                   value_pages: torch.Tensor, residual_ids: torch.Tensor, page_ids: torch.Tensor,
-                   cpu_ops=None) -> None:
-    """Quantize residual blocks `residual_ids` of one layer into pages `page_ids` (int64 [n] each).
-    cpu_ops: the C++ kernels (llmopt_cpu.kivi_convert, the same bytes, blocks in parallel), for CPU
-    tensors; else these PyTorch ops."""
+                   value_pages: torch.Tensor, residual_ids: torch.Tensor, page_ids: torch.Tensor) -> None:
+    """Quantize residual blocks `residual_ids` of one layer into pages `page_ids` (int64 [n] each,
+    distinct pages): on the CPU the C++ kernels (llmopt_cpu.kivi_convert: the same bytes, blocks in
+    parallel) where they are built, else these PyTorch ops."""
     if residual_ids.numel() == 0:
         return
-    if cpu_ops is not None and not key_cache.is_cuda:
-        cpu_ops.kivi_convert(key_cache, value_cache, key_pages, value_pages, residual_ids, page_ids)
-        return
+    if not key_cache.is_cuda:
+        from llmopt.kernels import cpu_quant   # deferred: start-up time (its C++ library builds on first use)
+        ops = cpu_quant.ops()
+        if ops is not None:
+            ops.kivi_convert(key_cache, value_cache, key_pages, value_pages, residual_ids, page_ids)
+            return
     k, v = key_cache.index_select(0, residual_ids), value_cache.index_select(0, residual_ids)
     key_pages.index_copy_(0, page_ids, quantize_keys(k))
     value_pages.index_copy_(0, page_ids, quantize_values(v))

@@ -31,7 +31,7 @@ INT8_MAX = 127.0
 
 def kv_cache_torch_dtype(kv_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The torch dtype of the cache tensors for a `--kv-cache-dtype` value."""
-    if kv_dtype == "auto":
+    if kv_dtype in ("auto", "kivi2"):   # kivi2: its full-precision residual's (the pages are uint8)
         return model_dtype
     if kv_dtype in FLOAT_KV:
         return FLOAT_KV[kv_dtype]

@@ -16,7 +16,8 @@ import torch
 
 from llmopt import defaults, kernels
 from llmopt.cache.groups import kv_cache_groups
-from llmopt.cache.kivi import KiviConfig, check_kivi, kivi_pools, key_page_bytes, value_page_bytes
+from llmopt.cache.kivi import KiviConfig, check_kivi, check_kivi_model, key_page_bytes, kivi_pools, page_bytes, \
+    value_page_bytes
 from llmopt.core.scheduler import SchedulerOutput
 from llmopt.errors import EngineDeadError, LLMOptError, UserInputError
 from llmopt.kernels import kivi as kivi_kernels
@@ -123,8 +124,9 @@ class ModelRunner:
         self.backend = kernels.resolve_backend(attention_backend, self.device)  # "torch" or "triton"
         if kv_cache_dtype not in kernels.KV_DTYPES:
             raise UserInputError(f"unknown KV-cache dtype {kv_cache_dtype!r}; choose one of {', '.join(kernels.KV_DTYPES)}")
+        auto = auto_kv_dtype_name(*(str(t).removeprefix("torch.") for t in (self.dtype, loaded.weight_dtype)))
         if kv_cache_dtype == "auto":
-            kv_cache_dtype = auto_kv_dtype_name(*(str(t).removeprefix("torch.") for t in (self.dtype, loaded.weight_dtype)))
+            kv_cache_dtype = auto
         self.kv_dtype = kv_cache_dtype
         self.k_scale = self.v_scale = 1.0
         self.scale = self.cfg.head_dim ** -0.5
@@ -133,12 +135,11 @@ class ModelRunner:
         self.num_kv_heads = self.tp.plan.kv_heads_per_rank if self.tp is not None else self.cfg.num_key_value_heads
         self.kivi = self._check_kivi(kivi) if kv_cache_dtype == "kivi2" else None
         self.num_residual_blocks = self.residual_bytes_per_block = 0
-        if self.kivi is not None:   # the pages of one block, K and V; the residual: a float block
-            d, g = self.cfg.head_dim, self.kivi.group_size
-            self.bytes_per_block = self.num_kv_heads * (key_page_bytes(g, d) + value_page_bytes(g, d))
-            self.residual_dtype = auto_kv_dtype_name(*(str(t).removeprefix("torch.") for t in (self.dtype, loaded.weight_dtype)))
-            self.residual_bytes_per_block = kernels.kv_block_bytes(block_size, self.num_kv_heads, d,
-                                                                   self.residual_dtype, self.dtype)
+        if self.kivi is not None:   # the pages of one block, K and V; the residual: a float block of auto's dtype
+            d = self.cfg.head_dim
+            self.bytes_per_block = self.num_kv_heads * page_bytes(self.kivi.group_size, d)
+            self.residual_dtype = auto
+            self.residual_bytes_per_block = kernels.kv_block_bytes(block_size, self.num_kv_heads, d, auto, self.dtype)
         else:
             self.bytes_per_block = kernels.kv_block_bytes(block_size, self.num_kv_heads, self.cfg.head_dim,
                                                           kv_cache_dtype, self.dtype)
@@ -188,10 +189,7 @@ class ModelRunner:
         check_kivi(kivi.group_size, kivi.residual_length, self.cfg.head_dim)
         if self.block_size != kivi.group_size:
             raise UserInputError(f"kivi2 needs --block-size equal to its group size {kivi.group_size}, got {self.block_size}")
-        if any(self.cfg.layer_windows or ()):
-            raise UserInputError("kivi2 does not run sliding-window layers: pick another --kv-cache-dtype for this model")
-        if self.tp is not None:
-            raise UserInputError("kivi2 runs with --tensor-parallel-size 1 only")
+        check_kivi_model(any(self.cfg.layer_windows or ()), 1 if self.tp is None else self.tp.plan.world_size)
         return kivi
 
     def _kv_budget(self, kv_cache_memory, utilization, max_tokens) -> int:
@@ -321,10 +319,9 @@ class ModelRunner:
         if converts:
             res = torch.tensor([p[0] for p in converts], device=self.device)
             page = torch.tensor([p[1] for p in converts], device=self.device)
-            ops = kernels._cpu_ops() if self.device.type == "cpu" else None   # the C++ conversion, same bytes
             for i in range(self.num_layers):
                 kivi_kernels.convert_blocks(self.key_caches[i], self.value_caches[i], self.key_pages[i],
-                                            self.value_pages[i], res, page, ops)
+                                            self.value_pages[i], res, page)
 
     def check_health(self) -> None:
         """One process: nothing outside it can die."""
