@@ -8,8 +8,9 @@
 // Why: at batch 1 the Python layer costs ~100 small ops (~13 ms of a 23 ms int8 step on this CPU);
 // here the layer is one call, its linears are the tiles and panels of cpu_quant_tiles.h and
 // cpu_idot_tiles.h (float32, bfloat16, float16, int8, int4, 5- and 6-bit, fp8 weights decoded in the loop;
-// bfloat16 ones by AMX or AVX-512 BF16 for many rows, cpu_bf16_panels.h; see `linear` for which runs
-// when) and the elementwise work runs in place on small buffers.
+// bfloat16 ones by AMX or AVX-512 BF16 for many rows, cpu_bf16_panels.h; float ones for many rows with
+// AVX-512 read as stored, cpu_f32_dots.h; see `linear` for which runs when) and the elementwise work runs
+// in place on small buffers.
 //
 // Arithmetic follows llmopt/models/llama.py in float32 (sums in another order: results agree within
 // float32 rounding, as tests/engine/test_cpu_decode.py checks against the Python path).
@@ -50,6 +51,7 @@ KScales k_scales(const at::Tensor& t, int64_t N, int64_t G, const char* what);
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")
 #include "cpu_bf16_panels.h"
 #pragma GCC pop_options
+#include "cpu_f32_dots.h"
 
 namespace {
 
@@ -152,18 +154,21 @@ void float_linear(Args a, int64_t kind, const uint8_t* w, std::vector<float>& xs
     }
     switch (kind) {
         case KF32:
-            if (panels) f32_panels(a, SrcF32{reinterpret_cast<const float*>(w)});
+            if (panels && f32_avx512) f32dots::run<f32dots::WF32>(a, w);
+            else if (panels) f32_panels(a, SrcF32{reinterpret_cast<const float*>(w)});
             else if (a.M <= f32_stream_rows) f32_rows<F32>(a, w);
             else run(a, Fn8<F32>{w});
             break;
         case KBF16:
             if (panels && use_bf16dot && a.K % 2 == 0) bf16dot::run(a, w, use_amx);
+            else if (panels && f32_avx512) f32dots::run<f32dots::WBF16>(a, w);
             else if (panels) f32_panels(a, SrcQ8<BF16>{w});
             else if (a.M <= f32_stream_rows) f32_rows<BF16>(a, w);
             else run(a, Fn8<BF16>{w});
             break;
         case KF16:
-            if (panels) f32_panels(a, SrcQ8<F16>{w});
+            if (panels && f32_avx512) f32dots::run<f32dots::WF16>(a, w);
+            else if (panels) f32_panels(a, SrcQ8<F16>{w});
             else if (a.M <= f32_stream_rows) f32_rows<F16>(a, w);
             else run(a, Fn8<F16>{w});
             break;

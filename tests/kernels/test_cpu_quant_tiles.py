@@ -129,6 +129,26 @@ def test_float_rows_streamed_or_tiled_give_the_same_bits(ops, k):
         ops.tiles_config(-1, 0, 0, defaults.CPU_F32_STREAM_MAX_ROWS)
 
 
+def test_float32_many_rows_within_rounding_and_the_same_bits_at_any_tiling(ops):
+    """f32_gemm from f32_panel_rows (32) rows up (cpu_f32_dots.h with AVX-512, else the float
+    panels): within float32 rounding of a float64 product for widths off the 16-column vectors and
+    weight rows off the 8-row blocks; each row's output the same bits at any row count (3-row tiles
+    and their 1- and 2-row tails), and each output column's for any slice of the weight's rows
+    (fused q/k/v and gate/up)."""
+    g = torch.Generator().manual_seed(32)
+    for n, k in ((1, 8), (7, 40), (9, 200), (193, 576), (40, 1544)):
+        w = torch.randn(n, k, generator=g)
+        x = torch.randn(70, k, generator=g)
+        full = ops.f32_gemm(x, w)
+        ref = x.double() @ w.double().t()
+        bound = 1e-6 * (x.double().abs() @ w.double().abs().t()) + 1e-7
+        assert bool(((full.double() - ref).abs() <= bound).all()), (n, k)
+        for m in (32, 33, 34, 64):
+            assert torch.equal(ops.f32_gemm(x[:m].contiguous(), w), full[:m]), (n, k, m)
+        if n > 3:
+            assert torch.equal(ops.f32_gemm(x, w[3:].contiguous()), full[:, 3:]), (n, k)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16bit_weights_multiply_as_their_float32_copy(ops, dtype, float32_products):
     """bfloat16 / float16 weights widened inside the loop: for 1, 3, 16 and 64 rows of x (the row
