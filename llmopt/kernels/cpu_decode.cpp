@@ -57,11 +57,15 @@ namespace {
 
 using namespace llmopt_cpu_tiles;
 
-enum Kind : int64_t { KF32 = 0, KW8 = 1, KW4 = 2, KF8 = 3, KBF16 = 4, KF16 = 5, KW5 = 6, KW6 = 7 };
+enum Kind : int64_t { KF32 = 0, KW8 = 1, KW4 = 2, KF8 = 3, KBF16 = 4, KF16 = 5, KW5 = 6, KW6 = 7,
+                      KE2M1 = 8, KNF4 = 9, KFP4B = 10 };   // the last three: 4-bit codes into a table (N4)
 
 // grouped integer codes (int8, int4, 5- and 6-bit: cpu_quant.cpp's layouts) and their bits
 inline bool is_grouped(int64_t kind) { return kind == KW8 || kind == KW4 || kind == KW5 || kind == KW6; }
 inline int code_bits(int64_t kind) { return kind == KW4 ? 4 : kind == KW5 ? 5 : kind == KW6 ? 6 : 8; }
+
+// 4-bit float codes (FP4 E2M1, NF4, bitsandbytes' FP4) in the int4 layout, a float32 scale a block
+inline bool is_fp4(int64_t kind) { return kind == KE2M1 || kind == KNF4 || kind == KFP4B; }
 
 // float weights: float32, or 16-bit ones widened in the loop (scale 1, one group, no zero)
 inline bool is_float(int64_t kind) { return kind == KF32 || kind == KBF16 || kind == KF16; }
@@ -187,6 +191,18 @@ void float_linear(Args a, int64_t kind, const uint8_t* w, std::vector<float>& xs
         case KW6:
             if (panels) f32_panels(a, SrcQ8<HB<2>>{w});
             else run(a, FnHB<2>{w});
+            break;
+        case KE2M1:
+            if (panels) f32_panels(a, SrcQ8<N4<TE2M1>>{w});
+            else run(a, Fn8<N4<TE2M1>>{w});
+            break;
+        case KNF4:
+            if (panels) f32_panels(a, SrcQ8<N4<TNF4>>{w});
+            else run(a, Fn8<N4<TNF4>>{w});
+            break;
+        case KFP4B:
+            if (panels) f32_panels(a, SrcQ8<N4<TFP4B>>{w});
+            else run(a, Fn8<N4<TFP4B>>{w});
             break;
         default:
             if (panels) f32_panels(a, SrcQ8<F8>{w});
@@ -878,24 +894,27 @@ Cache make_cache(const at::Tensor& kc, const at::Tensor& vc, double ks, double v
 // it the caller vouches for [-127, 127] (the int8 head's codes).
 Lin make_lin(int64_t kind, const at::Tensor& w, const at::Tensor& s, const at::Tensor& sz, const at::Tensor& bias,
              const at::Tensor& perm, int64_t gs, bool scan) {
-    TORCH_CHECK(kind >= KF32 && kind <= KW6, "bad kind");
+    TORCH_CHECK(kind >= KF32 && kind <= KFP4B, "bad kind");
     TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(), "weight must be a contiguous 2-d CPU tensor");
     const int bits = code_bits(kind);
     const bool hb = kind == KW5 || kind == KW6;   // 8 * bits bytes a 64-column block
     TORCH_CHECK(!hb || w.size(1) % (8 * bits) == 0, "5- and 6-bit codes need K % 64 == 0");
-    const int64_t N = w.size(0), K = kind == KW4 ? w.size(1) * 2 : hb ? w.size(1) / (8 * bits) * 64 : w.size(1);
-    const at::ScalarType want[] = {at::kFloat, at::kChar, at::kByte, at::kByte, at::kBFloat16, at::kHalf, at::kByte, at::kByte};
+    const int64_t N = w.size(0), K = kind == KW4 || is_fp4(kind) ? w.size(1) * 2 : hb ? w.size(1) / (8 * bits) * 64 : w.size(1);
+    const at::ScalarType want[] = {at::kFloat, at::kChar, at::kByte, at::kByte, at::kBFloat16, at::kHalf, at::kByte, at::kByte,
+                                   at::kByte, at::kByte, at::kByte};
     TORCH_CHECK(w.scalar_type() == want[kind], "weight dtype does not match its kind");
     if (is_float(kind) || kind == KF8) gs = K;
     TORCH_CHECK(K % 8 == 0 && gs > 0 && gs % 8 == 0 && K % gs == 0, "K must be a multiple of 8 and of the group size");
     TORCH_CHECK(kind != KW4 || (K % 64 == 0 && (gs == 32 || gs % 64 == 0)), "int4 needs K % 64 == 0, group 32 or k*64");
+    TORCH_CHECK(!is_fp4(kind) || K % 64 == 0, "4-bit float codes need K % 64 == 0");
+    TORCH_CHECK(!is_fp4(kind) || !(sz.defined() && sz.numel()), "4-bit float codes have no zero point");
     Lin l{kind, N, K, gs, w, {}, {}, {}, {}, false, 0.f, {}, {}};
 
     if (!is_float(kind)) {
         if (is_grouped(kind)) l.ks = k_scales(s, N, K / gs, "scales");
         if (l.ks.p == nullptr) {
             check_scales(s, kind, "scales");
-            TORCH_CHECK(s.numel() == N * (K / gs) || (kind != KW4 && !hb && s.numel() == 1) ||
+            TORCH_CHECK(s.numel() == N * (K / gs) || (kind != KW4 && !hb && !is_fp4(kind) && s.numel() == 1) ||
                         (kind == KF8 && s.numel() == N), "scales must be [N, K / group_size] (or one)");
         }
         l.s = s;
@@ -1186,6 +1205,21 @@ at::Tensor f32_gemm(const at::Tensor& x, const at::Tensor& w) {
     return y;
 }
 
+// y = x @ W^T for 4-bit float codes: codes uint8 [N, K / 2] in the int4 layout, scales float32 [N, K / gs];
+// kind 8 FP4 E2M1, 9 NF4, 10 bitsandbytes' FP4 (the decode layer's linears of those checkpoints)
+at::Tensor fp4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t gs, int64_t kind) {
+    check_f32(x, "x");
+    TORCH_CHECK(is_fp4(kind), "kind must be 8 (FP4 E2M1), 9 (NF4) or 10 (bitsandbytes FP4)");
+    check_f32(scales, "scales");
+    const at::Tensor none;
+    Lin l = make_lin(kind, codes, scales, none, none, none, gs, false);
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == l.K, "x must be [M, ", l.K, "]");
+    at::Tensor y = at::empty({x.size(0), l.N}, x.options());
+    Scratch t;
+    linear(l, x.data_ptr<float>(), x.size(0), y.data_ptr<float>(), l.N, false, t);
+    return y;
+}
+
 // y = quantize_x(x) @ W^T through the integer tiles: kind 1 int8 codes [N, K] (no -128), kind 2 the
 // int4 layout [N, K / 2], 6 and 7 the 5- and 6-bit one (HB); what the decode layer's linears compute with int8 activations (tests)
 // (checked: the caller knows int8 codes hold no -128, e.g. the int8 LM head; else every call scans them)
@@ -1249,6 +1283,8 @@ TORCH_LIBRARY_FRAGMENT(llmopt_cpu, m) {
     m.impl("kivi_convert", c10::DispatchKey::CPU, TORCH_FN(kivi_convert));
     m.def("f32_gemm(Tensor x, Tensor w) -> Tensor");
     m.impl("f32_gemm", c10::DispatchKey::CPU, TORCH_FN(f32_gemm));
+    m.def("fp4_gemm(Tensor x, Tensor codes, Tensor scales, int gs, int kind) -> Tensor");
+    m.impl("fp4_gemm", c10::DispatchKey::CPU, TORCH_FN(fp4_gemm));
     m.class_<DecodeLayer>("DecodeLayer")
         .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor,
                          at::Tensor, at::Tensor>())

@@ -77,6 +77,7 @@ def _register_fakes() -> None:
     torch.library.register_fake("llmopt_cpu::wh_gemm")(lambda x, packed, s, sz, gs, bits: out(x, packed.shape[0]))
     torch.library.register_fake("llmopt_cpu::f8_gemm")(lambda x, codes, s: out(x, codes.shape[0]))
     torch.library.register_fake("llmopt_cpu::f32_gemm")(lambda x, w: out(x, w.shape[0]))
+    torch.library.register_fake("llmopt_cpu::fp4_gemm")(lambda x, codes, s, gs, kind: out(x, codes.shape[0]))
     torch.library.register_fake("llmopt_cpu::w8_rows")(
         lambda ids, codes, s: s.new_empty((ids.numel(), codes.shape[1])))
 
@@ -284,6 +285,20 @@ def f8_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor):
     s = scales.reshape(-1, 1)
     return _sliced(x, codes.shape[0], lambda a, b: codes[a:b].view(torch.float8_e4m3fn).float()
                    * (s[a:b] if s.shape[0] > 1 else s))
+
+
+# 4-bit float codes: llmopt/layers/formats/fp4.py's table names -> cpu_decode.cpp's Kind
+FP4_KINDS = {"e2m1": 8, "nf4": 9, "bnb_fp4": 10}
+
+
+def fp4_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: int,
+             table_name: str) -> torch.Tensor | None:
+    """x [M, K] float32 @ (table[codes] * scale of the block)^T, the codes decoded inside the loop;
+    codes uint8 [N, K / 2] in pack_int4's layout, scales float32 [N, K / block]. None where the
+    kernels do not run (no compiled ops, or more rows than CPU_QUANT_KERNEL_MAX_ROWS: the caller's
+    dequantized slices and BLAS)."""
+    o = _kernel(x)
+    return None if o is None else o.fp4_gemm(x, codes, scales, block, FP4_KINDS[table_name])
 
 
 def w8_rows(ids: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

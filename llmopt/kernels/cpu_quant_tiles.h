@@ -41,6 +41,7 @@ template <int64_t B_>
 struct Bytes {
     static constexpr int64_t B = B_;
     static inline int64_t rowb(int64_t K) { return K * B_; }
+    static inline int64_t byte(int64_t c) { return c * B_; }   // column c's offset in its row
 };
 
 // 8 codes at column c of a row, as floats (before scale and zero)
@@ -104,6 +105,39 @@ struct F8 : Bytes<1> {   // e4m3fn bits -> float32 exactly: moved up into f16 bi
                                        _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
         return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
     }
+};
+
+// 4-bit codes indexing 16 float values (FP4 E2M1, NF4, bitsandbytes' FP4: llmopt/layers/formats/fp4.py,
+// whose tables these are, bit for bit) in the int4 layout: per 64-column block b, byte 32b + j holds
+// column 64b + j (low nibble) and 64b + 32 + j (high). 8 columns never straddle the halves (c % 8 == 0):
+// one load, one shift or mask, and the table as two 8-float halves picked by the code's bit 3.
+template <class T>
+struct N4 {
+    static inline int64_t rowb(int64_t K) { return K / 2; }
+    static inline int64_t byte(int64_t c) { return c / 2; }
+    static inline __m256 at(const uint8_t* row, int64_t c) {
+        const int64_t j = c & 63;
+        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + (c >> 6) * 32 + (j & 31))));
+        v = j < 32 ? _mm256_and_si256(v, _mm256_set1_epi32(0xF)) : _mm256_srli_epi32(v, 4);
+        const __m256 lo = _mm256_permutevar8x32_ps(_mm256_loadu_ps(T::v), v);
+        const __m256 hi = _mm256_permutevar8x32_ps(_mm256_loadu_ps(T::v + 8), v);
+        return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(v, 28)));
+    }
+};
+struct TE2M1 {   // sign, 2 exponent bits, 1 mantissa bit
+    static constexpr float v[16] = {0x0p+0f, 0x1p-1f, 0x1p+0f, 0x1.8p+0f, 0x1p+1f, 0x1.8p+1f, 0x1p+2f, 0x1.8p+2f,
+                                    -0x0p+0f, -0x1p-1f, -0x1p+0f, -0x1.8p+0f, -0x1p+1f, -0x1.8p+1f, -0x1p+2f, -0x1.8p+2f};
+};
+struct TNF4 {   // bitsandbytes' NormalFloat4
+    static constexpr float v[16] = {-0x1p+0f, -0x1.647362p-1f, -0x1.0cd66p-1f, -0x1.94654p-2f, -0x1.23449ap-2f,
+                                    -0x1.7a6a7ep-3f, -0x1.74f0e2p-4f, 0x0p+0f, 0x1.45f5fep-4f, 0x1.4995c6p-3f,
+                                    0x1.f809bap-3f, 0x1.5a0674p-2f, 0x1.c3497p-2f, 0x1.200f56p-1f, 0x1.722766p-1f,
+                                    0x1p+0f};
+};
+struct TFP4B {   // bitsandbytes' FP4: (0, 0.0625, 8, 12, 4, 6, 2, 3) / 12, bit 3 the sign
+    static constexpr float v[16] = {0x0p+0f, 0x1.555556p-8f, 0x1.555556p-1f, 0x1p+0f, 0x1.555556p-2f, 0x1p-1f,
+                                    0x1.555556p-3f, 0x1p-2f, -0x0p+0f, -0x1.555556p-8f, -0x1.555556p-1f, -0x1p+0f,
+                                    -0x1.555556p-2f, -0x1p-1f, -0x1.555556p-3f, -0x1p-2f};
 };
 
 // 5- and 6-bit codes (GGUF's Q5_x, Q5_K, Q6_K), held at their bits: per 64-column block, the int4
@@ -319,7 +353,7 @@ inline void row_f32(const Args& a, const uint8_t* w, int64_t n, int64_t m0) {
 // Rows n0..n0+NR of the output for x rows m0..m0+MT; int8 / fp8 codes or floats, K a multiple of 8.
 template <class D, int NR, int MT>
 inline void tile8(const Args& a, const uint8_t* w, int64_t n0, int64_t m0) {
-    const int64_t K = a.K, RB = K * D::B;   // bytes per row
+    const int64_t K = a.K, RB = D::rowb(K);   // bytes per row
     const uint8_t* row[NR];
     for (int r = 0; r < NR; ++r) row[r] = w + (n0 + r) * RB;
     const float* x = a.x + m0 * K;
@@ -329,9 +363,9 @@ inline void tile8(const Args& a, const uint8_t* w, int64_t n0, int64_t m0) {
         __m256 d[NR][MT];
         zero(d);
         for (int64_t c = c0; c < c0 + a.gs; c += 8) {
-            if (((c * D::B) & 63) == 0)   // each cache line of this tile's rows, PF tiles ahead (x2 streamed GB/s)
+            if ((D::byte(c) & 63) == 0)   // each cache line of this tile's rows, PF tiles ahead (x2 streamed GB/s)
                 for (int r = 0; r < NR; ++r)
-                    _mm_prefetch(reinterpret_cast<const char*>(row[r] + PF * NR * RB + c * D::B), _MM_HINT_T0);
+                    _mm_prefetch(reinterpret_cast<const char*>(row[r] + PF * NR * RB + D::byte(c)), _MM_HINT_T0);
             __m256 xv[MT];
             for (int i = 0; i < MT; ++i) xv[i] = _mm256_loadu_ps(x + i * K + c);
             for (int r = 0; r < NR; ++r) {
