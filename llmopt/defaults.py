@@ -101,6 +101,7 @@ QUANT_NUM_SAMPLES = 128
 QUANT_SEQ_LEN = 512
 QUANT_GROUP_SIZE = 128
 QUANT_GROUP_SIZES = (128, 64, 32)   # --group-size auto: the largest of these dividing every layer
+NF4_BLOCK = 64   # quantize --method nf4's block (transformers' bitsandbytes 4-bit; kv-estimate's nf4)
 QUANT_MAX_NUM_SAMPLES = 4096        # --num-samples at most (calibration activations are held in memory)
 QUANT_SEED = 0
 GPTQ_DAMP = 0.01

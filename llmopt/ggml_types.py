@@ -32,8 +32,10 @@ def held_bytes(type_name: str, shape: tuple[int, ...], float_bytes: int = 4, dev
     at their bits where the width is a multiple of 64, else a byte a code; per group the file's scale
     and scaled zero (fp16 d and m; a K-quant's byte sub-scales with its fp16 d and dmin per super-block
     of 256), the scale alone where the zero is implied (one fp16 zero code a tensor) or none; an F16 /
-    BF16 matrix as stored; a tensor of another type, or not 2-D, dequantized to `float_bytes` an
-    element. (A Q4_0, Q4_1, Q5_0, Q5_1 or Q6_K matrix 64 wide or more: the file's bytes, plus 2 where
+    BF16 matrix as stored; an MXFP4 matrix as 4-bit codes (nibbles where 64 wide or more) and a
+    float32 scale per block of 32 (as a Linear runs it; an MXFP4 token table is counted so too,
+    though the engine dequantizes it); a tensor of another type, or not 2-D, dequantized to
+    `float_bytes` an element. (A Q4_0, Q4_1, Q5_0, Q5_1 or Q6_K matrix 64 wide or more: the file's bytes, plus 2 where
     the zero is implied; Q4_K and Q5_K: 4 bytes a 256 more than the file.) IMPLIED_ZERO says where the
     scale alone is held.
     On CUDA (`device` not "cpu"): 4-bit codes (Q4_x, Q4_K) or 8-bit ones in int32 words, a float32
@@ -48,6 +50,9 @@ def held_bytes(type_name: str, shape: tuple[int, ...], float_bytes: int = 4, dev
         return (numel // 2 if BITS[type_name] <= 4 else numel) + rows * (cols // GROUP[type_name]) * 8
     if type_name in FLOAT16_TYPES and len(shape) == 2:
         return numel * 2
+    if type_name == "MXFP4" and len(shape) == 2:   # a Linear's (llmopt.layers.modules_fp4.GGUFMxfp4Linear):
+        rows, cols = shape                          # 4-bit codes, a float32 scale per 32
+        return (numel // 2 if cols % 64 == 0 else numel) + rows * (cols // 32) * 4
     if type_name not in RUN_TYPES or len(shape) != 2:
         return numel * float_bytes
     rows, cols = shape

@@ -68,7 +68,7 @@ def kv_estimate(
                                                 help=f"Non-KV, non-weight memory per GPU in GiB, 0 to {MAX_GIB} "
                                                 "(default: estimated activations + logits + runtime)."),
     weight_format: str = typer.Option("auto", "--weight-format", help="auto|bfloat16|float16|float32|fp8|fp8-block|"
-                                      "int8|int4|<GGML type such as q4_k>."),
+                                      "int8|int4|nvfp4|mxfp4|nf4|<GGML type such as q4_k>."),
     group_size: Optional[int] = typer.Option(None, "--group-size", callback=in_range(1, allow=(-1,)),
                                              help="Group size for --weight-format int4, dividing the layer widths "
                                              f"(default {defaults.QUANT_GROUP_SIZE}; -1 per channel)."),

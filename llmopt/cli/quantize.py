@@ -1,5 +1,5 @@
-"""`llmopt quantize`: AWQ, GPTQ, RTN, FP8 and INT8 into AutoAWQ, GPTQ or compressed-tensors
-checkpoints, one decoder layer at a time."""
+"""`llmopt quantize`: AWQ, GPTQ, RTN, FP8, INT8, NVFP4, MXFP4 and NF4 into AutoAWQ, GPTQ,
+compressed-tensors, GGUF or bitsandbytes checkpoints, one decoder layer at a time."""
 
 from __future__ import annotations
 
@@ -48,12 +48,16 @@ EXAMPLES = [
     "llmopt quantize --method awq --group-size 64 -o out/smollm2-awq",
     "llmopt quantize --recipe recipes/gptq-w4-g64.yaml -o out/gptq --eval",
     "llmopt quantize -o out/awq --eval-tasks arc_easy --eval-task-limit 200",
+    "llmopt quantize --method nvfp4 --fp4-algorithm gptq -o out/nvfp4",
+    "llmopt quantize --method mxfp4 --format gguf -o out/model-mxfp4.gguf",
 ]
 
 
 def quantize(
     model: str = common.ModelOpt,
-    method: str = typer.Option(None, "--method", help="awq | gptq | rtn | fp8 | int8 (default awq)."),
+    method: str = typer.Option(None, "--method", help="awq | gptq | rtn | fp8 | int8 | nvfp4 | mxfp4 | nf4 (default "
+                               "awq; nvfp4/mxfp4: 4-bit float weights, blocks of 16 / 32; nf4: bitsandbytes, "
+                               "double quantized)."),
     bits: int = typer.Option(None, "--bits", help="4 or 8 (default 4; fp8/int8 are 8; 2 and 3 for experiments)."),
     group_size: int = typer.Option(None, "--group-size", callback=in_range(1, allow=(-1,)),
                                    help="Weights per scale: a positive divisor of every layer's width (128, 64, 32...) "
@@ -75,9 +79,10 @@ def quantize(
                                 f"context (default {defaults.QUANT_SEQ_LEN})."),
     seed: int = typer.Option(None, "--seed", callback=in_range(SEED_MIN, SEED_MAX),
                              help=f"Seed of the window sampling, a 64-bit integer (default {defaults.QUANT_SEED})."),
-    fmt: str = typer.Option(None, "--format", help="awq | gptq | compressed-tensors | gguf | dequantized (default: awq for "
-                            "awq, gptq for gptq, compressed-tensors otherwise; gguf: one llama.cpp file, Q4_1 / "
-                            "Q4_0 (--sym) / Q8_0 blocks)."),
+    fmt: str = typer.Option(None, "--format", help="awq | gptq | compressed-tensors | gguf | bitsandbytes | "
+                            "dequantized (default: awq for awq, gptq for gptq, bitsandbytes for nf4, "
+                            "compressed-tensors otherwise; gguf: one llama.cpp file, Q4_1 / Q4_0 (--sym) / Q8_0 "
+                            "or MXFP4 blocks)."),
     damp: float = typer.Option(None, "--damp", callback=in_range(0, 1, lo_open=True, hi_open=True),
                                help="GPTQ dampening, fraction of the mean Hessian diagonal, (0, 1) "
                                f"(default {defaults.GPTQ_DAMP})."),
@@ -91,6 +96,8 @@ def quantize(
                                          help="AWQ scales x^a / w^(1-a) (AutoAWQ's default) instead of x^a."),
     fp8_scale: str = typer.Option(None, "--fp8-scale", help="FP8 weight scales: channel (default) or tensor."),
     activations: str = typer.Option(None, "--activations", help="fp8/int8: dynamic (W8A8, default) or none (weight-only)."),
+    fp4_algorithm: str = typer.Option(None, "--fp4-algorithm", help="nvfp4/mxfp4: rtn (round to nearest, default) or "
+                                      "gptq (GPTQ's error feedback over the calibration data, as llm-compressor)."),
     recipe: str = typer.Option(None, "--recipe", help="YAML file whose keys mirror these flags; flags override it."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace --output if it exists."),
     run_eval: bool = typer.Option(False, "--eval", help="Perplexity before and after (eval-ppl chunks, KLD vs the source)."),
@@ -117,7 +124,7 @@ def quantize(
         calib_data=calib_data, text_field=text_field, num_samples=num_samples, seq_len=seq_len, seed=seed,
         format=fmt, damp=damp,
         act_order=act_order, smoothquant_alpha=smoothquant_alpha, awq_duo_scaling=awq_duo_scaling,
-        fp8_scale=fp8_scale, activations=activations))
+        fp8_scale=fp8_scale, activations=activations, fp4_algorithm=fp4_algorithm))
     if eval_tasks is None and (eval_task_limit is not None or eval_include_path is not None):
         raise UserInputError("--eval-task-limit and --eval-include-path go with --eval-tasks")
     if eval_tasks is not None:   # bad tasks, limits and missing data are refused before quantizing

@@ -8,6 +8,11 @@ in the base dtype, as AutoAWQ / GPTQ / llm-compressor checkpoints keep them):
 - fp8-block: 1 byte per weight + a float32 scale per 128x128 block (DeepSeek-V3's checkpoint).
 - int4 (group size g): 4-bit codes + per group an fp16 scale and a 4-bit zero point (AutoAWQ's
   GEMM layout: qweight and qzeros packed 8 per int32, scales fp16).
+- nvfp4: 4-bit E2M1 codes + an E4M3 byte per 16 + a float32 global scale per Linear (compressed-tensors
+  nvfp4-pack-quantized); mxfp4: 4-bit codes + an E8M0 byte per 32 (compressed-tensors or GGUF MXFP4,
+  17 bytes a block); nf4: bitsandbytes with double quantization: 4-bit codes + an 8-bit absmax code per
+  64 (or --group-size) + a float32 absmax per 256 of those blocks, + the 16- and 256-entry float32 maps
+  per Linear (its quant_state JSON, ~200 bytes, aside).
 - a GGML type (q4_0, q4_k, q8_0, ...): every 2-D weight, embeddings included, at that type using
   gguf's GGML_QUANT_SIZES (elements / block size * bytes per block); norms stay float32.
 - auto: what the checkpoint really holds: a .gguf's or a quantized safetensors folder's tensors as
@@ -16,10 +21,12 @@ in the base dtype, as AutoAWQ / GPTQ / llm-compressor checkpoints keep them):
 
 On the CPU (device "cpu") the figure is what llmopt's engine keeps resident: grouped int4/int8
 codes with a float32 scale and a float32 scaled zero per group (the layout of
-llmopt/kernels/cpu_quant), and for quantized weights the head, or the tied embedding it shares,
-as int8 per row + a float32 scale per row (--lm-head-dtype auto); a quantized checkpoint's folder
-is then counted from its config, not its stored tensors. A 16-bit float checkpoint keeps its
-matrices 16-bit there (`--dtype auto`), its norms and biases float32. A GGUF file on the CPU is counted as the
+llmopt/kernels/cpu_quant), 4-bit float codes (nvfp4, mxfp4, nf4) as nibbles where the width is a
+multiple of 64 (else a byte a code) with a float32 scale per block (llmopt.layers.modules_fp4),
+and for quantized weights the head, or the tied embedding it shares, as int8 per row + a float32
+scale per row (--lm-head-dtype auto); a quantized checkpoint's folder is then counted from its
+config, not its stored tensors. A 16-bit float checkpoint keeps its matrices
+16-bit there (`--dtype auto`), its norms and biases float32. A GGUF file on the CPU is counted as the
 engine holds it (llmopt.ggml_types.held_bytes: its block types repacked with their group
 scales, fp16 as stored for Q4_x / Q5_x / Q8_0 and float32 for the K-quants, F16 / BF16 matrices as
 stored, other types dequantized to float32); on a GPU too, as the Triton kernels hold it (4- or
@@ -41,7 +48,10 @@ from llmopt.estimate.params import Param, count_params, model_params
 from llmopt.estimate.tensors import TensorInfo, ggml_nbytes, ggml_type_names
 
 FLOAT_FORMATS = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
-WEIGHT_FORMATS = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8-block", "int8", "int4", "<ggml type>")
+WEIGHT_FORMATS = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8-block", "int8", "int4", "nvfp4", "mxfp4", "nf4",
+                  "<ggml type>")
+FP4_BLOCKS = {"nvfp4": 16, "mxfp4": 32, "nf4": defaults.NF4_BLOCK}   # values per scale (nf4: or --group-size)
+_BNB_NESTED, _BNB_MAPS = 256, (16 + 256) * 4          # double quantization's absmax blocks; quant_map + nested map
 
 
 @dataclass
@@ -59,6 +69,13 @@ def _auto_format(arch: ModelArch) -> tuple[str, int]:
     method = str(q.get("quant_method", "")).lower()
     if method == "fp8":
         return ("fp8-block" if q.get("weight_block_size") else "fp8"), 0
+    if method == "compressed-tensors" and q.get("format") in ("nvfp4-pack-quantized", "mxfp4-pack-quantized"):
+        return q["format"].split("-")[0], 0
+    if method == "bitsandbytes" and q.get("load_in_4bit"):
+        if not q.get("bnb_4bit_use_double_quant", False):
+            raise UserInputError(f"{arch.name}: bitsandbytes 4-bit without double quantization is not modelled; "
+                                 "pass --weight-format")
+        return "nf4", 0
     if method in ("awq", "gptq"):
         bits = int(q.get("bits", q.get("w_bit", 4)))
         if bits != 4:
@@ -94,6 +111,19 @@ def _linear_bytes(out: int, inp: int, fmt: str, group: int, cpu: bool = False) -
     raise AssertionError(fmt)
 
 
+def _fp4_bytes(out: int, inp: int, fmt: str, block: int, cpu: bool = False) -> int:
+    """A Linear of 4-bit float codes (module docstring): the checkpoint's bytes, or with `cpu` the engine's."""
+    blocks = out * ceil(inp / block)
+    if cpu:   # llmopt.layers.modules_fp4.Fp4Linear: codes and a float32 scale per block
+        return (ceil(out * inp / 2) if inp % 64 == 0 else out * inp) + blocks * 4
+    codes = ceil(out * inp / 2)
+    if fmt == "nvfp4":
+        return codes + blocks + 4
+    if fmt == "mxfp4":
+        return codes + blocks
+    return codes + blocks + ceil(blocks / _BNB_NESTED) * 4 + _BNB_MAPS
+
+
 def _ggml_bytes(shape: tuple[int, ...], type_name: str) -> int:
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
     block, _ = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
@@ -112,6 +142,9 @@ def param_bytes(p: Param, shape: tuple[int, ...], fmt: str, group: int, base: in
         return numel + shape[0] * 4      # int8 per row + a float32 scale per row (layers/runtime.py Int8Head)
     if fmt in FLOAT_FORMATS:   # (the CPU engine computes in float32: norms and biases held so)
         return numel * (4 if cpu and len(shape) == 1 else FLOAT_FORMATS[fmt])
+    if fmt in FP4_BLOCKS:      # (before the GGML names: MXFP4 is one too, but here only the Linears)
+        block = group if fmt == "nf4" and group > 0 else FP4_BLOCKS[fmt]
+        return _fp4_bytes(shape[0], shape[1], fmt, block, cpu) if p.is_linear else numel * base
     if fmt.upper() in ggml_type_names():
         return _ggml_bytes(shape, fmt.upper()) if len(shape) == 2 else numel * 4
     if p.is_linear:
@@ -159,7 +192,7 @@ def weight_memory(arch: ModelArch, fmt: str = "auto", group_size: int | None = N
     """device cpu: what the engine holds on the CPU (the module docstring); lm_head_dtype as the
     engine's --lm-head-dtype."""
     fmt = fmt.strip().lower()
-    group = defaults.QUANT_GROUP_SIZE if group_size is None else group_size
+    group = (FP4_BLOCKS.get(fmt, defaults.QUANT_GROUP_SIZE) if group_size is None else group_size)
     if group == 0 or group < -1:
         raise UserInputError(f"--group-size must be positive or -1 (per channel), got {group}")
     cpu = device == "cpu"
@@ -181,11 +214,12 @@ def weight_memory(arch: ModelArch, fmt: str = "auto", group_size: int | None = N
                             sum(t.nbytes for t in tensors), sum(_file_rank_bytes(t, arch, tp) for t in tensors), by)
     if fmt == "auto":
         fmt, g = _auto_format(arch)
-        group = g or group
-    known = fmt in FLOAT_FORMATS or fmt in ("fp8", "fp8-block", "int8", "int4") or fmt.upper() in ggml_type_names()
+        group = g or (FP4_BLOCKS.get(fmt, group) if group_size is None else group)
+    known = (fmt in FLOAT_FORMATS or fmt in ("fp8", "fp8-block", "int8", "int4") or fmt in FP4_BLOCKS
+             or fmt.upper() in ggml_type_names())
     if not known:
         raise UserInputError(f"unknown --weight-format {fmt!r}: use auto, bfloat16, float16, float32, fp8, fp8-block, "
-                             f"int8, int4 (with --group-size) or a GGML type such as q4_k, q8_0")
+                             f"int8, int4 (with --group-size), nvfp4, mxfp4, nf4 or a GGML type such as q4_k, q8_0")
     if fmt == "int4" and group_size is not None and group != -1:   # as llmopt quantize refuses it
         odd = next((w for w in (arch.hidden_size, arch.intermediate_size) if w and w % group), None)
         if odd is not None:
@@ -193,7 +227,7 @@ def weight_memory(arch: ModelArch, fmt: str = "auto", group_size: int | None = N
                                  f"such as {next((g for g in defaults.QUANT_GROUP_SIZES if odd % g == 0), -1)} "
                                  "or -1 (per channel)")
     base = FLOAT_FORMATS.get(arch.serving_dtype, 2)
-    quantized = fmt not in FLOAT_FORMATS and fmt.upper() not in ggml_type_names()
+    quantized = fmt in FP4_BLOCKS or (fmt not in FLOAT_FORMATS and fmt.upper() not in ggml_type_names())
     if lm_head_dtype not in ("auto", "float", "int8"):
         raise UserInputError(f"unknown --lm-head-dtype {lm_head_dtype!r}: use auto, float or int8")
     int8_head = lm_head_dtype == "int8" or (lm_head_dtype == "auto" and quantized and cpu)

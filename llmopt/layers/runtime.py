@@ -6,7 +6,9 @@ Which modules, per format:
 - gptq: every Linear except lm_head (unless `lm_head: true`); `dynamic` entries `-:regex` skip
         modules, `+:regex` (or a bare regex) override bits / group_size / sym / desc_act for them;
 - compressed-tensors: Linears matched by a config group's `targets` (`Linear`, an exact name or
-  `re:regex`) and not by `ignore`.
+  `re:regex`) and not by `ignore` (nvfp4- / mxfp4-pack-quantized weight-only groups: CTFp4Linear);
+- bitsandbytes (4-bit): every Linear but lm_head when `llm_int8_skip_modules` is null, else every
+  Linear no listed name matches (transformers' rule: llmopt.layers.formats.bnb.converts).
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ import torch
 import torch.nn as nn
 
 from llmopt.errors import ModelLoadError
-from llmopt.layers.formats import format_of
+from llmopt.layers.formats import bnb, compressed_tensors, format_of
 from llmopt.layers.fp8 import quantize_fp8
 from llmopt.layers.int8 import quantize_int8
 from llmopt.layers.modules import AWQLinear, CTPackedLinear, GPTQLinear
 from llmopt.layers.modules16 import Linear16
+from llmopt.layers.modules_bnb import Bnb4bitLinear
+from llmopt.layers.modules_fp4 import CTFp4Linear
 from llmopt.layers.modules_w8a8 import Int8Embedding, Int8Head, W8Linear, int8_rows
 
 
@@ -56,6 +60,9 @@ def _build(fmt: str, qcfg: dict, name: str, lin: nn.Linear):
         if group_size is None:
             raise ModelLoadError("the awq quantization_config has no group_size")
         return AWQLinear(*dims, bits=int(bits), group_size=int(group_size))
+    if fmt == "bitsandbytes":
+        cfg = bnb.config_of(qcfg)
+        return Bnb4bitLinear(*dims, cfg=cfg) if bnb.converts(name, cfg) else None
     if fmt == "gptq":
         args = gptq_args(qcfg, name)
         if args is None:
@@ -111,6 +118,8 @@ def ct_module(group: dict, dims: tuple, name: str):
     if group.get("input_activations") and not group["input_activations"].get("dynamic", False):
         raise ModelLoadError(f"{name}: static activation scales are not supported: llmopt runs dynamic W8A8")
     strategy = w.get("strategy")
+    if fmt in compressed_tensors.FP4_FORMATS:
+        return _ct_fp4(fmt, group, dims, name)
     if fmt == "pack-quantized":
         gs = int(w["group_size"]) if strategy == "group" else -1
         if strategy not in ("group", "channel"):
@@ -124,6 +133,22 @@ def ct_module(group: dict, dims: tuple, name: str):
         return W8Linear(*dims, kind=kind, per_channel=strategy == "channel", activations=acts)
     raise ModelLoadError(f"{name}: compressed-tensors format {fmt!r} with weights {w} is not supported: llmopt "
                          "runs pack-quantized (int4/int8), int-quantized (W8A8) and float-quantized (FP8)")
+
+
+def _ct_fp4(fmt: str, group: dict, dims: tuple, name: str) -> CTFp4Linear:
+    """An NVFP4A16 / MXFP4A16 group's Linear; activations quantized to FP4 (W4A4) are refused: the
+    engine runs float activations."""
+    w = group.get("weights") or {}
+    if group.get("input_activations"):
+        raise ModelLoadError(f"{name}: {fmt} with quantized input activations (W4A4) is not supported: llmopt runs "
+                             "FP4 weights with float activations (NVFP4A16, MXFP4A16)")
+    want = {"type": "float", "num_bits": 4, "group_size": compressed_tensors.FP4_FORMATS[fmt], "symmetric": True,
+            "strategy": "tensor_group" if fmt == "nvfp4-pack-quantized" else "group"}
+    got = {k: w.get(k, True if k == "symmetric" else None) for k in want}
+    odd = {k: v for k, v in got.items() if v != want[k]}
+    if odd:
+        raise ModelLoadError(f"{name}: {fmt} weights with {odd} are not supported (want {want})")
+    return CTFp4Linear(*dims, fmt=fmt)
 
 
 # -- at load time: --quantization int8|fp8 and the int8 LM head ------------------------------------

@@ -20,8 +20,10 @@ PySafeSlice without reading the rest of the tensor. Per Linear (G groups):
   weight_scale [out, 1] per channel (a per-tensor [1] and input_scale are replicated).
 
 Refused with a UserInputError: features that do not split into N equal parts, a row shard that
-splits a quantization group or a packed word, and a column shard that splits a packed word in a
-format packed along the outputs (AWQ, GPTQ's qzeros, compressed-tensors' asymmetric zero points).
+splits a quantization group or a packed word, a column shard that splits a packed word in a
+format packed along the outputs (AWQ, GPTQ's qzeros, compressed-tensors' asymmetric zero points),
+and any tensor of a bitsandbytes 4-bit checkpoint (each weight packed as one flat vector) or of a
+compressed-tensors NVFP4 / MXFP4 one.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch.nn as nn
 
 from llmopt.errors import UserInputError
 from llmopt.layers.formats import format_of
+from llmopt.layers.formats.compressed_tensors import FP4_FORMATS
 from llmopt.layers.formats.packing import codes_per_word
 from llmopt.layers.runtime import ct_group_for, gptq_args
 
@@ -84,10 +87,17 @@ def is_quantized_tensor(name: str, quant_config: dict | None, module: nn.Module 
         return False
     module_name, _, suffix = name.rpartition(".")
     fmt = format_of(quant_config)
+    if fmt == "bitsandbytes":   # (one flat vector a weight, blocks of the absmax vector across rows)
+        raise UserInputError("tensor parallelism does not split bitsandbytes 4-bit checkpoints: run them on one "
+                             "device (--tensor-parallel-size 1)")
     if fmt == "awq":
         return suffix in AWQ_TENSORS
     if fmt == "gptq":
         return suffix in GPTQ_TENSORS
+    if any((g.get("format") or quant_config.get("format")) in FP4_FORMATS
+           for g in (quant_config.get("config_groups") or {}).values()):   # (codes two a byte, E4M3 / E8M0 scales)
+        raise UserInputError("tensor parallelism does not split nvfp4- / mxfp4-pack-quantized checkpoints yet: run "
+                             "them on one device (--tensor-parallel-size 1)")
     if suffix in CT_TENSORS:
         return True
     if suffix != "weight":

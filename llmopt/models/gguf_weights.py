@@ -7,7 +7,8 @@
   `--dtype`: a GGUF runs as stored); on CUDA (with Triton) the same block types are repacked once
   for the Triton dequantize-GEMM. Every other tensor comes out dequantized (float32, one at a time)
   for `load_weights` to cast to the model's dtype, with one log line naming the quantized types
-  that took that path.
+  that took that path. On the CPU (one rank), an MXFP4 Linear becomes a GGUFMxfp4Linear holding its
+  blocks, run as 4-bit E2M1 codes and float32 block scales (llmopt.layers.modules_fp4).
 - `iter_float_weights` / `FloatTensors`: the same tensors dequantized, by Hugging Face name, for
   the readers that want floats (quantize's input, the self-draft).
 """
@@ -165,6 +166,7 @@ def install(model: nn.Module, path: Path, cfg, dtype: torch.dtype, device: torch
     the rank's slice of the decoded tensor (load_weights cuts the tensors yielded)."""
     from llmopt.layers.modules_ggml import GGMLEmbedding, GGMLLinear   # deferred: start-up time
     from llmopt.layers.modules16 import holder_16bit   # deferred: start-up time
+    from llmopt.layers.modules_fp4 import GGUFMxfp4Linear   # deferred: start-up time
     f = GGUFFile(path)
     tied = "output.weight" not in {t.name for t in f.tensors}
     fallback: dict[str, int] = {}
@@ -173,6 +175,10 @@ def install(model: nn.Module, path: Path, cfg, dtype: torch.dtype, device: torch
     for t in f.tensors:
         name, kind = hf_name(t.name), t.type_name
         target = name.removesuffix(".weight")
+        if kind == "MXFP4" and device.type == "cpu" and tp is None and _is_linear_weight(model, name, t):
+            lin = model.get_submodule(target)
+            model.set_submodule(target, GGUFMxfp4Linear(_raw_rows(f, t, cfg), t.shape[1], lin.bias is not None))
+            continue
         runs = kernels and kind in RUN_TYPES and len(t.shape) == 2 and name.endswith(".weight")
         if runs:
             g = _grouped(f, t, cfg, pack=not triton)   # (CPU: Q4_x nibbles decoded straight into the kernels' layout)
@@ -205,6 +211,19 @@ def install(model: nn.Module, path: Path, cfg, dtype: torch.dtype, device: torch
         log.info(f"GGUF {path.name}: {what} dequantized to {str(dtype).replace('torch.', '')} ({where})")
 
 
+def _is_linear_weight(model: nn.Module, name: str, t: GGUFTensor) -> bool:
+    target = name.removesuffix(".weight")
+    return (len(t.shape) == 2 and name.endswith(".weight") and target != "model.embed_tokens"
+            and type(model.get_submodule(target)) is nn.Linear)
+
+
+def _raw_rows(f: GGUFFile, t: GGUFTensor, cfg) -> torch.Tensor:
+    """A tensor's rows of blocks as stored (uint8 [rows, bytes a row], a copy), q/k rows in rotate-half order."""
+    raw = torch.from_numpy(np.array(f.raw(t)))
+    heads = _rope_heads(t.name, cfg)
+    return unpermute_rope(raw, heads).contiguous() if heads else raw
+
+
 def _float16(f: GGUFFile, t: GGUFTensor, cfg) -> torch.Tensor:
     """An F16 / BF16 matrix as stored (a copy: the map is read-only), q/k rows in rotate-half order."""
     w = torch.from_numpy(np.array(f.raw(t))).view(_TORCH_FLOATS[t.type_name]).reshape(t.shape)
@@ -215,4 +234,5 @@ def _float16(f: GGUFFile, t: GGUFTensor, cfg) -> torch.Tensor:
 def runs_quantized(model: nn.Module) -> bool:
     """Whether `install` gave the model any GGML module (a float GGUF has none)."""
     from llmopt.layers.modules_ggml import GGMLLinear   # deferred: start-up time
-    return any(isinstance(m, GGMLLinear) for m in model.modules())
+    from llmopt.layers.modules_fp4 import GGUFMxfp4Linear   # deferred: start-up time
+    return any(isinstance(m, (GGMLLinear, GGUFMxfp4Linear)) for m in model.modules())

@@ -252,10 +252,12 @@ class LlamaForCausalLM(nn.Module):
         GGUF's tensors run as stored, which gguf_weights.install slices as it builds their modules."""
         params = dict(self.named_parameters(remove_duplicate=False))
         buffers = dict(self.named_buffers())
+        aliases = _checkpoint_aliases(self)
         loaded: set[str] = set()
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue
+            name = aliases.get(name, name)
             if name not in params and name not in buffers:
                 if self.config.tie_word_embeddings and name == "lm_head.weight":
                     continue
@@ -270,7 +272,7 @@ class LlamaForCausalLM(nn.Module):
                 keep_dtype = getattr(module, attr).dtype   # 16-bit weights on the CPU (llmopt.layers.modules16)
             if name in buffers and getattr(module, "keep_checkpoint_dtype", False):
                 keep_dtype = tensor.dtype   # quantized modules (llmopt.layers.modules): fp16 scales, fp8 codes as stored
-            if tuple(target.shape) != tuple(tensor.shape):
+            if tuple(target.shape) != tuple(tensor.shape) and attr not in getattr(module, "free_shape", ()):
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(target.shape)}")
             new = tensor.to(device=device, dtype=keep_dtype)
             _set_tensor(self, name, new, is_param=name in params)
@@ -288,6 +290,15 @@ class LlamaForCausalLM(nn.Module):
             if trim:   # (CPU repacked layers: their cpu_codes; 16-bit ones, copied as read)
                 trim_heap()   # the layer's unfused tensors: freed holes the next layer's cannot reuse
         return loaded
+
+
+def _checkpoint_aliases(root: nn.Module) -> dict[str, str]:
+    """Checkpoint name -> parameter/buffer name, for modules whose checkpoint names hold dots a
+    buffer name cannot (`checkpoint_names`: local checkpoint name -> buffer name; e.g. bitsandbytes'
+    `weight.absmax`, llmopt.layers.modules_bnb). A module's `free_shape` buffers take the
+    checkpoint's shape (sizes only the tensors themselves say)."""
+    return {f"{mod}.{ck}" if mod else ck: f"{mod}.{buf}" if mod else buf
+            for mod, m in root.named_modules() for ck, buf in getattr(m, "checkpoint_names", {}).items()}
 
 
 def _set_tensor(root: nn.Module, name: str, value: torch.Tensor, is_param: bool) -> None:

@@ -9,10 +9,17 @@ from llmopt import defaults
 from llmopt.errors import UserInputError
 from llmopt.validate import SEED_MAX, SEED_MIN, decode_utf8
 
-METHODS = ("awq", "gptq", "rtn", "fp8", "int8")
-FORMATS = ("awq", "gptq", "compressed-tensors", "gguf", "dequantized")
+METHODS = ("awq", "gptq", "rtn", "fp8", "int8", "nvfp4", "mxfp4", "nf4")
+FORMATS = ("awq", "gptq", "compressed-tensors", "gguf", "bitsandbytes", "dequantized")
 DEFAULT_FORMAT = {"awq": "awq", "gptq": "gptq", "rtn": "compressed-tensors", "fp8": "compressed-tensors",
-                  "int8": "compressed-tensors"}
+                  "int8": "compressed-tensors", "nvfp4": "compressed-tensors", "mxfp4": "compressed-tensors",
+                  "nf4": "bitsandbytes"}
+# 4-bit float methods -> the formats that hold them; FP4_BLOCKS: the block size each format fixes
+# (nf4's is --group-size, default defaults.NF4_BLOCK)
+FP4_METHODS = {"nvfp4": ("compressed-tensors", "dequantized"), "mxfp4": ("compressed-tensors", "gguf", "dequantized"),
+               "nf4": ("bitsandbytes", "dequantized")}
+FP4_BLOCKS = {"nvfp4": 16, "mxfp4": 32}
+FP4_ALGORITHMS = ("rtn", "gptq")
 
 
 ACT_ORDERS = ("none", "static", "group")
@@ -47,10 +54,11 @@ class QuantConfig:
     awq_search_tokens: int = defaults.AWQ_SEARCH_TOKENS
     error_tokens: int = defaults.QUANT_ERROR_TOKENS   # calibration tokens the per-layer error is measured on
     fp8_scale: str = "channel"         # channel | tensor
-    activations: str = "dynamic"       # fp8/int8: dynamic (W8A8) | none (weight-only)
+    activations: str | None = None     # fp8/int8: dynamic (W8A8, the default) | none (weight-only); FP4: none
+    fp4_algorithm: str | None = None   # nvfp4/mxfp4: rtn (default) | gptq (error feedback, calibrated)
     dtype: str = "auto"                # unquantized tensors: auto = checkpoint's 16-bit dtype, else float16
     scale_dtype: str | None = None     # set by the pipeline: the dtype the format stores scales in
-    gguf_type: str | None = None       # set by the pipeline for --format gguf: Q4_0, Q4_1 or Q8_0
+    gguf_type: str | None = None       # set by the pipeline for --format gguf: Q4_0, Q4_1, Q8_0 or MXFP4
     group_size_reason: str | None = None   # set by the pipeline when it picks the group size (auto)
 
     @property
@@ -63,6 +71,12 @@ class QuantConfig:
         s = QuantConfig(**{f.name: getattr(self, f.name) for f in fields(self)})
         if s.method not in METHODS:
             raise UserInputError(f"unknown --method {s.method!r}: use one of {', '.join(METHODS)}")
+        if s.method in FP4_METHODS:
+            _resolve_fp4(s)
+        elif s.fp4_algorithm is not None:
+            raise UserInputError("--fp4-algorithm applies to --method nvfp4 and mxfp4 only")
+        if s.activations is None:
+            s.activations = "dynamic"
         if s.bits is None:
             s.bits = 8 if s.method in ("fp8", "int8") else 4
         if s.method in ("fp8", "int8") and s.bits != 8:
@@ -77,17 +91,23 @@ class QuantConfig:
             raise UserInputError(f"unknown --format {s.format!r}: use one of {', '.join(FORMATS)}")
         if s.method in ("fp8", "int8") and s.format not in ("compressed-tensors", "dequantized"):
             raise UserInputError(f"--method {s.method} is written as compressed-tensors only: use --format compressed-tensors")
-        if s.act_order not in (None, False, "none") and s.method != "gptq":
-            raise UserInputError("--act-order applies to --method gptq only")
-        s.act_order = act_order_mode(s.act_order if s.act_order is not None or s.method != "gptq"
+        gptq_like = s.method == "gptq" or s.fp4_algorithm == "gptq"
+        if s.act_order not in (None, False, "none") and not gptq_like:
+            raise UserInputError("--act-order applies to --method gptq (and --fp4-algorithm gptq) only")
+        s.act_order = act_order_mode(s.act_order if s.act_order is not None or not gptq_like
                                      else defaults.GPTQ_ACT_ORDER)
+        if s.act_order == "group" and s.method in FP4_METHODS:
+            raise UserInputError("--act-order group needs a g_idx, which FP4 formats have no place for: use static")
         if s.act_order not in ACT_ORDERS:
             raise UserInputError(f"--act-order {s.act_order!r}: use one of {', '.join(ACT_ORDERS)}")
         if s.act_order == "group" and s.format == "compressed-tensors":   # refused here, before calibration
             raise UserInputError("--act-order group needs a g_idx, which --format compressed-tensors has no place "
                                  "for: use --format gptq, or --act-order static")
-        if s.format == "gguf" and s.method not in ("awq", "gptq", "rtn"):
-            raise UserInputError(f"--format gguf holds integer groups (awq, gptq, rtn), not --method {s.method}")
+        if s.format == "gguf" and s.method not in ("awq", "gptq", "rtn", "mxfp4"):
+            raise UserInputError(f"--format gguf holds integer groups (awq, gptq, rtn) and mxfp4, "
+                                 f"not --method {s.method}")
+        if s.format == "bitsandbytes" and s.method != "nf4":
+            raise UserInputError(f"--format bitsandbytes holds --method nf4, not --method {s.method}")
         if s.method == "awq" and s.format == "gptq":   # refused here, before calibration
             raise UserInputError("--method awq is written as --format awq (AutoAWQ GEMM) or compressed-tensors: GPTQ v1 "
                                  "stores zero points minus one, so AWQ's zero point 0 has no place there")
@@ -118,7 +138,37 @@ class QuantConfig:
     @property
     def needs_calibration(self) -> bool:
         """Whether the method looks at activations beyond the error report."""
-        return self.method in ("awq", "gptq") or (self.method == "int8" and self.activations == "dynamic")
+        return (self.method in ("awq", "gptq") or (self.method == "int8" and self.activations == "dynamic")
+                or self.fp4_algorithm == "gptq")
+
+
+def _resolve_fp4(s: QuantConfig) -> None:
+    """nvfp4 / mxfp4 / nf4: 4-bit symmetric float codes, weight-only, in the formats that hold them;
+    the block size is the format's (nf4: --group-size, default 64); fills in the defaults."""
+    m = s.method
+    if s.bits not in (None, 4):
+        raise UserInputError(f"--method {m} is 4-bit: drop --bits or use --bits 4")
+    if s.sym is False:
+        raise UserInputError(f"--method {m} is symmetric (float codes, no zero points): drop --asym")
+    if s.activations not in (None, "none"):
+        raise UserInputError(f"--method {m} quantizes weights only (llmopt's engine runs float activations; W4A4 "
+                             "NVFP4 would need FP4 activation kernels): drop --activations or use none")
+    fmt = s.format or DEFAULT_FORMAT[m]
+    if fmt in FORMATS and fmt not in FP4_METHODS[m]:
+        raise UserInputError(f"--method {m} is written as --format {' or '.join(FP4_METHODS[m])}, not {fmt}")
+    if m in FP4_BLOCKS:
+        if s.group_size not in (None, FP4_BLOCKS[m]):
+            raise UserInputError(f"--method {m} has blocks of {FP4_BLOCKS[m]} by definition: drop --group-size")
+        s.group_size = FP4_BLOCKS[m]
+        s.fp4_algorithm = s.fp4_algorithm or "rtn"
+        if s.fp4_algorithm not in FP4_ALGORITHMS:
+            raise UserInputError(f"--fp4-algorithm {s.fp4_algorithm!r}: use {' or '.join(FP4_ALGORITHMS)}")
+    else:
+        if s.fp4_algorithm is not None:
+            raise UserInputError("--fp4-algorithm applies to --method nvfp4 and mxfp4 (nf4 is bitsandbytes' "
+                                 "round to nearest)")
+        s.group_size = defaults.NF4_BLOCK if s.group_size is None else s.group_size
+    s.bits, s.sym, s.activations = 4, True, "none"
 
 
 @dataclass

@@ -3,8 +3,9 @@
 Each method returns the quantized Linears, the activations for the next layer and the layer's
 reconstruction error: ||y_q − y||² / ||y − x||² on the first calibration samples (y the float
 layer's output, y_q the quantized one's, x its input: the error relative to what the layer adds).
-Propagation follows each method's reference: GPTQ, RTN and FP8 pass on the quantized layer's
-output; AWQ (as AutoAWQ) and SmoothQuant pass on the float output.
+Propagation follows each method's reference: GPTQ, RTN, FP8 and the 4-bit float methods (NVFP4,
+MXFP4 by round to nearest or GPTQ, bitsandbytes NF4) pass on the quantized layer's output; AWQ (as
+AutoAWQ) and SmoothQuant pass on the float output.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import torch.nn as nn
 
 from llmopt import defaults
 from llmopt.layers import fp8, int8
-from llmopt.quant import awq, gptq, rtn, smoothquant
+from llmopt.layers.formats.bnb import BnbQuantized
+from llmopt.quant import awq, fp4, gptq, nf4, rtn, smoothquant
 from llmopt.layers.activations import fake_quantize_tokens
 from llmopt.quant.config import QuantConfig
 
@@ -71,7 +73,12 @@ def input_of(target: nn.Module, run: Callable[[], object]) -> torch.Tensor:
 
 
 def set_weight(lin: nn.Linear, qt) -> None:
-    lin.weight.data = qt.dequantize(lin.weight.dtype)
+    lin.weight.data = dense(qt, lin.weight.dtype)
+
+
+def dense(qt, dtype: torch.dtype) -> torch.Tensor:
+    """A quantized weight's float values (bitsandbytes' stored form through its Fp4Quantized)."""
+    return (qt.as_fp4() if isinstance(qt, BnbQuantized) else qt).dequantize(dtype)
 
 
 @torch.no_grad()
@@ -87,7 +94,8 @@ def quantize_layer(layer: nn.Module, x: torch.Tensor, err_samples: int, ctx: Lay
             lambda _m, a: (fake_quantize_tokens(a[0], qconfig.method),)) for n in LINEARS]
     try:
         # GPTQ passes on the quantized layer's output: its first samples are y_q
-        y_q = next_x[:ex.shape[0]] if qconfig.method == "gptq" else ctx.forward(layer, ex)
+        gptq_like = qconfig.method == "gptq" or qconfig.fp4_algorithm == "gptq"
+        y_q = next_x[:ex.shape[0]] if gptq_like else ctx.forward(layer, ex)
         if next_x is None:
             next_x = y_q if ex.shape[0] == x.shape[0] else ctx.forward(layer, x)
     finally:
@@ -173,6 +181,10 @@ def _gptq_rows(layer, names, H, qconfig) -> dict:
     dequantized weights in the layer."""
     lins = [_linear(layer, n) for n in names]
     w = torch.cat([lin.weight for lin in lins]) if len(lins) > 1 else lins[0].weight
+    if qconfig.method in ("nvfp4", "mxfp4"):
+        res = fp4.gptq_fp4(w, H, fp4.grid_for(qconfig.method, qconfig.format, w), damp=qconfig.damp,
+                           act_order=qconfig.act_order)
+        return _split_fp4(lins, names, res)
     res = gptq.gptq_quantize(w, H, qconfig.bits, qconfig.group_size, qconfig.sym, damp=qconfig.damp, act_order=qconfig.act_order,
                              scale_dtype=qconfig.scale_torch_dtype).quantized
     out, r0 = {}, 0
@@ -183,6 +195,44 @@ def _gptq_rows(layer, names, H, qconfig) -> dict:
         set_weight(lin, qt)
         out[n], r0 = qt, r1
     return out
+
+
+def _split_fp4(lins, names, res) -> dict:
+    """A stacked FP4 result split back into its Linears (sharing NVFP4's global scale), set in the layer."""
+    out, r0 = {}, 0
+    for n, lin in zip(names, lins):
+        r1 = r0 + lin.out_features
+        out[n], r0 = fp4.rows(res, r0, r1, _bias(lin)), r1
+        set_weight(lin, out[n])
+    return out
+
+
+# Linears quantized as one matrix: those sharing an input (vLLM fuses them, so NVFP4's global scale is shared)
+FUSED_GROUPS = (LINEARS[:3], LINEARS[3:4], LINEARS[4:6], LINEARS[6:])
+
+
+def _fp4(layer, x, ctx, qconfig):
+    """NVFP4 / MXFP4: GPTQ (the `_gptq` pass with FP4 grids) or round to nearest, per fused group."""
+    if qconfig.fp4_algorithm == "gptq":
+        return _gptq(layer, x, ctx, qconfig)
+    out = {}
+    for names in FUSED_GROUPS:
+        lins = [_linear(layer, n) for n in names]
+        w = torch.cat([lin.weight for lin in lins])
+        res = fp4.quantize_rtn(w, fp4.grid_for(qconfig.method, qconfig.format, w))
+        out.update(_split_fp4(lins, names, res))
+    return out, None
+
+
+def _nf4(layer, x, ctx, qconfig):
+    """bitsandbytes NF4 with double quantization, blocks of --group-size (64), per Linear."""
+    out = {}
+    for n in LINEARS:
+        lin = _linear(layer, n)
+        out[n] = nf4.quantize(lin.weight, block=qconfig.group_size, quant_type="nf4", double_quant=True)
+        out[n].bias = _bias(lin)
+        set_weight(lin, out[n])
+    return out, None
 
 
 class _InputStats:
@@ -276,4 +326,5 @@ def _bias(lin: nn.Linear):
     return None if lin.bias is None else lin.bias.detach().clone()
 
 
-METHODS = {"rtn": _rtn, "gptq": _gptq, "awq": _awq, "fp8": _fp8, "int8": _int8}
+METHODS = {"rtn": _rtn, "gptq": _gptq, "awq": _awq, "fp8": _fp8, "int8": _int8, "nvfp4": _fp4, "mxfp4": _fp4,
+           "nf4": _nf4}

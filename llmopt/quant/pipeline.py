@@ -35,9 +35,10 @@ from llmopt.eval.tasks import TaskEvalResult
 from llmopt.quant.evaluate import QuantEval
 from llmopt.quant.formats import gguf as gguf_format
 from llmopt.quant.formats import pack_linear, quantization_config
-from llmopt.quant.layerwise import LINEARS, LayerContext, quantize_layer
+from llmopt.layers.formats.bnb import BLOCKSIZES
+from llmopt.quant.layerwise import LINEARS, LayerContext, dense, quantize_layer
 from llmopt.quant.rtn import check_group_size
-from llmopt.quant.config import QuantConfig
+from llmopt.quant.config import FP4_METHODS, QuantConfig
 
 
 @dataclass
@@ -78,8 +79,17 @@ def validate(cfg: ModelConfig, qconfig: QuantConfig) -> None:
             qconfig.group_size, qconfig.group_size_reason = auto_group_size([n for _, n in widths])
         for name, n in widths:
             check_group_size(n, qconfig.group_size, name)
+    if qconfig.method in FP4_METHODS:   # blocks lie within rows: every width a whole number of them
+        if qconfig.method == "nf4" and qconfig.group_size not in BLOCKSIZES:
+            raise UserInputError(f"--group-size {qconfig.group_size}: bitsandbytes blocks are "
+                                 f"{', '.join(map(str, BLOCKSIZES))}")
+        odd = next(((name, n) for name, n in widths if n % qconfig.group_size), None)
+        if odd:
+            raise UserInputError(f"--method {qconfig.method}: {odd[0]} ({odd[1]}) is not a whole number of "
+                                 f"blocks of {qconfig.group_size}")
     if qconfig.format == "gguf":   # the block type, before any work
-        qconfig.gguf_type = gguf_format.check(qconfig.bits, qconfig.sym, qconfig.group_size, qconfig.act_order)
+        qconfig.gguf_type = gguf_format.check(qconfig.bits, qconfig.sym, qconfig.group_size, qconfig.act_order,
+                                              qconfig.method)
     if qconfig.seq_len > cfg.max_position_embeddings:
         raise UserInputError(f"--seq-len {qconfig.seq_len:,} is longer than the model's context of "
                              f"{cfg.max_position_embeddings:,} tokens: give at most that")
@@ -223,7 +233,7 @@ def _packer(fmt: str):
     evaluating a method's quality; weight rounding only, activations stay float)."""
     if fmt == "dequantized":
         def pack(prefix, qt, _fmt, dtype):
-            return {f"{prefix}.weight": qt.dequantize(dtype)}
+            return {f"{prefix}.weight": dense(qt, dtype)}
         return pack, lambda _fmt, qconfig: None
     return pack_linear, quantization_config
 

@@ -3,12 +3,12 @@
 A decode step of a few sequences (one new token each) spends most of its time between the GEMVs
 in Python: ~100 small ops per layer. `CpuDecode` holds one `torch.classes.llmopt_cpu.DecodeLayer`
 per layer, referencing (not copying) the layer's weights as loaded: float32 or 16-bit linears, the CPU
-layouts of quantized modules (int8 / int4 codes with scales, fp8) and the fused q/k/v and gate/up
-storage (llmopt/layers/fuse.py). Embedding, the final norm and the head stay in Python (one call
-each). The runner uses it on the CPU, for a float32 model and any KV cache dtype (16-bit rows read
-widened and written rounded to nearest even, fp8 and int8 ones quantized as the reference path
-quantizes them and dequantized inside attention; kivi2: the float residual written, its 2-bit pages
-read in place, `run(pages=...)`), for steps of up to
+layouts of quantized modules (int8 / int4 codes with scales, fp8, 4-bit float codes with their block
+scales) and the fused q/k/v and gate/up storage (llmopt/layers/fuse.py). Embedding, the final norm
+and the head stay in Python (one call each). The runner uses it on the CPU, for a float32 model and
+any KV cache dtype (16-bit rows read widened and written rounded to nearest even, fp8 and int8 ones
+quantized as the reference path quantizes them and dequantized inside attention; kivi2: the float
+residual written, its 2-bit pages read in place, `run(pages=...)`), for steps of up to
 CPU_DECODE_MAX_ROWS tokens: decode steps, speculative decoding's verification steps and prefill
 chunks, each token a row that attends over its own prefix (prefill measured 1.1-2.0x faster than
 the Python layers for prompts of 256 to 4,000 tokens, docs/benchmarks.md); models it cannot take
@@ -28,7 +28,7 @@ from llmopt.kernels import cpu_quant
 
 log = logging.getLogger("llmopt.engine")
 
-KF32, KW8, KF8, KBF16, KF16 = 0, 1, 3, 4, 5   # cpu_decode.cpp's Kind (grouped codes': cpu_quant.KINDS)
+KF32, KW8, KF8, KBF16, KF16 = 0, 1, 3, 4, 5   # cpu_decode.cpp's Kind (grouped codes': cpu_quant.KINDS, FP4_KINDS)
 _FLOAT_KINDS = {torch.float32: KF32, torch.bfloat16: KBF16, torch.float16: KF16}
 _EMPTY = torch.empty(0)
 
@@ -42,6 +42,7 @@ def linear_spec(lin) -> tuple | None:
     layer runs, or None."""
     from llmopt.layers.modules import PackedIntLinear   # deferred: start-up time (quantized modules)
     from llmopt.layers.modules16 import Linear16   # deferred: start-up time
+    from llmopt.layers.modules_fp4 import Fp4Linear   # deferred: start-up time (quantized modules)
     from llmopt.layers.modules_w8a8 import W8Linear   # deferred: start-up time
     if isinstance(lin, tuple):   # fused float weights (w, b): float32, or 16-bit (Linear16)
         w, b = lin
@@ -57,6 +58,8 @@ def linear_spec(lin) -> tuple | None:
         kind, gs = lin._cpu
         perm = _EMPTY if lin.cpu_perm is None else lin.cpu_perm.long().contiguous()
         return (cpu_quant.KINDS[kind][1], lin.cpu_codes, lin.cpu_scales, lin.cpu_szeros, bias, perm, gs)
+    if isinstance(lin, Fp4Linear) and lin.nibbles:
+        return (cpu_quant.FP4_KINDS[lin.table_name], lin.codes, lin.scales, _EMPTY, bias, _EMPTY, lin.block)
     if type(lin) is W8Linear and lin.activations != "dynamic" and not lin.weight.is_meta:
         s, k = _f32(lin.weight_scale).reshape(-1), lin.in_features
         if lin.kind == "fp8":

@@ -178,6 +178,33 @@ def test_cpu_decode_quantized_checkpoints(tiny_factory, tmp_path, name):
         assert 1e-4 < _rel(got, want) <= 0.05
 
 
+FP4_CHECKPOINTS = {"nvfp4": ("nvfp4", "compressed-tensors"), "mxfp4-gguf": ("mxfp4", "gguf"),
+                   "nf4": ("nf4", "bitsandbytes")}
+
+
+@pytest.mark.parametrize("name", list(FP4_CHECKPOINTS))
+def test_cpu_decode_fp4_checkpoints(tiny_factory, tmp_path, name):
+    """4-bit float codes (E2M1 with E4M3 or E8M0 block scales, NF4 with a double-quantized absmax)
+    decoded inside the C++ layers' tiles: the Python layers' numbers."""
+    from typer.testing import CliRunner
+    from llmopt.cli.app import app
+    from llmopt.layers.modules_fp4 import Fp4Linear
+    method, fmt = FP4_CHECKPOINTS[name]
+    folder = tiny_factory(tokenizer=True, dtype=torch.float16, weight_std=0.2)
+    calib = tmp_path / "calib.txt"
+    calib.write_text("The quick brown fox jumps over the lazy dog. " * 80)
+    out = tmp_path / ("m.gguf" if fmt == "gguf" else "m")
+    res = CliRunner().invoke(app, ["quantize", "--model", str(folder), "--output", str(out), "--calib-data", str(calib),
+                                   "--num-samples", "4", "--seq-len", "32", "--quiet", "--method", method,
+                                   "--format", fmt])
+    assert res.exit_code == 0, res.output
+    engine = _engine(out)
+    down = engine.runner.model.model.layers[0].mlp.down_proj
+    assert isinstance(down, Fp4Linear) and down.nibbles
+    got, want = _decode_logits(engine.runner, int8_act=False)
+    assert _rel(got, want) <= 1e-5
+
+
 def _grouped_case(kind: str, n: int, k: int, gs: int, g):
     """(codes in the kernels' layout, scales, szeros, Kind, float64 W) of random grouped codes: int8
     (no zero point), int4 with stored zeros, 5- and 6-bit ones with stored zeros ("w5z") or one

@@ -81,17 +81,23 @@ def test_each_block_type_runs_as_stored_and_matches_its_float_copy(tmp_path, qty
 
 
 def test_other_types_are_dequantized_with_one_log_line(tmp_path, monkeypatch, caplog):
-    """MXFP4 (the gguf package quantizes it; our kernels do not run it): every Linear a float
-    nn.Linear holding the gguf package's dequantization, one log line naming the type."""
+    """An MXFP4 file (the gguf package quantizes every matrix to it): its Linears run as 4-bit float
+    codes (GGUFMxfp4Linear) holding exactly the gguf package's dequantization; its token table, a
+    type our kernels do not run as a table, comes out dequantized with one log line naming the type."""
+    from llmopt.layers.modules_fp4 import GGUFMxfp4Linear
     path = _gguf(tmp_path, monkeypatch, "MXFP4")
     caplog.set_level(logging.INFO, logger="llmopt.models")
     m = load_model(str(path), dtype="float32", device="cpu", tokenizer=False).model
     lines = [r.getMessage() for r in caplog.records if "dequantized" in r.getMessage()]
-    assert len(lines) == 1 and "MXFP4 (" in lines[0] and "Q4_K" in lines[0]   # the types that do run
+    assert len(lines) == 1 and "MXFP4 (1 tensors)" in lines[0] and "Q4_K" in lines[0]   # the types that do run
     assert not [mod for mod in m.modules() if isinstance(mod, GGMLLinear)]
+    assert type(m.model.embed_tokens) is nn.Embedding
     ref = load_model(str(convert_gguf(path, tmp_path / "float", weights=True)), dtype="float32", device="cpu",
                      tokenizer=False).model
-    assert torch.equal(m.model.layers[1].mlp.down_proj.weight, ref.model.layers[1].mlp.down_proj.weight)
+    for name in ("model.layers.1.mlp.down_proj", "model.layers.0.self_attn.q_proj", "lm_head"):
+        assert type(m.get_submodule(name)) is GGUFMxfp4Linear, name
+        assert torch.equal(m.get_submodule(name).dequantized(), ref.get_submodule(name).weight), name
+    assert torch.equal(m.model.embed_tokens.weight, ref.model.embed_tokens.weight)
 
 
 def test_tied_table_is_one_table(tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """Checkpoint formats other tools load, as the runtime reads them: AutoAWQ GEMM (`awq`), GPTQ v1
-(`gptq`) and llm-compressor's `compressed-tensors`. Pure functions from (name -> tensor) dicts and
-the `quantization_config` entry of config.json to the canonical forms of llmopt.layers.types;
+(`gptq`), llm-compressor's `compressed-tensors` and transformers' bitsandbytes 4-bit (`bitsandbytes`).
+Pure functions from (name -> tensor) dicts and the `quantization_config` entry of config.json to
+the canonical forms of llmopt.layers.types (bitsandbytes: llmopt.layers.formats.fp4's Fp4Quantized);
 llmopt.quant.formats writes them."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from llmopt.errors import ModelLoadError, UserInputError
-from llmopt.layers.formats import awq, compressed_tensors, gptq
+from llmopt.layers.formats import awq, bnb, compressed_tensors, gptq
 
 FORMATS = ("awq", "gptq", "compressed-tensors")
 
@@ -28,8 +29,11 @@ def format_of(qcfg: dict) -> str:
         return "gptq"
     if method == "compressed-tensors":
         return "compressed-tensors"
-    raise ModelLoadError(f"quant_method {qcfg.get('quant_method')!r} is not supported: llmopt runs awq, gptq "
-                         "and compressed-tensors checkpoints")
+    if method == "bitsandbytes":
+        bnb.config_of(qcfg)   # 4-bit nf4 / fp4 only: a one-line error for the rest
+        return "bitsandbytes"
+    raise ModelLoadError(f"quant_method {qcfg.get('quant_method')!r} is not supported: llmopt runs awq, gptq, "
+                         "compressed-tensors and bitsandbytes (4-bit) checkpoints")
 
 
 def unpack_linear(tensors: dict[str, torch.Tensor], qcfg: dict, group: dict | None = None):
@@ -42,6 +46,8 @@ def unpack_linear(tensors: dict[str, torch.Tensor], qcfg: dict, group: dict | No
     if fmt == "gptq":
         cf = str(qcfg.get("checkpoint_format", "gptq")).lower()
         return gptq.unpack(tensors, int(qcfg["bits"]), int(qcfg["group_size"]), bool(qcfg.get("sym", True)), cf)
+    if fmt == "bitsandbytes":   # (local names: weight, weight.absmax, ..., weight.quant_state.bitsandbytes__nf4)
+        return bnb.unpack(tensors).as_fp4()
     if group is None:
         raise UserInputError("unpacking compressed-tensors needs the module's config group")
     return compressed_tensors.unpack(tensors, group)

@@ -18,8 +18,12 @@ from __future__ import annotations
 import torch
 
 from llmopt.errors import ModelLoadError
+from llmopt.layers.formats.fp4 import Mxfp4Quantized, Nvfp4Quantized, unpack_pairs
 from llmopt.layers.formats.packing import unpack_codes
 from llmopt.layers.types import FloatQuantized, Int8Quantized, IntQuantized
+
+FP4_FORMATS = {"nvfp4-pack-quantized": 16, "mxfp4-pack-quantized": 32}   # format -> group size
+
 
 def unpack(tensors: dict[str, torch.Tensor], group: dict):
     """Local names -> canonical form, given the module's config group (its `weights`,
@@ -28,6 +32,8 @@ def unpack(tensors: dict[str, torch.Tensor], group: dict):
     fmt = group.get("format")
     act = "dynamic" if group.get("input_activations") else "none"
     bias = tensors.get("bias")
+    if fmt in FP4_FORMATS:
+        return unpack_fp4(tensors, fmt, bias)
     if fmt == "pack-quantized":
         bits, sym = int(w["num_bits"]), bool(w.get("symmetric", True))
         out, n_in = (int(v) for v in tensors["weight_shape"].tolist())
@@ -48,4 +54,16 @@ def unpack(tensors: dict[str, torch.Tensor], group: dict):
         return FloatQuantized(weight=tensors["weight"], weight_scale=tensors["weight_scale"], activations=act,
                               bias=bias)
     raise ModelLoadError(f"compressed-tensors format {fmt!r} with weights {w} is not supported: llmopt reads "
-                         "pack-quantized, int-quantized and float-quantized (FP8)")
+                         "pack-quantized, int-quantized, float-quantized (FP8), nvfp4- and mxfp4-pack-quantized")
+
+
+def unpack_fp4(tensors: dict[str, torch.Tensor], fmt: str, bias=None):
+    """An NVFP4 / MXFP4 Linear's tensors -> Nvfp4Quantized / Mxfp4Quantized (stored forms)."""
+    codes = unpack_pairs(tensors["weight_packed"].to(torch.uint8))
+    scale = tensors["weight_scale"]
+    if codes.shape[1] != scale.shape[1] * FP4_FORMATS[fmt]:
+        raise ModelLoadError(f"{fmt}: weight_packed's {codes.shape[1]} columns are not weight_scale's "
+                             f"{scale.shape[1]} groups of {FP4_FORMATS[fmt]}")
+    if fmt == "nvfp4-pack-quantized":
+        return Nvfp4Quantized(codes, scale.to(torch.float8_e4m3fn), tensors["weight_global_scale"].float(), bias)
+    return Mxfp4Quantized(codes, scale.to(torch.uint8), bias)

@@ -9,6 +9,10 @@ consecutive input columns, W[n, k] = table[code[n, k]] * scale[n, k // block].
   to [-1, 1] by its largest value 12), same blocks and scale as `nf4`. Code order is bit order:
   bit 3 the sign, bits 0-2 select 0, 0.0625, 8, 12, 4, 6, 2, 3 (then / 12).
 
+NVFP4's and MXFP4's stored scale levels are Nvfp4Quantized and Mxfp4Quantized below (what
+llmopt.quant.fp4 produces and the formats pack), with their layouts: compressed-tensors' nibble pairs
+and GGML's MXFP4 blocks.
+
 The runtime keeps the codes and one float32 scale per block (a format's several scale levels
 multiplied out at load, exactly where the product is exact), never a float copy of the weight.
 """

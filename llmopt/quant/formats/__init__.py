@@ -1,8 +1,9 @@
 """Writing the checkpoint formats other tools load (llmopt.layers.formats describes and reads them):
-AutoAWQ GEMM (`awq`), GPTQ v1 (`gptq`), llm-compressor's `compressed-tensors` and llama.cpp's
-GGUF blocks (`gguf`: one file, assembled by formats/gguf.py's write_file). Pure functions
-from the canonical forms of llmopt.layers.types to (name -> tensor) dicts, plus the
-`quantization_config` entry of config.json."""
+AutoAWQ GEMM (`awq`), GPTQ v1 (`gptq`), llm-compressor's `compressed-tensors` (NVFP4 and MXFP4
+included), llama.cpp's GGUF blocks (`gguf`: one file, assembled by formats/gguf.py's write_file; MXFP4
+too) and transformers' `bitsandbytes` 4-bit (formats/bnb.py). Pure functions from the canonical forms
+of llmopt.layers.types (FP4: llmopt.layers.formats.fp4's stored forms, bitsandbytes' BnbQuantized) to
+(name -> tensor) dicts, plus the `quantization_config` entry of config.json."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import torch
 from llmopt.errors import UserInputError
 from llmopt.layers.formats import FORMATS
 from llmopt.quant.config import act_order_mode
-from llmopt.quant.formats import awq, compressed_tensors, gguf, gptq
+from llmopt.quant.formats import awq, bnb, compressed_tensors, gguf, gptq
 
 # the dtype a format stores scales in: algorithms round their scales to it before choosing codes
-SCALE_DTYPE = {"awq": awq.SCALE_DTYPE, "gptq": gptq.SCALE_DTYPE, "compressed-tensors": None, "gguf": gguf.SCALE_DTYPE}
+SCALE_DTYPE = {"awq": awq.SCALE_DTYPE, "gptq": gptq.SCALE_DTYPE, "compressed-tensors": None, "gguf": gguf.SCALE_DTYPE,
+               "bitsandbytes": None}
 
 
 def pack_linear(prefix: str, qt, fmt: str, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -28,6 +30,8 @@ def pack_linear(prefix: str, qt, fmt: str, dtype: torch.dtype | None = None) -> 
         return compressed_tensors.pack(prefix, qt, dtype)
     if fmt == "gguf":
         return gguf.pack(prefix, qt)
+    if fmt == "bitsandbytes":
+        return bnb.pack(prefix, qt, dtype or torch.float16)
     raise UserInputError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
 
 
@@ -54,4 +58,7 @@ def quantization_config(fmt: str, qconfig=None, *, method: str | None = None, bi
         return compressed_tensors.quantization_config(method, bits, group_size, sym, activations, fp8_scale)
     if fmt == "gguf":   # (the work folder's; the file's metadata says it: formats/gguf.py)
         return {"quant_method": "gguf", "bits": bits, "group_size": group_size, "sym": sym}
+    if fmt == "bitsandbytes":   # (compute dtype: the checkpoint's float dtype, which the pipeline sets as scale_dtype)
+        compute = getattr(qconfig, "scale_dtype", None) or "bfloat16"
+        return bnb.quantization_config("nf4", group_size, True, compute_dtype=compute)
     raise UserInputError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")

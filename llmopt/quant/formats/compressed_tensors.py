@@ -7,10 +7,14 @@ from __future__ import annotations
 import torch
 
 from llmopt.errors import UserInputError
+from llmopt.layers.formats.fp4 import Mxfp4Quantized, Nvfp4Quantized, pack_pairs
 from llmopt.layers.formats.packing import has_trivial_groups, pack_codes
 from llmopt.layers.types import FloatQuantized, Int8Quantized, IntQuantized
 
 CT_VERSION = "0.20.1"   # the compressed-tensors release whose config layout this writes
+# method -> (format, weights strategy, group size, scale_dtype) of compressed-tensors' NVFP4A16 / MXFP4A16
+FP4_SCHEMES = {"nvfp4": ("nvfp4-pack-quantized", "tensor_group", 16, "torch.float8_e4m3fn"),
+               "mxfp4": ("mxfp4-pack-quantized", "group", 32, "torch.uint8")}
 
 
 def _as_packable(qt):
@@ -44,10 +48,25 @@ def pack(prefix: str, qt, dtype: torch.dtype | None = None) -> dict[str, torch.T
             raise UserInputError(f"{prefix}: expected a {want} weight, got {qt.weight.dtype}")
         out[f"{prefix}.weight"] = qt.weight.contiguous()
         out[f"{prefix}.weight_scale"] = qt.weight_scale.to(dtype or qt.weight_scale.dtype).contiguous()
+    elif isinstance(qt, (Nvfp4Quantized, Mxfp4Quantized)):
+        out.update(_pack_fp4(prefix, qt))
     else:
         raise UserInputError(f"{prefix}: compressed-tensors cannot hold {type(qt).__name__}")
     if qt.bias is not None:
         out[f"{prefix}.bias"] = qt.bias.to(dtype or qt.bias.dtype)
+    return out
+
+
+def _pack_fp4(prefix: str, qt) -> dict[str, torch.Tensor]:
+    """nvfp4-pack-quantized: weight_packed uint8 [out, in / 2] (pack_pairs), weight_scale
+    float8_e4m3fn [out, in / 16], weight_global_scale float32 [1]; mxfp4-pack-quantized: the same
+    weight_packed and weight_scale uint8 [out, in / 32] E8M0 exponents."""
+    out = {f"{prefix}.weight_packed": pack_pairs(qt.codes)}
+    if isinstance(qt, Nvfp4Quantized):
+        out[f"{prefix}.weight_scale"] = qt.weight_scale.to(torch.float8_e4m3fn).contiguous()
+        out[f"{prefix}.weight_global_scale"] = qt.global_scale.to(torch.float32).reshape(1).clone()   # (q/k/v share it)
+    else:
+        out[f"{prefix}.weight_scale"] = qt.exponents.to(torch.uint8).contiguous()
     return out
 
 
@@ -70,6 +89,9 @@ def scheme(method: str, bits: int = 4, group_size: int = 128, sym: bool = True, 
         if activations == "dynamic":
             return "int-quantized", _args(8, "int", "channel", None, True), dyn_token("int")
         return "pack-quantized", _args(8, "int", "channel", None, True), None
+    if method in FP4_SCHEMES:   # weight-only (NVFP4A16, MXFP4A16); the scale dtype tells the loaders the scales' type
+        fmt, strategy, block, scale_dtype = FP4_SCHEMES[method]
+        return fmt, dict(_args(4, "float", strategy, block, True), scale_dtype=scale_dtype), None
     strategy = "channel" if group_size == -1 else "group"
     return "pack-quantized", _args(bits, "int", strategy, None if group_size == -1 else group_size, sym), None
 

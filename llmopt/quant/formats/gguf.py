@@ -7,6 +7,9 @@ two blocks with the same numbers): 4-bit asymmetric as Q4_1 (w = q * d + m with 
 are chosen in fp16 (SCALE_DTYPE), so d is exact; Q4_1's m is -z * s rounded to fp16, the one rounding
 of the export (|error| <= 2^-11 |m|, at most 15 * 2^-11 of a quantization step).
 
+MXFP4 (`--method mxfp4`) is written as GGML's MXFP4 blocks, the same numbers (llmopt.layers.formats.fp4:
+mxfp4_to_ggml); its scale rule and rounding are ggml's own (llmopt.quant.fp4, rule `ocp`).
+
 Embeddings and the head are written F16, norms F32, q/k rows in llama.cpp's interleaved RoPE order.
 The metadata: a GGUF source's own (its tokenizer included, file type updated), or for a Hugging Face
 source the config's hyperparameters and its tokenizer (the gguf package's vocabulary readers).
@@ -24,17 +27,21 @@ import torch
 
 from llmopt.errors import UserInputError
 from llmopt.fsutil import apply_umask, temp_path
+from llmopt.layers.formats.fp4 import MXFP4_BLOCK, Mxfp4Quantized, mxfp4_to_ggml
 from llmopt.layers.formats.ggml import BLOCKS
 from llmopt.layers.types import IntQuantized
 from llmopt.models.gguf_weights import ROPE_FREQS, gguf_name, permute_rope
 
 SCALE_DTYPE = torch.float16
 TYPES = {(4, False): "Q4_1", (4, True): "Q4_0", (8, True): "Q8_0"}
-FILE_TYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7}   # llama.cpp's LLAMA_FTYPE_MOSTLY_* (F16: a float work folder)
+# llama.cpp's LLAMA_FTYPE_MOSTLY_* (F16: a float work folder; MXFP4: MOSTLY_MXFP4_MOE, its one MXFP4 file type)
+FILE_TYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "MXFP4": 38}
 
 
-def check(bits: int, sym: bool, group_size: int | None, act_order: str) -> str:
+def check(bits: int, sym: bool, group_size: int | None, act_order: str, method: str = "rtn") -> str:
     """The block type a quantization writes as, or a UserInputError saying what GGUF can hold."""
+    if method == "mxfp4":
+        return "MXFP4"
     kind = TYPES.get((bits, bool(sym)))
     if kind is None or group_size is None or group_size == -1 or group_size % 32 or act_order == "group":
         raise UserInputError("--format gguf holds 4-bit groups (Q4_1 asymmetric, Q4_0 --sym) or 8-bit symmetric "
@@ -45,6 +52,10 @@ def check(bits: int, sym: bool, group_size: int | None, act_order: str) -> str:
 
 def pack(prefix: str, qt: IntQuantized) -> dict[str, torch.Tensor]:
     """{prefix.weight: uint8 [out, in / 32 * block bytes]}: the Linear's rows as GGML blocks."""
+    if isinstance(qt, Mxfp4Quantized):
+        if qt.codes.shape[1] % MXFP4_BLOCK:
+            raise UserInputError(f"{prefix}: {qt.codes.shape[1]} columns do not split into MXFP4 blocks of 32")
+        return {f"{prefix}.weight": mxfp4_to_ggml(qt)}
     kind = TYPES.get((qt.bits, bool(qt.sym)))
     if not isinstance(qt, IntQuantized) or kind is None or qt.g_idx is not None:
         raise UserInputError(f"{prefix}: GGUF holds Q4_0, Q4_1 and Q8_0 group quantization without a g_idx")
