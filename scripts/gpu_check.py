@@ -4,7 +4,8 @@
   2. paged decode attention timed against its memory traffic: GB/s of K/V read, against a measured
      device-to-device copy, and against the reference path on the same batch;
   3. the W4A16 dequantize-GEMM (llmopt.kernels.w4a16, if present) against a dense fp16 matmul, and
-     the built-in GGUF run on it (its blocks repacked) against the CPU kernels;
+     the built-in GGUF run on it (its blocks repacked) against the CPU kernels; the 4-bit float GEMM
+     (llmopt.kernels.fp4_triton: E2M1, NF4, bitsandbytes' FP4) against a float64 product, and timed;
   4. engine tokens/s on SmolLM2-135M (random weights of its shape when the checkpoint is not on the
      machine) against transformers, if llmopt.engine is present.
 A section that fails becomes an ERROR row; the short table is printed last; the exit code is 0 only
@@ -229,6 +230,51 @@ def check_gguf(table: Table, dev) -> None:
     table.add(sec, "one stream, 128 tokens", f"{n / (time.perf_counter() - t):.0f} tok/s (float32)")
 
 
+# -- 3b. 4-bit float weights (llmopt.kernels.fp4_triton) ---------------------------------------------
+FP4_CHECKS = [  # M, table, block, x dtype: K = 576 (tiles of 64), N = 1000 (a masked tile); then K = 1024 (128)
+    (1, "e2m1", 16, torch.bfloat16), (3, "nf4", 64, torch.float16), (4, "bnb_fp4", 32, torch.float32),
+    (16, "e2m1", 32, torch.float32), (64, "nf4", 64, torch.bfloat16), (300, "bnb_fp4", 16, torch.float16),
+    (300, "e2m1", 16, torch.bfloat16), (2, "nf4", 64, torch.bfloat16),
+]
+FP4_BENCH = [("e2m1", 16), ("nf4", 64)]   # NVFP4-like and bitsandbytes-like, on W4A16_SHAPE's K x N
+
+
+def check_fp4(table: Table, dev) -> None:
+    from llmopt.kernels.cpu_quant import pack_int4
+    from llmopt.kernels.fp4_triton import fp4_matmul
+    from llmopt.layers.formats import fp4 as fp4_formats
+    sec = "fp4"
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def weights(n, k, name, block):
+        codes = torch.randint(0, 16, (n, k), device=dev, dtype=torch.uint8, generator=g)
+        scales = torch.rand(n, k // block, device=dev, generator=g) * 0.02 + 0.001
+        return codes, pack_int4(codes), scales, fp4_formats.table(name).to(dev)
+
+    for i, (m, name, block, dt) in enumerate(FP4_CHECKS):
+        n, k = 1000, (576 if i % 2 == 0 else 1024)
+        codes, packed, scales, tab = weights(n, k, name, block)
+        w = (tab.double()[codes.long()].view(n, -1, block) * scales.double()[..., None]).view(n, k)
+        x = torch.randn(m, k, device=dev, generator=g).to(dt)
+        want = x.double() @ w.t()
+        err = ((fp4_matmul(x, packed, scales, block, tab).double() - want).abs().max() / want.abs().max()).item()
+        tol = 1e-5 if dt == torch.float32 else (2e-3 if dt == torch.float16 else 1e-2)
+        table.add(sec, f"{m}x{k}x{n} {name} block {block} {str(dt)[6:]}", f"rel err {err:.1e} against float64 "
+                  f"(tol {tol:.0e})", err <= tol)
+    K, N, _ = W4A16_SHAPE
+    for name, block in FP4_BENCH:
+        codes, packed, scales, tab = weights(N, K, name, block)
+        dense = (tab[codes.long()].view(N, -1, block) * scales[..., None]).view(N, K).half().t().contiguous()
+        del codes
+        wbytes = packed.numel() + scales.numel() * 4
+        for m in W4A16_ROWS:
+            x = torch.randn(m, K, device=dev, dtype=torch.float16, generator=g)
+            t = timed(lambda: fp4_matmul(x, packed, scales, block, tab), dev)
+            t_fp16 = timed(lambda: x @ dense, dev)
+            table.add(sec, f"{m}x{K}x{N} {name} block {block} fp16", f"{t * 1e6:.0f} us ({wbytes / t / 1e9:.0f} GB/s "
+                      f"of weights), fp16 matmul {t_fp16 * 1e6:.0f} us ({t_fp16 / t:.2f}x)")
+
+
 # -- --compile: ahead-of-time compile without a GPU ----------------------------------------------
 FLOAT_SCALARS = {"k_scale", "v_scale", "qk_scale", "eps"}
 QUICK = {"decode bf16 kv_mode=3 split=True", "varlen fp32 kv_mode=0", "varlen bf16 kv_mode=1", "merge", "write_kv u8",
@@ -281,6 +327,15 @@ def variants():
     out.append(("rms_norm bf16", triton_norm._rms_norm_kernel, {"*": "bf16"}, dict(BLOCK=1024)))
     out.append(("rotary bf16", triton_norm._rotary_kernel, {"*": "bf16"},
                 dict(HQ=9, HKV=3, HALF=32, HQ_PAD=16, HKV_PAD=4, HALF_PAD=32)))
+    from llmopt.kernels import fp4_triton   # (4-bit float weights: codes u8, scales and table fp32, fp32 partials)
+    for kind, xdt, block, rows, block_k, split in (("gemm", "fp32", 32, 16, 128, 4), ("gemm", "bf16", 16, 64, 128, 1),
+                                                   ("gemm", "fp16", 64, 32, 64, 2), ("gemv", "bf16", 16, 1, 128, 8),
+                                                   ("gemv", "fp16", 64, 4, 64, 1), ("gemv", "fp32", 32, 2, 128, 4)):
+        ptrs = {"*": xdt, "c_ptr": "u8", "s_ptr": "fp32", "t_ptr": "fp32", "y_ptr": "fp32"}
+        tiles = dict(BLOCK_M=rows) if kind == "gemm" else dict(ROWS=rows)
+        out.append((f"fp4 {kind} {xdt} block={block} rows={rows} block_k={block_k}",
+                    getattr(fp4_triton, f"_{kind}_kernel"), ptrs,
+                    dict(BLOCK=block, BLOCK_N=64, BLOCK_K=block_k, SPLIT_K=split, **tiles)))
     return out
 
 
@@ -336,7 +391,7 @@ def main() -> int:
     table.add("setup", "device", f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}, "
               f"triton {triton.__version__}")
     start = time.time()
-    for section in (check_kernels, bench_decode, bench_w4a16, check_gguf, bench_engine):
+    for section in (check_kernels, bench_decode, bench_w4a16, check_fp4, check_gguf, bench_engine):
         t = time.time()
         try:
             section(table, dev)
