@@ -6,9 +6,9 @@
 // outputs (one store). A block of 8 weight rows (contiguous) serves every row of x from L1 while the
 // next block is prefetched into L2, a cache line per 16 k.
 //
-// Why not the float panels (cpu_quant_tiles.h f32_panels, which the quantized weights keep): they
-// transpose every chunk of the weights into a buffer as it streams from memory, a sixth of a
-// batch-64 decode step of the default model's float32 weights (docs/benchmarks.md).
+// Why not the float panels (cpu_quant_tiles.h f32_panels, which the quantized weights keep, and which
+// float ones take from MAX_ROWS rows): they transpose every chunk of the weights into a buffer as it
+// streams from memory, a cost a few dozen rows of x do not repay (below).
 //
 // Each output's sum order depends on K only (lane l sums k = l, l + 16, ... in order, the tail masked
 // into the lanes it fills, then the same tree for every output): independent of M, N and threads.
@@ -22,6 +22,11 @@ namespace llmopt_cpu_tiles {
 namespace f32dots {
 
 constexpr int MR = 3, NR = 8;
+// Below this many rows of x these kernels beat the panels, whose cost of transposing each weight chunk
+// is shared by every row: the linears of a decode step of the default model's float32 weights, one
+// process alternating both, ran 1.38x / 1.21x / 1.15x / 1.06x faster here at 32 / 40 / 48 / 56 rows,
+// the same at 64 and 0.95x at 80 (0.84x at 256), VNNI, 2026-12-06.
+constexpr int64_t MAX_ROWS = 63;
 
 // 16 weights as floats: float32 as they are, bfloat16 and float16 widened (exact)
 struct WF32 {
