@@ -3,8 +3,9 @@ same run: perplexity and KLD against the base model on WikiText-2 test (eval-ppl
 2,048-token windows, the first --limit-tokens tokens), checkpoint size and quantization time.
 
 Every checkpoint is written in its method's default format (GPTQ v1, AutoAWQ GEMM,
-compressed-tensors) and scored by `llmopt.eval` exactly as `llmopt eval-ppl --base-model` scores it:
-the packed weights go through llmopt's quantized modules, W8A8 rows quantize activations per token.
+compressed-tensors, bitsandbytes for NF4) and scored by `llmopt.eval` exactly as `llmopt eval-ppl
+--base-model` scores it: the packed weights go through llmopt's quantized modules, W8A8 rows
+quantize activations per token.
 Calibration: the defaults (128 windows of 512 tokens of ../shared/data/wikitext-2/wiki.valid.tokens,
 seed 0). With --peer, llm-compressor (scripts/peer_venv.sh builds its own venv, .venv-llmc) runs
 GPTQ W4 g64 sym on the very same calibration windows (written to a file it reads) right after ours,
@@ -51,6 +52,11 @@ def rows(args):
         ("AWQ w4 g%d asym" % g, QuantConfig(method="awq", bits=4, group_size=g, sym=False, **common)),
         ("FP8 W8A8 (per-channel, dynamic)", QuantConfig(method="fp8", **common)),
         ("INT8 W8A8 SmoothQuant 0.5", QuantConfig(method="int8", **common)),
+        ("NVFP4A16 (E2M1, E4M3 scale a 16, global scale)", QuantConfig(method="nvfp4", **common)),
+        ("NVFP4A16 GPTQ (--fp4-algorithm gptq)", QuantConfig(method="nvfp4", fp4_algorithm="gptq", **common)),
+        ("MXFP4A16 (E2M1, E8M0 scale a 32)", QuantConfig(method="mxfp4", **common)),
+        ("MXFP4A16 GPTQ (--fp4-algorithm gptq)", QuantConfig(method="mxfp4", fp4_algorithm="gptq", **common)),
+        ("NF4 (bitsandbytes, blocks of 64, double quantized)", QuantConfig(method="nf4", **common)),
     ]
 
 
