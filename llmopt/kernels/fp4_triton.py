@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llmopt.kernels.w4a16 import sm_count
+
 GEMV_MAX_ROWS = 4
 BLOCKS = (16, 32, 64)
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -103,12 +105,6 @@ def _gemv_kernel(x_ptr, c_ptr, s_ptr, t_ptr, y_ptr, M, N, K, stride_xm, stride_c
     tl.store(y, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8
-
-
 def _check(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: int, table: torch.Tensor) -> None:
     if x.dim() != 2 or x.dtype not in X_DTYPES:
         raise ValueError(f"fp4_matmul: x must be 2-D float16/bfloat16/float32, not {x.dtype} {tuple(x.shape)}")
@@ -139,7 +135,7 @@ def fp4_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block
     N = codes.shape[0]
     x, codes, scales, table = x.contiguous(), codes.contiguous(), scales.contiguous(), table.reshape(16).contiguous()
     use_gemv = M <= GEMV_MAX_ROWS if gemv is None else gemv
-    sms = _sm_count(x.device)
+    sms = sm_count(x.device)
     if use_gemv:
         rows = max(1, triton.next_power_of_2(M))
         block_n = 64

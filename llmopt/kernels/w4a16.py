@@ -92,7 +92,7 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, group_size,
     tl.store(y, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 8
@@ -108,7 +108,7 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         raise ValueError(f"qweight {tuple(qweight.shape)} does not hold {K} {bits}-bit input rows")
     x, qweight, scales, zeros = x.contiguous(), qweight.contiguous(), scales.contiguous(), zeros.contiguous()
     use_gemv = M <= GEMV_MAX_ROWS if gemv is None else gemv
-    sms = _sm_count(x.device)
+    sms = sm_count(x.device)
     if use_gemv:
         rows = max(1, triton.next_power_of_2(M))
         block_n, block_k = 64, max(16, 128 // rows)
