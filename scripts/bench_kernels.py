@@ -16,17 +16,12 @@
   `--matrices` distinct 1536 x 576 weights (streamed from memory where they outgrow the L3), in G
   multiply-adds/s; then `llmopt_cpu::decode_attention` for 64 rows over 200 keys with one distinct cache
   per layer, as a decode step reads them.
-`float-step` (CPU): a decode step's float32 linears of SmolLM2-135M's shapes (30 layers of q/k/v, o,
-  gate/up and down, distinct weights, then the 49,152-row head) for each row count M, through
-  `llmopt_cpu::f32_gemm` with the weights read as stored (cpu_f32_dots.h) against the float panels,
-  switched by `llmopt_cpu::f32_dots_config` and alternating in one process; ms, the best of --reps.
 `w4a16` (CUDA only): every quantized module on CUDA (GPTQ act-order, AutoAWQ GEMM, compressed-tensors
   W4A16, FP8 and INT8 W8A8) against the same module's CPU path; then the Triton W4A16 kernel against a
   bf16 matmul at decode and prefill shapes, in us (median of 50).
 
     python scripts/bench_kernels.py attention --threads 1
     python scripts/bench_kernels.py linears [--rows 1,2,3,4]      # decode and speculative verification rows
-    python scripts/bench_kernels.py float-step [--rows 32,40,48,56,64,80]
     python scripts/bench_kernels.py w4a16 [--json]
 """
 
@@ -269,39 +264,6 @@ def w4a16(args) -> int:
     return 0 if all(r["ok"] for r in result["modules"]) and all(r["rel_err"] < 2e-2 for r in result["kernel"]) else 1
 
 
-def float_step(args) -> None:
-    ops = cpu_quant.ops()
-    if ops is None:
-        raise SystemExit("float-step needs the C++ kernels")
-    torch.manual_seed(0)
-    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]   # fused q/k/v, o, fused gate/up, down
-    layers = [[torch.randn(n, k) for n, k in shapes] for _ in range(30)]
-    head = torch.randn(49152, 576)
-    before = ops.f32_dots_config(-1)
-    try:
-        for m in [int(r) for r in args.rows.split(",")]:
-            xs = {k: torch.randn(m, k) for k in (576, 1536)}
-
-            def step():
-                for ws in layers:
-                    for w in ws:
-                        ops.f32_gemm(xs[w.shape[1]], w)
-                ops.f32_gemm(xs[576], head)
-
-            best = {"as stored": float("inf"), "panels": float("inf")}
-            for _ in range(args.reps):
-                for name, rows in (("as stored", 1 << 20), ("panels", 0)):
-                    ops.f32_dots_config(rows)
-                    t = time.perf_counter()
-                    step()
-                    best[name] = min(best[name], time.perf_counter() - t)
-            print(json.dumps({"rows": m, "as_stored_ms": round(best["as stored"] * 1e3, 1),
-                              "panels_ms": round(best["panels"] * 1e3, 1),
-                              "ratio": round(best["panels"] / best["as stored"], 2)}), flush=True)
-    finally:
-        ops.f32_dots_config(before)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="mode", required=True)
@@ -315,13 +277,10 @@ def main() -> int:
     p.add_argument("--rows", default="1,16,64", help="comma-separated M")
     p.add_argument("--matrices", type=int, default=48)
     p.add_argument("--group-size", type=int, default=64)
-    p = sub.add_parser("float-step", help="a decode step's float32 linears: weights as stored against the panels")
-    p.add_argument("--rows", default="32,40,48,56,64,80", help="comma-separated M")
-    p.add_argument("--reps", type=int, default=6)
     p = sub.add_parser("w4a16", help="the quantized modules and the Triton W4A16 kernel on CUDA")
     p.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    return {"attention": attention, "linears": linears, "float-step": float_step, "w4a16": w4a16}[args.mode](args) or 0
+    return {"attention": attention, "linears": linears, "w4a16": w4a16}[args.mode](args) or 0
 
 
 if __name__ == "__main__":

@@ -8,9 +8,8 @@
 // Why: at batch 1 the Python layer costs ~100 small ops (~13 ms of a 23 ms int8 step on this CPU);
 // here the layer is one call, its linears are the tiles and panels of cpu_quant_tiles.h and
 // cpu_idot_tiles.h (float32, bfloat16, float16, int8, int4, 5- and 6-bit, fp8 weights decoded in the loop;
-// bfloat16 ones by AMX or AVX-512 BF16 for many rows, cpu_bf16_panels.h; float ones for many rows with
-// AVX-512 read as stored, cpu_f32_dots.h; see `linear` for which runs when) and the elementwise work runs
-// in place on small buffers.
+// bfloat16 ones by AMX or AVX-512 BF16 for many rows, cpu_bf16_panels.h; see `linear` for which runs
+// when) and the elementwise work runs in place on small buffers.
 //
 // Arithmetic follows llmopt/models/llama.py in float32 (sums in another order: results agree within
 // float32 rounding, as tests/engine/test_cpu_decode.py checks against the Python path).
@@ -51,7 +50,6 @@ KScales k_scales(const at::Tensor& t, int64_t N, int64_t G, const char* what);
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")
 #include "cpu_bf16_panels.h"
 #pragma GCC pop_options
-#include "cpu_f32_dots.h"
 
 namespace {
 
@@ -133,8 +131,6 @@ int64_t panel_rows = 5;           // with VNNI, int8-activation linears of this 
 int64_t f32_panel_rows = 32;      // float linears of this many rows take the float panels
 bool use_bf16dot = false;   // ... and bfloat16 ones AVX-512 BF16 dot products there (tiles_config), or
 bool use_amx = false;       // AMX tiles
-int64_t f32_dots_max_rows = f32dots::MAX_ROWS;   // float linears of f32_panel_rows up to this many rows read
-                                                // their weights as stored (cpu_f32_dots.h; 0: the panels)
 
 struct Lin {
     int64_t kind, N, K, gs;
@@ -154,28 +150,24 @@ struct Scratch {   // per-call buffers of the linears
 // sums of x, made in xsum), the float panels for many (which decode the zero points into the weight)
 void float_linear(Args a, int64_t kind, const uint8_t* w, std::vector<float>& xsum) {
     const bool panels = a.M >= f32_panel_rows;
-    const bool dots = panels && f32_avx512 && a.M <= f32_dots_max_rows;   // float weights, read as stored
     if (has_zero(a) && !panels) {
         group_sums(a.x, a.M, a.K, a.gs, xsum);
         a.xsum = xsum.data();
     }
     switch (kind) {
         case KF32:
-            if (dots) f32dots::run<f32dots::WF32>(a, w);
-            else if (panels) f32_panels(a, SrcF32{reinterpret_cast<const float*>(w)});
+            if (panels) f32_panels(a, SrcF32{reinterpret_cast<const float*>(w)});
             else if (a.M <= f32_stream_rows) f32_rows<F32>(a, w);
             else run(a, Fn8<F32>{w});
             break;
         case KBF16:
             if (panels && use_bf16dot && a.K % 2 == 0) bf16dot::run(a, w, use_amx);
-            else if (dots) f32dots::run<f32dots::WBF16>(a, w);
             else if (panels) f32_panels(a, SrcQ8<BF16>{w});
             else if (a.M <= f32_stream_rows) f32_rows<BF16>(a, w);
             else run(a, Fn8<BF16>{w});
             break;
         case KF16:
-            if (dots) f32dots::run<f32dots::WF16>(a, w);
-            else if (panels) f32_panels(a, SrcQ8<F16>{w});
+            if (panels) f32_panels(a, SrcQ8<F16>{w});
             else if (a.M <= f32_stream_rows) f32_rows<F16>(a, w);
             else run(a, Fn8<F16>{w});
             break;
@@ -1208,16 +1200,6 @@ at::Tensor f32_gemm(const at::Tensor& x, const at::Tensor& w) {
     return y;
 }
 
-// The float linears' many-row kernel: with AVX-512, from f32_panel_rows to max_rows rows of x the weights
-// read as stored (cpu_f32_dots.h), past it the float panels (0: always the panels; -1: keep). Returns
-// the setting before.
-int64_t f32_dots_config(int64_t max_rows) {
-    TORCH_CHECK(max_rows >= -1, "max_rows must be >= -1");
-    const int64_t before = f32_dots_max_rows;
-    if (max_rows >= 0) f32_dots_max_rows = max_rows;
-    return before;
-}
-
 // y = x @ W^T for 4-bit float codes: codes uint8 [N, K / 2] in the int4 layout, scales float32 [N, K / gs];
 // kind 8 FP4 E2M1, 9 NF4, 10 bitsandbytes' FP4 (the decode layer's linears of those checkpoints)
 at::Tensor fp4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t gs, int64_t kind) {
@@ -1294,7 +1276,6 @@ TORCH_LIBRARY_FRAGMENT(llmopt_cpu, m) {
     m.def("kivi_convert(Tensor key_cache, Tensor value_cache, Tensor(a!) key_pages, Tensor(b!) value_pages, "
           "Tensor residual_ids, Tensor page_ids) -> ()");
     m.impl("kivi_convert", c10::DispatchKey::CPU, TORCH_FN(kivi_convert));
-    m.def("f32_dots_config(int max_rows=-1) -> int", TORCH_FN(f32_dots_config));   // no tensors: a catch-all kernel
     m.def("f32_gemm(Tensor x, Tensor w) -> Tensor");
     m.impl("f32_gemm", c10::DispatchKey::CPU, TORCH_FN(f32_gemm));
     m.def("fp4_gemm(Tensor x, Tensor codes, Tensor scales, int gs, int kind) -> Tensor");

@@ -30,7 +30,7 @@ from llmopt import defaults
 log = logging.getLogger("llmopt.kernels")
 SOURCE = Path(__file__).with_name("cpu_quant.cpp")
 SOURCES = (SOURCE, SOURCE.with_name("cpu_decode.cpp"))   # one library: the GEMMs and the fused decode layer
-HEADERS = tuple(SOURCE.with_name(h) for h in ("cpu_quant_tiles.h", "cpu_idot_tiles.h", "cpu_bf16_panels.h", "cpu_f32_dots.h"))
+HEADERS = tuple(SOURCE.with_name(h) for h in ("cpu_quant_tiles.h", "cpu_idot_tiles.h", "cpu_bf16_panels.h"))
 ROWS_PER_SLICE = 4096   # fallback: rows of a weight dequantized at once
 
 

@@ -565,8 +565,7 @@ void run(const Args& a0, Fn fn) {
 }
 
 // Float GEMM for many rows (the decode layer's linears with float activations and the float head at
-// M >= f32_panel_rows; float weights with AVX-512 take cpu_f32_dots.h instead): y[M, N] (row stride
-// ldy) = x[M, K] @ W[N, K]^T. Panels of 16 output columns:
+// M >= f32_panel_rows): y[M, N] (row stride ldy) = x[M, K] @ W[N, K]^T. Panels of 16 output columns:
 // a K-chunk of the panel's 16 weight rows (quantized ones decoded to floats first) is transposed
 // into a per-thread buffer (16 floats per k, two ymm), then 6 rows of x at a time take 12
 // accumulators (BLIS's 6 x 16 register block: per k, 2 loads, 6 broadcasts, 12 FMAs). Each output

@@ -129,29 +129,23 @@ def test_float_rows_streamed_or_tiled_give_the_same_bits(ops, k):
         ops.tiles_config(-1, 0, 0, defaults.CPU_F32_STREAM_MAX_ROWS)
 
 
-@pytest.mark.parametrize("dots", [True, False], ids=["as-stored", "panels"])
-def test_float32_many_rows_within_rounding_and_the_same_bits_at_any_tiling(ops, dots):
-    """f32_gemm from f32_panel_rows (32) rows up, with the weights read as stored (cpu_f32_dots.h, AVX-512)
-    or the float panels (f32_dots_config): within float32 rounding of a float64 product for widths off
-    the 16-column vectors and weight rows off the 8-row blocks; each row's output the same bits at
-    any row count (3-row tiles and their 1- and 2-row tails), and each output column's for any slice
-    of the weight's rows (fused q/k/v and gate/up)."""
+def test_float32_many_rows_within_rounding_and_the_same_bits_at_any_tiling(ops):
+    """f32_gemm from f32_panel_rows (32) rows up (the float panels): within float32 rounding of a
+    float64 product for widths off the 8-column vectors and weight rows off the 16-row panels; each
+    row's output the same bits at any row count, and each output column's for any slice of the
+    weight's rows (fused q/k/v and gate/up)."""
     g = torch.Generator().manual_seed(32)
-    before = ops.f32_dots_config(1 << 20 if dots else 0)
-    try:
-        for n, k in ((1, 8), (7, 40), (9, 200), (193, 576), (40, 1544)):
-            w = torch.randn(n, k, generator=g)
-            x = torch.randn(70, k, generator=g)
-            full = ops.f32_gemm(x, w)
-            ref = x.double() @ w.double().t()
-            bound = 1e-6 * (x.double().abs() @ w.double().abs().t()) + 1e-7
-            assert bool(((full.double() - ref).abs() <= bound).all()), (n, k)
-            for m in (32, 33, 34, 64):
-                assert torch.equal(ops.f32_gemm(x[:m].contiguous(), w), full[:m]), (n, k, m)
-            if n > 3:
-                assert torch.equal(ops.f32_gemm(x, w[3:].contiguous()), full[:, 3:]), (n, k)
-    finally:
-        ops.f32_dots_config(before)
+    for n, k in ((1, 8), (7, 40), (9, 200), (193, 576), (40, 1544)):
+        w = torch.randn(n, k, generator=g)
+        x = torch.randn(70, k, generator=g)
+        full = ops.f32_gemm(x, w)
+        ref = x.double() @ w.double().t()
+        bound = 1e-6 * (x.double().abs() @ w.double().abs().t()) + 1e-7
+        assert bool(((full.double() - ref).abs() <= bound).all()), (n, k)
+        for m in (32, 33, 34, 64):
+            assert torch.equal(ops.f32_gemm(x[:m].contiguous(), w), full[:m]), (n, k, m)
+        if n > 3:
+            assert torch.equal(ops.f32_gemm(x, w[3:].contiguous()), full[:, 3:]), (n, k)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -187,20 +181,19 @@ def test_bfloat16_panels_take_bfloat16_products_where_the_cpu_has_them(ops):
         for n, k in ((1, 8), (49, 200), (193, 40), (64, 576), (40, 1544)):
             w = torch.randn(n, k, generator=g).bfloat16()
             x = torch.randn(70, k, generator=g)
+            ops.tiles_config(-1, 0, 0, -1, 0)
+            exact = ops.f32_gemm(x, w)
+            ops.tiles_config(-1, 0, 0, -1, 1)
             for m in (32, 33, 70):
-                ops.tiles_config(-1, 0, 0, -1, 0)
-                exact = ops.f32_gemm(x[:m].contiguous(), w)
-                ops.tiles_config(-1, 0, 0, -1, 1)
                 y = ops.f32_gemm(x[:m].contiguous(), w)
-                rows = x if m >= 64 else x[:63].contiguous()   # (float32 products: another kernel from 64 rows)
-                assert torch.equal(y, ops.f32_gemm(rows, w)[:m]), (n, k, m)   # a row's bits, whatever M
+                assert torch.equal(y, ops.f32_gemm(x, w)[:m]), (n, k, m)   # a row's bits, whatever M
                 if not has:
-                    assert torch.equal(y, exact)
+                    assert torch.equal(y, exact[:m])
                     continue
                 xb = x[:m].bfloat16().double()
                 ref = xb @ w.double().t()
                 bound = 1e-6 * (xb.abs() @ w.double().abs().t()) + 1e-7
                 assert bool(((y.double() - ref).abs() <= bound).all()), (n, k, m)
-                assert not torch.equal(y, exact)   # the rounding of x is real
+                assert not torch.equal(y, exact[:m])   # the rounding of x is real
     finally:
         ops.tiles_config(-1, 0, 0, -1, int(defaults.CPU_BF16_DOT_PRODUCTS))
