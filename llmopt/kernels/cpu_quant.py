@@ -180,7 +180,9 @@ def unpack(kind: str, packed: torch.Tensor) -> torch.Tensor:
 
 
 # -- the entry points -----------------------------------------------------------------------------
-def _sliced(x: torch.Tensor, n: int, dequant) -> torch.Tensor:
+def sliced_matmul(x: torch.Tensor, n: int, dequant) -> torch.Tensor:
+    """x @ W^T for W [n, K] made by dequant(a, b) (its rows a..b) a slice of ROWS_PER_SLICE rows at a
+    time: the fallback that never holds the whole float weight."""
     y = x.new_empty((x.shape[0], n))
     for r in range(0, n, ROWS_PER_SLICE):
         w = dequant(r, min(n, r + ROWS_PER_SLICE))
@@ -254,7 +256,7 @@ def w8_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, szeros: 
     o = _kernel(x)
     if o is not None:
         return o.w8_gemm(x, codes, scales, szeros, gs)
-    return _sliced(x, codes.shape[0], lambda a, b: grouped_weight(codes[a:b], scales[a:b], _rows(szeros, a, b), gs))
+    return sliced_matmul(x, codes.shape[0], lambda a, b: grouped_weight(codes[a:b], scales[a:b], _rows(szeros, a, b), gs))
 
 
 def w4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, szeros: torch.Tensor, gs: int):
@@ -262,7 +264,7 @@ def w4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, szeros:
     o = _kernel(x)
     if o is not None:
         return o.w4_gemm(x, packed, scales, szeros, gs)
-    return _sliced(x, packed.shape[0], lambda a, b: grouped_weight(unpack_int4(packed[a:b]), scales[a:b],
+    return sliced_matmul(x, packed.shape[0], lambda a, b: grouped_weight(unpack_int4(packed[a:b]), scales[a:b],
                                                              _rows(szeros, a, b), gs))
 
 
@@ -271,7 +273,7 @@ def wh_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, szeros:
     o = _kernel(x)
     if o is not None:
         return o.wh_gemm(x, packed, scales, szeros, gs, bits)
-    return _sliced(x, packed.shape[0], lambda a, b: grouped_weight(unpack_hb(packed[a:b], bits), scales[a:b],
+    return sliced_matmul(x, packed.shape[0], lambda a, b: grouped_weight(unpack_hb(packed[a:b], bits), scales[a:b],
                                                              _rows(szeros, a, b), gs))
 
 
@@ -291,7 +293,7 @@ def f8_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor):
     if o is not None:
         return o.f8_gemm(x, codes, scales)
     s = scales.reshape(-1, 1)
-    return _sliced(x, codes.shape[0], lambda a, b: codes[a:b].view(torch.float8_e4m3fn).float()
+    return sliced_matmul(x, codes.shape[0], lambda a, b: codes[a:b].view(torch.float8_e4m3fn).float()
                    * (s[a:b] if s.shape[0] > 1 else s))
 
 

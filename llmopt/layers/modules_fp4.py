@@ -20,7 +20,6 @@ bitsandbytes' is llmopt.layers.modules_bnb.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from llmopt.errors import ModelLoadError
 from llmopt.kernels import cpu_quant
@@ -56,8 +55,9 @@ class Fp4Linear(QuantLinear):
 
     def runtime(self) -> Fp4Quantized:
         """The loaded weight as an Fp4Quantized (codes one a byte)."""
-        codes = cpu_quant.unpack_int4(self.codes) if self.nibbles else self.codes
-        return Fp4Quantized(codes, self.scales, self.table_name, self.block, self.bias)
+        q = self._rows(0, self.out_features)
+        q.bias = self.bias
+        return q
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight [out, in] (a new tensor each call: tests and references, never the forward)."""
@@ -68,14 +68,13 @@ class Fp4Linear(QuantLinear):
             y = cpu_quant.fp4_gemm(x2, self.codes, self.scales, self.block, self.table_name)
             if y is not None:
                 return y
-        y = x2.new_empty((x2.shape[0], self.out_features))
-        for r in range(0, self.out_features, cpu_quant.ROWS_PER_SLICE):
-            rows = slice(r, min(self.out_features, r + cpu_quant.ROWS_PER_SLICE))
-            codes = self.codes[rows]
-            q = Fp4Quantized(cpu_quant.unpack_int4(codes) if self.nibbles else codes, self.scales[rows],
-                             self.table_name, self.block)
-            y[:, rows] = F.linear(x2, q.dequantize(x2.dtype))
-        return y
+        return cpu_quant.sliced_matmul(x2, self.out_features, lambda a, b: self._rows(a, b).dequantize(x2.dtype))
+
+    def _rows(self, a: int, b: int) -> Fp4Quantized:
+        """Rows a..b of the loaded weight as an Fp4Quantized (codes one a byte)."""
+        codes = self.codes[a:b]
+        return Fp4Quantized(cpu_quant.unpack_int4(codes) if self.nibbles else codes, self.scales[a:b],
+                            self.table_name, self.block)
 
     def _triton_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """y [..., out] in x's dtype through llmopt.kernels.fp4_triton (the codes decoded inside a Triton

@@ -64,11 +64,11 @@ class Fp4Quantized:
     def out_features(self) -> int:
         return self.codes.shape[0]
 
-    def dequantize(self, dtype: torch.dtype = torch.float32, rows: slice = slice(None)) -> torch.Tensor:
-        """The float weight (rows `rows` of it), computed in float32 (one product a value)."""
-        c = self.codes[rows]
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight, computed in float32 (one product a value)."""
+        c = self.codes
         v = table(self.table_name).to(c.device)[c.long()]
-        s = self.scales[rows].to(torch.float32)
+        s = self.scales.to(torch.float32)
         w = v.view(c.shape[0], -1, self.block) * s[..., None]
         return w.view(c.shape).to(dtype)
 
