@@ -56,6 +56,10 @@ def rows(args):
         ("NVFP4A16 GPTQ (--fp4-algorithm gptq)", QuantConfig(method="nvfp4", fp4_algorithm="gptq", **common)),
         ("MXFP4A16 (E2M1, E8M0 scale a 32)", QuantConfig(method="mxfp4", **common)),
         ("MXFP4A16 GPTQ (--fp4-algorithm gptq)", QuantConfig(method="mxfp4", fp4_algorithm="gptq", **common)),
+        ("NVFP4 W4A4 (FP4 activations, --activations dynamic)",
+         QuantConfig(method="nvfp4", activations="dynamic", **common)),
+        ("MXFP4 W4A4 (FP4 activations, --activations dynamic)",
+         QuantConfig(method="mxfp4", activations="dynamic", **common)),
         ("NF4 (bitsandbytes, blocks of 64, double quantized)", QuantConfig(method="nf4", **common)),
     ]
 

@@ -95,7 +95,9 @@ def quantize(
     awq_duo_scaling: bool = typer.Option(None, "--awq-duo-scaling/--no-awq-duo-scaling",
                                          help="AWQ scales x^a / w^(1-a) (AutoAWQ's default) instead of x^a."),
     fp8_scale: str = typer.Option(None, "--fp8-scale", help="FP8 weight scales: channel (default) or tensor."),
-    activations: str = typer.Option(None, "--activations", help="fp8/int8: dynamic (W8A8, default) or none (weight-only)."),
+    activations: str = typer.Option(None, "--activations", help="fp8/int8: dynamic (W8A8, default) or none (weight-only); "
+                                    "nvfp4/mxfp4: none (W4A16, default) or dynamic (W4A4: FP4 activations per "
+                                    "block, NVFP4's global scale calibrated; compressed-tensors' NVFP4 / MXFP4)."),
     fp4_algorithm: str = typer.Option(None, "--fp4-algorithm", help="nvfp4/mxfp4: rtn (round to nearest, default) or "
                                       "gptq (GPTQ's error feedback over the calibration data, as llm-compressor)."),
     recipe: str = typer.Option(None, "--recipe", help="YAML file whose keys mirror these flags; flags override it."),

@@ -9,7 +9,8 @@ in the base dtype, as AutoAWQ / GPTQ / llm-compressor checkpoints keep them):
 - int4 (group size g): 4-bit codes + per group an fp16 scale and a 4-bit zero point (AutoAWQ's
   GEMM layout: qweight and qzeros packed 8 per int32, scales fp16).
 - nvfp4: 4-bit E2M1 codes + an E4M3 byte per 16 + a float32 global scale per Linear (compressed-tensors
-  nvfp4-pack-quantized); mxfp4: 4-bit codes + an E8M0 byte per 32 (compressed-tensors or GGUF MXFP4,
+  nvfp4-pack-quantized; a W4A4 checkpoint's `input_global_scale`, another float32 per Linear, is
+  counted from its config); mxfp4: 4-bit codes + an E8M0 byte per 32 (compressed-tensors or GGUF MXFP4,
   17 bytes a block); nf4: bitsandbytes with double quantization: 4-bit codes + an 8-bit absmax code per
   64 (or --group-size) + a float32 absmax per 256 of those blocks, + the 16- and 256-entry float32 maps
   per Linear (its quant_state JSON, ~200 bytes, aside).
@@ -84,6 +85,12 @@ def _auto_format(arch: ModelArch) -> tuple[str, int]:
     if method:
         raise UserInputError(f"{arch.name}: quantization method {method!r} is not modelled; pass --weight-format")
     return arch.weight_dtype if arch.weight_dtype in FLOAT_FORMATS else "bfloat16", 0
+
+
+def _fp4_activations(arch: ModelArch) -> bool:
+    """Whether a compressed-tensors FP4 checkpoint quantizes its activations too (W4A4)."""
+    groups = ((arch.quantization_config or {}).get("config_groups") or {}).values()
+    return any(isinstance(g, dict) and g.get("input_activations") for g in groups)
 
 
 def _shard(p: Param, arch: ModelArch, tp: int) -> tuple[int, ...]:
@@ -212,9 +219,11 @@ def weight_memory(arch: ModelArch, fmt: str = "auto", group_size: int | None = N
         kinds = sorted({t.dtype for t in tensors})
         return WeightMemory("auto (" + "/".join(kinds) + ")", "file", count_params(arch),
                             sum(t.nbytes for t in tensors), sum(_file_rank_bytes(t, arch, tp) for t in tensors), by)
+    input_scale = 0   # bytes a Linear for its activations' global scale (W4A4 NVFP4, held on the CPU too)
     if fmt == "auto":
         fmt, g = _auto_format(arch)
         group = g or (FP4_BLOCKS.get(fmt, group) if group_size is None else group)
+        input_scale = 4 if fmt == "nvfp4" and _fp4_activations(arch) else 0
     known = (fmt in FLOAT_FORMATS or fmt in ("fp8", "fp8-block", "int8", "int4") or fmt in FP4_BLOCKS
              or fmt.upper() in ggml_type_names())
     if not known:
@@ -236,10 +245,11 @@ def weight_memory(arch: ModelArch, fmt: str = "auto", group_size: int | None = N
     for p in model_params(arch):
         # the int8 table: the head, or with a tied head the embedding it shares
         q_head = int8_head and p.group == ("embed" if arch.tie_word_embeddings else "head")
-        b = param_bytes(p, p.shape, fmt, group, base, cpu, q_head)
+        b = param_bytes(p, p.shape, fmt, group, base, cpu, q_head) + (input_scale if p.is_linear else 0)
         by[p.group] = by.get(p.group, 0) + b
         total += b
-        rank += param_bytes(p, _shard(p, arch, tp), fmt, group, base, cpu, q_head) if tp > 1 else b
+        rank += (param_bytes(p, _shard(p, arch, tp), fmt, group, base, cpu, q_head)
+                 + (input_scale if p.is_linear else 0)) if tp > 1 else b
         n += p.numel
     label = (f"int4 (group {group})" if fmt == "int4" else fmt) + (", int8 head" if int8_head else "")
     return WeightMemory(label, "config", n, total, rank, by)

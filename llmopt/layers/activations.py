@@ -1,13 +1,26 @@
-"""W8A8's activation quantization, per token, dynamic and symmetric, as vLLM computes it: the one
-definition that the runtime modules (`layers/modules_w8a8.py`) run and that calibration's error
-report (`quant/layerwise.py`) simulates as dequantize(quantize(x)).
+"""Activation quantization: the one definition that the runtime modules run and that calibration's
+error report (`quant/layerwise.py`) simulates as dequantize(quantize(x)).
 
+W8A8 (`layers/modules_w8a8.py`), per token, dynamic and symmetric, as vLLM computes it:
   fp8:  s = max(amax|x| / 448, 1 / (448 * 512)),  codes = fp8_e4m3(clamp(x / s, ±448))
   int8: s = amax|x| / 127 (an all-zero row: 1),   codes = clamp(round(x / s), -128, 127)
 Scales are float32 [rows, 1]; x is [..., K] with tokens along the leading dims.
+
+W4A4 (`layers/modules_fp4.py`), per row and block of consecutive columns, dynamic, as
+compressed-tensors' fake quantization computes it (its NVFP4 and MXFP4 presets' input_activations),
+emulated: x' = E2M1(clamp(x / s, ±6)) * s, E2M1 rounding half to even, s per block from its amax
+(computed in x's dtype, as theirs):
+  nvfp4 (blocks of 16, a static float32 global scale g): s = E4M3(clamp(g * (amax / 6), ±448)) / g,
+        a zero E4M3 scale 0.125 / g; x / s and the product in float32;
+  mxfp4 (blocks of 32): s = 2 ** (clamp(floor(log2 amax') - 2 + 127, 0, 255) - 127) in x's dtype
+        (a zero there: 1), amax' amax rounded up to the next power of two when its significand is >=
+        1.75 (a subnormal one: to x's smallest normal from 0.75 of it, else to 0); x / s and the
+        product in x's dtype.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -16,6 +29,9 @@ from llmopt.errors import UserInputError
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)   # 448
 FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)                 # vLLM's floor for a per-token fp8 scale
 KINDS = ("fp8", "int8")
+FP4_KINDS = {"nvfp4": 16, "mxfp4": 32}   # W4A4 activations -> block size
+_E2M1_MIDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)   # between consecutive E2M1 magnitudes
+_E2M1_MAGS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 def quantize_tokens_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,3 +62,37 @@ def dequantize_tokens(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 def fake_quantize_tokens(x: torch.Tensor, kind: str) -> torch.Tensor:
     """What a W8A8 Linear does to its input, in x's dtype: dequantize(quantize(x))."""
     return dequantize_tokens(*quantize_tokens(x, kind), x.dtype)
+
+
+def round_e2m1(y: torch.Tensor) -> torch.Tensor:
+    """The E2M1 value nearest to clamp(y, ±6), ties to even, in y's dtype; a negative y rounding to 0
+    gives -0.0 (compressed-tensors' cast_to_fp4)."""
+    a = y.abs().clamp(max=6.0).float()
+    mids = torch.tensor(_E2M1_MIDS, device=y.device)
+    idx = torch.bucketize(a, mids)                    # a == mids[i] gives i, the smaller magnitude
+    at_mid = (idx < len(_E2M1_MIDS)) & (a == mids[idx.clamp(max=len(_E2M1_MIDS) - 1)])
+    v = torch.tensor(_E2M1_MAGS, device=y.device)[idx + (at_mid & (idx % 2 == 1)).long()]
+    return torch.where(y < 0, -v, v).to(y.dtype)
+
+
+def fake_quantize_fp4(x: torch.Tensor, kind: str, global_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """What a W4A4 Linear does to its input x [..., K] (K a multiple of the block), in x's dtype:
+    dequantize(quantize(x)) by the module docstring's rules; `global_scale` (float32 [1]): nvfp4's."""
+    if kind not in FP4_KINDS:
+        raise UserInputError(f"unknown FP4 activation format {kind!r}: use {' or '.join(FP4_KINDS)}")
+    b = x.unflatten(-1, (-1, FP4_KINDS[kind]))
+    amax = b.abs().amax(-1, keepdim=True)
+    if kind == "nvfp4":
+        g = global_scale.to(torch.float32).reshape(1)
+        s = (g * (amax / 6.0)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+        s = torch.where(s == 0, 0.125, s) / g
+        return (round_e2m1(b / s) * s).flatten(-2).to(x.dtype)
+    a = amax.float()
+    m, e = torch.frexp(a)                              # a = m * 2 ** e, m in [0.5, 1)
+    e = e - 1 + (m >= 0.875).to(e.dtype)               # floor(log2 amax')
+    tiny = torch.finfo(x.dtype).tiny                   # amax subnormal in x's dtype: amax' is tiny or 0
+    low = torch.where(a >= 0.75 * tiny, math.frexp(tiny)[1] - 1, -(1 << 16)).to(e.dtype)
+    e = (torch.where(a < tiny, low, e) - 2 + 127).clamp(0, 255)
+    s = torch.ldexp(torch.ones_like(a), e - 127).to(x.dtype)
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    return (round_e2m1(b / s) * s).flatten(-2)

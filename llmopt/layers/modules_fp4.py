@@ -12,6 +12,9 @@ frees the checkpoint's tensors:
 
 The forward dequantizes a slice of rows at a time (never the whole weight) and multiplies; on CUDA
 (nibbles, triton installed) llmopt.kernels.fp4_triton decodes the codes inside a Triton GEMM instead.
+A W4A4 layer (`act_kind` nvfp4 / mxfp4: compressed-tensors' NVFP4 and MXFP4 schemes) first
+quantizes its input to FP4 and back (llmopt.layers.activations.fake_quantize_fp4, emulation: the
+same GEMMs then run on the dequantized activations); the C++ decode layer declines such layers.
 
 Subclasses here: CTFp4Linear (compressed-tensors NVFP4 / MXFP4) and GGUFMxfp4Linear (GGUF MXFP4);
 bitsandbytes' is llmopt.layers.modules_bnb.
@@ -23,6 +26,7 @@ import torch
 
 from llmopt.errors import ModelLoadError
 from llmopt.kernels import cpu_quant
+from llmopt.layers.activations import fake_quantize_fp4
 from llmopt.layers.formats import compressed_tensors
 from llmopt.layers.formats.fp4 import GGML_MXFP4_BYTES, MXFP4_BLOCK, Fp4Quantized, mxfp4_from_ggml, table
 from llmopt.layers.modules import QuantLinear
@@ -36,6 +40,7 @@ class Fp4Linear(QuantLinear):
         self.table_name, self.block = table_name, block
         self.nibbles = False   # codes held as pack_int4 nibbles (else a byte a code)
         self._table: torch.Tensor | None = None   # the code set's 16 values on the device of the Triton path
+        self.act_kind: str | None = None   # W4A4: the input's FP4 format (nvfp4 / mxfp4), else None
 
     def canonical(self) -> Fp4Quantized:
         raise NotImplementedError
@@ -46,8 +51,11 @@ class Fp4Linear(QuantLinear):
         if q.codes.shape != (self.out_features, self.in_features) or q.block != self.block:
             raise ValueError(f"{type(self).__name__}: codes {tuple(q.codes.shape)} / block {q.block} do not match "
                              f"the layer's [{self.out_features}, {self.in_features}] / block {self.block}")
+        input_scale = self._buffers.get("input_global_scale")
         for name in list(self._buffers):
             del self._buffers[name]
+        if input_scale is not None:
+            self.register_buffer("input_global_scale", input_scale.to(torch.float32).reshape(1), persistent=False)
         self.nibbles = self.in_features % 64 == 0
         codes = cpu_quant.pack_int4(q.codes) if self.nibbles else q.codes.to(torch.uint8).contiguous()
         self.register_buffer("codes", codes, persistent=False)
@@ -92,7 +100,14 @@ class Fp4Linear(QuantLinear):
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
+        """x as the layer's matmul reads it: FP4 and back for W4A4, else x itself."""
+        if self.act_kind is None:
+            return x
+        return fake_quantize_fp4(x, self.act_kind, getattr(self, "input_global_scale", None))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.quantize_input(x)
         if x.is_cuda:
             y = self._triton_forward(x)
             if y is not None:
@@ -100,15 +115,18 @@ class Fp4Linear(QuantLinear):
         return cpu_quant.linear_2d(x, self._matmul, self.out_features, self.bias)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", table={self.table_name}, block={self.block}"
+        acts = f", activations={self.act_kind}" if self.act_kind else ""
+        return super().extra_repr() + f", table={self.table_name}, block={self.block}{acts}"
 
 
 class CTFp4Linear(Fp4Linear):
     """compressed-tensors nvfp4-pack-quantized (weight_packed uint8 [out, in / 2], weight_scale
     float8_e4m3fn [out, in / 16], weight_global_scale float32 [1]) or mxfp4-pack-quantized (the same
-    weight_packed, weight_scale uint8 [out, in / 32]): llmopt.layers.formats.compressed_tensors."""
+    weight_packed, weight_scale uint8 [out, in / 32]): llmopt.layers.formats.compressed_tensors.
+    `activations` True: W4A4 (NVFP4 adds input_global_scale float32 [1], the activations' static
+    global scale)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, fmt: str) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, fmt: str, activations: bool = False) -> None:
         block = compressed_tensors.FP4_FORMATS[fmt]
         if in_features % block:
             raise ModelLoadError(f"a {fmt} layer of {out_features}x{in_features}: {in_features} columns are not "
@@ -121,6 +139,10 @@ class CTFp4Linear(Fp4Linear):
         self._declare("weight_scale", (out_features, in_features // block), scale_dtype)
         if nvfp4:
             self._declare("weight_global_scale", (1,), torch.float32)
+        if activations:
+            self.act_kind = "nvfp4" if nvfp4 else "mxfp4"
+            if nvfp4:
+                self._declare("input_global_scale", (1,), torch.float32)
 
     def canonical(self) -> Fp4Quantized:
         t = {n: b for n, b in self._buffers.items() if b is not None}

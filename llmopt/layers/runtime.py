@@ -6,7 +6,8 @@ Which modules, per format:
 - gptq: every Linear except lm_head (unless `lm_head: true`); `dynamic` entries `-:regex` skip
         modules, `+:regex` (or a bare regex) override bits / group_size / sym / desc_act for them;
 - compressed-tensors: Linears matched by a config group's `targets` (`Linear`, an exact name or
-  `re:regex`) and not by `ignore` (nvfp4- / mxfp4-pack-quantized weight-only groups: CTFp4Linear);
+  `re:regex`) and not by `ignore` (nvfp4- / mxfp4-pack-quantized groups, weight-only or with the
+  NVFP4 / MXFP4 presets' FP4 activations: CTFp4Linear);
 - bitsandbytes (4-bit): every Linear but lm_head when `llm_int8_skip_modules` is null, else every
   Linear no listed name matches (transformers' rule: llmopt.layers.formats.bnb.converts).
 """
@@ -115,11 +116,11 @@ def ct_group_for(qcfg: dict, name: str, mod: nn.Module | None = None) -> dict | 
 def ct_module(group: dict, dims: tuple, name: str):
     fmt, w = group.get("format"), group.get("weights") or {}
     acts = "dynamic" if group.get("input_activations") else "none"
+    if fmt in compressed_tensors.FP4_FORMATS:
+        return _ct_fp4(fmt, group, dims, name)
     if group.get("input_activations") and not group["input_activations"].get("dynamic", False):
         raise ModelLoadError(f"{name}: static activation scales are not supported: llmopt runs dynamic W8A8")
     strategy = w.get("strategy")
-    if fmt in compressed_tensors.FP4_FORMATS:
-        return _ct_fp4(fmt, group, dims, name)
     if fmt == "pack-quantized":
         gs = int(w["group_size"]) if strategy == "group" else -1
         if strategy not in ("group", "channel"):
@@ -136,19 +137,21 @@ def ct_module(group: dict, dims: tuple, name: str):
 
 
 def _ct_fp4(fmt: str, group: dict, dims: tuple, name: str) -> CTFp4Linear:
-    """An NVFP4A16 / MXFP4A16 group's Linear; activations quantized to FP4 (W4A4) are refused: the
-    engine runs float activations."""
-    w = group.get("weights") or {}
-    if group.get("input_activations"):
-        raise ModelLoadError(f"{name}: {fmt} with quantized input activations (W4A4) is not supported: llmopt runs "
-                             "FP4 weights with float activations (NVFP4A16, MXFP4A16)")
+    """An NVFP4A16 / MXFP4A16 group's Linear, or with input_activations exactly those of
+    compressed-tensors' NVFP4 / MXFP4 presets (W4A4: FP4 activations, per block, dynamic) its W4A4 one."""
+    w, acts = group.get("weights") or {}, group.get("input_activations")
+    nvfp4 = fmt == "nvfp4-pack-quantized"
     want = {"type": "float", "num_bits": 4, "group_size": compressed_tensors.FP4_FORMATS[fmt], "symmetric": True,
-            "strategy": "tensor_group" if fmt == "nvfp4-pack-quantized" else "group"}
-    got = {k: w.get(k, True if k == "symmetric" else None) for k in want}
-    odd = {k: v for k, v in got.items() if v != want[k]}
-    if odd:
-        raise ModelLoadError(f"{name}: {fmt} weights with {odd} are not supported (want {want})")
-    return CTFp4Linear(*dims, fmt=fmt)
+            "strategy": "tensor_group" if nvfp4 else "group"}
+    checks = [("weights", w, want)]
+    if acts:   # NVFP4: per-16 E4M3 scales at run time under a static global scale ("local"); MXFP4: per-32 E8M0
+        checks.append(("input activations", acts, dict(want, dynamic="local" if nvfp4 else True)))
+    for what, args, want_args in checks:
+        got = {k: args.get(k, True if k == "symmetric" else None) for k in want_args}
+        odd = {k: v for k, v in got.items() if v != want_args[k]}
+        if odd:
+            raise ModelLoadError(f"{name}: {fmt} {what} with {odd} are not supported (want {want_args})")
+    return CTFp4Linear(*dims, fmt=fmt, activations=bool(acts))
 
 
 # -- at load time: --quantization int8|fp8 and the int8 LM head ------------------------------------

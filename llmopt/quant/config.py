@@ -18,7 +18,7 @@ DEFAULT_FORMAT = {"awq": "awq", "gptq": "gptq", "rtn": "compressed-tensors", "fp
 # (nf4's is --group-size, default defaults.NF4_BLOCK)
 FP4_METHODS = {"nvfp4": ("compressed-tensors", "dequantized"), "mxfp4": ("compressed-tensors", "gguf", "dequantized"),
                "nf4": ("bitsandbytes", "dequantized")}
-FP4_BLOCKS = {"nvfp4": 16, "mxfp4": 32}
+FP4_BLOCKS = {"nvfp4": 16, "mxfp4": 32}   # (also the methods with FP4 activations: --activations dynamic, W4A4)
 FP4_ALGORITHMS = ("rtn", "gptq")
 
 
@@ -54,7 +54,8 @@ class QuantConfig:
     awq_search_tokens: int = defaults.AWQ_SEARCH_TOKENS
     error_tokens: int = defaults.QUANT_ERROR_TOKENS   # calibration tokens the per-layer error is measured on
     fp8_scale: str = "channel"         # channel | tensor
-    activations: str | None = None     # fp8/int8: dynamic (W8A8, the default) | none (weight-only); FP4: none
+    activations: str | None = None     # fp8/int8: dynamic (W8A8, the default) | none (weight-only); nvfp4/mxfp4:
+    #                                    none (the default) | dynamic (W4A4); nf4: none
     fp4_algorithm: str | None = None   # nvfp4/mxfp4: rtn (default) | gptq (error feedback, calibrated)
     dtype: str = "auto"                # unquantized tensors: auto = checkpoint's 16-bit dtype, else float16
     scale_dtype: str | None = None     # set by the pipeline: the dtype the format stores scales in
@@ -130,7 +131,7 @@ class QuantConfig:
         if s.fp8_scale not in ("channel", "tensor"):
             raise UserInputError(f"--fp8-scale {s.fp8_scale!r}: use channel or tensor")
         if s.activations not in ("dynamic", "none"):
-            raise UserInputError(f"--activations {s.activations!r}: use dynamic (W8A8) or none (weight-only)")
+            raise UserInputError(f"--activations {s.activations!r}: use dynamic (W8A8, W4A4) or none (weight-only)")
         if s.seq_len < 2:
             raise UserInputError(f"--seq-len {s.seq_len}: use at least 2 tokens per calibration window")
         return s
@@ -138,24 +139,29 @@ class QuantConfig:
     @property
     def needs_calibration(self) -> bool:
         """Whether the method looks at activations beyond the error report."""
-        return (self.method in ("awq", "gptq") or (self.method == "int8" and self.activations == "dynamic")
+        return (self.method in ("awq", "gptq") or (self.method in ("int8", "nvfp4") and self.activations == "dynamic")
                 or self.fp4_algorithm == "gptq")
 
 
 def _resolve_fp4(s: QuantConfig) -> None:
-    """nvfp4 / mxfp4 / nf4: 4-bit symmetric float codes, weight-only, in the formats that hold them;
-    the block size is the format's (nf4: --group-size, default 64); fills in the defaults."""
+    """nvfp4 / mxfp4 / nf4: 4-bit symmetric float codes in the formats that hold them, weight-only by
+    default; nvfp4 and mxfp4 with --activations dynamic quantize the activations to FP4 too (W4A4,
+    compressed-tensors' NVFP4 / MXFP4 schemes); the block size is the format's (nf4: --group-size,
+    default 64); fills in the defaults."""
     m = s.method
     if s.bits not in (None, 4):
         raise UserInputError(f"--method {m} is 4-bit: drop --bits or use --bits 4")
     if s.sym is False:
         raise UserInputError(f"--method {m} is symmetric (float codes, no zero points): drop --asym")
-    if s.activations not in (None, "none"):
-        raise UserInputError(f"--method {m} quantizes weights only (llmopt's engine runs float activations; W4A4 "
-                             "NVFP4 would need FP4 activation kernels): drop --activations or use none")
     fmt = s.format or DEFAULT_FORMAT[m]
     if fmt in FORMATS and fmt not in FP4_METHODS[m]:
         raise UserInputError(f"--method {m} is written as --format {' or '.join(FP4_METHODS[m])}, not {fmt}")
+    if s.activations == "dynamic" and m not in FP4_BLOCKS:
+        raise UserInputError(f"--method {m} quantizes weights only (bitsandbytes has no activation quantization): "
+                             "drop --activations or use none")
+    if s.activations == "dynamic" and fmt == "gguf":
+        raise UserInputError("--format gguf holds MXFP4 weights only: drop --activations or use --format "
+                             "compressed-tensors (W4A4)")
     if m in FP4_BLOCKS:
         if s.group_size not in (None, FP4_BLOCKS[m]):
             raise UserInputError(f"--method {m} has blocks of {FP4_BLOCKS[m]} by definition: drop --group-size")
@@ -168,7 +174,7 @@ def _resolve_fp4(s: QuantConfig) -> None:
             raise UserInputError("--fp4-algorithm applies to --method nvfp4 and mxfp4 (nf4 is bitsandbytes' "
                                  "round to nearest)")
         s.group_size = defaults.NF4_BLOCK if s.group_size is None else s.group_size
-    s.bits, s.sym, s.activations = 4, True, "none"
+    s.bits, s.sym, s.activations = 4, True, s.activations or "none"
 
 
 @dataclass

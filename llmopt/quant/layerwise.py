@@ -5,7 +5,11 @@ reconstruction error: ||y_q − y||² / ||y − x||² on the first calibration s
 layer's output, y_q the quantized one's, x its input: the error relative to what the layer adds).
 Propagation follows each method's reference: GPTQ, RTN, FP8 and the 4-bit float methods (NVFP4,
 MXFP4 by round to nearest or GPTQ, bitsandbytes NF4) pass on the quantized layer's output; AWQ (as
-AutoAWQ) and SmoothQuant pass on the float output.
+AutoAWQ) and SmoothQuant pass on the float output. With quantized activations (W8A8, W4A4) the
+error and that output include them (the runtime's fake quantization on each Linear's input); W4A4
+NVFP4 calibrates each Linear's static input global scale, 448 * 6 / amax of its inputs over the
+calibration windows, as llm-compressor's static min/max observer (those inputs as the quantized
+layer computes them, the Linears before it quantized, activations included).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from llmopt import defaults
 from llmopt.layers import fp8, int8
 from llmopt.layers.formats.bnb import BnbQuantized
 from llmopt.quant import awq, fp4, gptq, nf4, rtn, smoothquant
-from llmopt.layers.activations import fake_quantize_tokens
+from llmopt.layers.activations import fake_quantize_fp4, fake_quantize_tokens
 from llmopt.quant.config import QuantConfig
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -87,15 +91,11 @@ def quantize_layer(layer: nn.Module, x: torch.Tensor, err_samples: int, ctx: Lay
     ex = x[:err_samples]
     y_ref = ctx.forward(layer, ex)
     quantized, next_x = METHODS[qconfig.method](layer, x, ctx, qconfig)
-    handles = []
-    if qconfig.method in ("fp8", "int8") and qconfig.activations == "dynamic":
-        # the arithmetic the runtime modules run (layers/modules_w8a8.py), as dequantize(quantize(x))
-        handles = [layer.get_submodule(n).register_forward_pre_hook(
-            lambda _m, a: (fake_quantize_tokens(a[0], qconfig.method),)) for n in LINEARS]
+    handles = input_quantizers(layer, quantized, qconfig, LINEARS)
     try:
         # GPTQ passes on the quantized layer's output: its first samples are y_q
         gptq_like = qconfig.method == "gptq" or qconfig.fp4_algorithm == "gptq"
-        y_q = next_x[:ex.shape[0]] if gptq_like else ctx.forward(layer, ex)
+        y_q = next_x[:ex.shape[0]] if gptq_like and next_x is not None else ctx.forward(layer, ex)
         if next_x is None:
             next_x = y_q if ex.shape[0] == x.shape[0] else ctx.forward(layer, x)
     finally:
@@ -104,6 +104,21 @@ def quantize_layer(layer: nn.Module, x: torch.Tensor, err_samples: int, ctx: Lay
     denom = float((y_ref - ex).double().pow(2).sum())
     err = float((y_q - y_ref).double().pow(2).sum()) / max(denom, 1e-30)
     return LayerOutcome(quantized, next_x, err)
+
+
+def input_quantizers(layer: nn.Module, quantized: dict, qconfig: QuantConfig, names) -> list:
+    """Forward pre-hooks on the Linears `names` that quantize their inputs as the runtime modules do
+    (layers/modules_w8a8.py, layers/modules_fp4.py), as dequantize(quantize(x)); none without
+    quantized activations. The caller removes them."""
+    if qconfig.activations != "dynamic" or qconfig.method not in ("fp8", "int8", "nvfp4", "mxfp4"):
+        return []
+    def hook(n):
+        if qconfig.method in ("fp8", "int8"):
+            return lambda _m, a: (fake_quantize_tokens(a[0], qconfig.method),)
+        g = getattr(quantized[n], "input_global_scale", None)   # (nvfp4's; mxfp4 has none)
+        return lambda _m, a: (fake_quantize_fp4(a[0], qconfig.method, g),)
+
+    return [layer.get_submodule(n).register_forward_pre_hook(hook(n)) for n in names]
 
 
 def _linear(layer, name) -> nn.Linear:
@@ -212,16 +227,45 @@ FUSED_GROUPS = (LINEARS[:3], LINEARS[3:4], LINEARS[4:6], LINEARS[6:])
 
 
 def _fp4(layer, x, ctx, qconfig):
-    """NVFP4 / MXFP4: GPTQ (the `_gptq` pass with FP4 grids) or round to nearest, per fused group."""
+    """NVFP4 / MXFP4: GPTQ (the `_gptq` pass with FP4 grids) or round to nearest, per fused group;
+    W4A4 NVFP4 then calibrates the input global scales. With FP4 activations the output for the next
+    layer is left to quantize_layer (which quantizes the activations)."""
     if qconfig.fp4_algorithm == "gptq":
-        return _gptq(layer, x, ctx, qconfig)
-    out = {}
-    for names in FUSED_GROUPS:
-        lins = [_linear(layer, n) for n in names]
-        w = torch.cat([lin.weight for lin in lins])
-        res = fp4.quantize_rtn(w, fp4.grid_for(qconfig.method, qconfig.format, w))
-        out.update(_split_fp4(lins, names, res))
+        out, next_x = _gptq(layer, x, ctx, qconfig)
+    else:
+        out, next_x = {}, None
+        for names in FUSED_GROUPS:
+            lins = [_linear(layer, n) for n in names]
+            w = torch.cat([lin.weight for lin in lins])
+            res = fp4.quantize_rtn(w, fp4.grid_for(qconfig.method, qconfig.format, w))
+            out.update(_split_fp4(lins, names, res))
+    if qconfig.activations != "dynamic":
+        return out, next_x
+    if qconfig.method == "nvfp4":
+        _input_global_scales(layer, x, ctx, qconfig, out)
     return out, None
+
+
+def _input_global_scales(layer, x, ctx, qconfig, out) -> None:
+    """Each Linear's input_global_scale (set on its Nvfp4Quantized in `out`): 448 * 6 / amax of its
+    inputs over all of x, the layer run with its weights quantized and the inputs of the Linears
+    before it quantized (whose scales are fixed first, in FUSED_GROUPS' order; the Linears of a
+    group read one input, so they share the scale)."""
+    done: list[str] = []
+    for names in FUSED_GROUPS:
+        first = _linear(layer, names[0])
+        handles = input_quantizers(layer, out, qconfig, done)
+        amax = torch.zeros((), dtype=torch.float32)
+        try:
+            for xb in batches(x):
+                a = input_of(first, lambda xb=xb: layer(xb, ctx.cos, ctx.sin, ctx.attn))
+                amax = torch.maximum(amax, a.detach().abs().amax().to(torch.float32))
+        finally:
+            for h in handles:
+                h.remove()
+        for n in names:
+            out[n].input_global_scale = fp4.nvfp4_global_scale(amax)
+        done.extend(names)
 
 
 def _nf4(layer, x, ctx, qconfig):

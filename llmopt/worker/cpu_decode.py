@@ -58,7 +58,7 @@ def linear_spec(lin) -> tuple | None:
         kind, gs = lin._cpu
         perm = _EMPTY if lin.cpu_perm is None else lin.cpu_perm.long().contiguous()
         return (cpu_quant.KINDS[kind][1], lin.cpu_codes, lin.cpu_scales, lin.cpu_szeros, bias, perm, gs)
-    if isinstance(lin, Fp4Linear) and lin.nibbles:
+    if isinstance(lin, Fp4Linear) and lin.nibbles and lin.act_kind is None:   # (W4A4: the Python layer quantizes x)
         return (cpu_quant.FP4_KINDS[lin.table_name], lin.codes, lin.scales, _EMPTY, bias, _EMPTY, lin.block)
     if type(lin) is W8Linear and lin.activations != "dynamic" and not lin.weight.is_meta:
         s, k = _f32(lin.weight_scale).reshape(-1), lin.in_features

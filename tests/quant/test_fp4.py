@@ -275,7 +275,7 @@ def test_gptq_fp4(kind, act_order):
 # -- refusals -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kw,fragment", [
     (dict(method="nvfp4", format="gguf"), "compressed-tensors or dequantized, not gguf"),
-    (dict(method="nvfp4", activations="dynamic"), "weights only"),
+    (dict(method="nf4", activations="dynamic"), "weights only"),
     (dict(method="nvfp4", bits=8), "4-bit"),
     (dict(method="mxfp4", group_size=16), "blocks of 32"),
     (dict(method="mxfp4", sym=False), "symmetric"),
@@ -303,12 +303,13 @@ def test_fp4_defaults():
     assert QuantConfig(method="fp8").resolved().activations == "dynamic"
 
 
-def test_w4a4_and_odd_groups_are_load_errors():
+def test_odd_activations_and_groups_are_load_errors():
+    """(W4A4's accepted activations: tests/quant/test_fp4_w4a4.py.)"""
     group = quantization_config("compressed-tensors", method="nvfp4")["config_groups"]["group_0"]
     assert type(ct_module(group, (64, 32, False), "x")).__name__ == "CTFp4Linear"
-    acts = dict(group, input_activations={"num_bits": 4, "type": "float", "strategy": "tensor_group",
-                                          "group_size": 16, "dynamic": "local", "symmetric": True})
-    with pytest.raises(ModelLoadError, match="W4A4"):
+    acts = dict(group, input_activations={"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True,
+                                          "symmetric": True})
+    with pytest.raises(ModelLoadError, match="input activations"):
         ct_module(acts, (64, 32, False), "x")
     with pytest.raises(ModelLoadError, match="group_size"):
         ct_module(dict(group, weights=dict(group["weights"], group_size=32)), (64, 32, False), "x")

@@ -87,12 +87,14 @@ class Nvfp4Quantized:
     codes:        [out, in] uint8 E2M1 codes (TABLES["e2m1"] order: bit 3 the sign).
     weight_scale: [out, in // 16] torch.float8_e4m3fn, each block's scale times global_scale.
     global_scale: [1] float32, 448 * 6 / amax of the tensor (llm-compressor's generate_gparam).
+    input_global_scale: W4A4 only, [1] float32, 448 * 6 / amax of the Linear's calibration inputs.
     """
 
     codes: torch.Tensor
     weight_scale: torch.Tensor
     global_scale: torch.Tensor
     bias: torch.Tensor | None = None
+    input_global_scale: torch.Tensor | None = None
     block = NVFP4_BLOCK
 
     def as_fp4(self) -> Fp4Quantized:

@@ -37,10 +37,10 @@ def pack_linear(prefix: str, qt, fmt: str, dtype: torch.dtype | None = None) -> 
 
 def quantization_config(fmt: str, qconfig=None, *, method: str | None = None, bits: int | None = None,
                         group_size: int = 128, sym: bool = True, act_order: bool = False,
-                        activations: str = "dynamic", fp8_scale: str = "channel", damp: float | None = None) -> dict:
+                        activations: str | None = None, fp8_scale: str = "channel", damp: float | None = None) -> dict:
     """The config.json `quantization_config` entry, as the peer tool writes it. Either pass a
     QuantConfig-like `qconfig` (method, bits, group_size, sym, act_order, activations, fp8_scale, damp)
-    or the keywords."""
+    or the keywords (`activations` None: the method's default, compressed_tensors.scheme)."""
     if qconfig is not None:
         method, bits, group_size, sym = qconfig.method, qconfig.bits, qconfig.group_size, bool(qconfig.sym)
         act_order = act_order_mode(getattr(qconfig, "act_order", False)) == "group"   # static keeps g_idx trivial

@@ -15,6 +15,9 @@ CT_VERSION = "0.20.1"   # the compressed-tensors release whose config layout thi
 # method -> (format, weights strategy, group size, scale_dtype) of compressed-tensors' NVFP4A16 / MXFP4A16
 FP4_SCHEMES = {"nvfp4": ("nvfp4-pack-quantized", "tensor_group", 16, "torch.float8_e4m3fn"),
                "mxfp4": ("mxfp4-pack-quantized", "group", 32, "torch.uint8")}
+# method -> (dynamic, extra fields) of the input_activations of their W4A4 presets NVFP4 / MXFP4 (the rest as the
+# weights'): NVFP4's per-16 scales at run time under a static global scale ("local") calibrated by min/max
+FP4_INPUTS = {"nvfp4": ("local", {"observer": "static_minmax"}), "mxfp4": (True, {})}
 
 
 def _as_packable(qt):
@@ -59,12 +62,15 @@ def pack(prefix: str, qt, dtype: torch.dtype | None = None) -> dict[str, torch.T
 
 def _pack_fp4(prefix: str, qt) -> dict[str, torch.Tensor]:
     """nvfp4-pack-quantized: weight_packed uint8 [out, in / 2] (pack_pairs), weight_scale
-    float8_e4m3fn [out, in / 16], weight_global_scale float32 [1]; mxfp4-pack-quantized: the same
-    weight_packed and weight_scale uint8 [out, in / 32] E8M0 exponents."""
+    float8_e4m3fn [out, in / 16], weight_global_scale float32 [1] (W4A4: input_global_scale float32
+    [1] too); mxfp4-pack-quantized: the same weight_packed and weight_scale uint8 [out, in / 32] E8M0
+    exponents."""
     out = {f"{prefix}.weight_packed": pack_pairs(qt.codes)}
     if isinstance(qt, Nvfp4Quantized):
         out[f"{prefix}.weight_scale"] = qt.weight_scale.to(torch.float8_e4m3fn).contiguous()
         out[f"{prefix}.weight_global_scale"] = qt.global_scale.to(torch.float32).reshape(1).clone()   # (q/k/v share it)
+        if qt.input_global_scale is not None:
+            out[f"{prefix}.input_global_scale"] = qt.input_global_scale.to(torch.float32).reshape(1).clone()
     else:
         out[f"{prefix}.weight_scale"] = qt.exponents.to(torch.uint8).contiguous()
     return out
@@ -76,9 +82,12 @@ def _args(num_bits: int, type_: str, strategy: str, group_size: int | None, symm
             "symmetric": symmetric, "type": type_}
 
 
-def scheme(method: str, bits: int = 4, group_size: int = 128, sym: bool = True, activations: str = "dynamic",
+def scheme(method: str, bits: int = 4, group_size: int = 128, sym: bool = True, activations: str | None = None,
            fp8_scale: str = "channel") -> tuple[str, dict, dict | None]:
-    """(format, weights args, input_activations args) for one of our methods."""
+    """(format, weights args, input_activations args) for one of our methods; `activations` None: the
+    method's default (dynamic for fp8 / int8, none for nvfp4 / mxfp4)."""
+    if activations is None:
+        activations = "none" if method in FP4_SCHEMES else "dynamic"
     dyn_token = lambda type_: _args(8, type_, "token", None, True, dynamic=True)  # noqa: E731
     if method == "fp8":
         weights = _args(8, "float", fp8_scale, None, True)
@@ -89,15 +98,19 @@ def scheme(method: str, bits: int = 4, group_size: int = 128, sym: bool = True, 
         if activations == "dynamic":
             return "int-quantized", _args(8, "int", "channel", None, True), dyn_token("int")
         return "pack-quantized", _args(8, "int", "channel", None, True), None
-    if method in FP4_SCHEMES:   # weight-only (NVFP4A16, MXFP4A16); the scale dtype tells the loaders the scales' type
+    if method in FP4_SCHEMES:   # NVFP4A16, MXFP4A16, or W4A4 NVFP4, MXFP4; the scale dtype tells the loaders the scales' type
         fmt, strategy, block, scale_dtype = FP4_SCHEMES[method]
-        return fmt, dict(_args(4, "float", strategy, block, True), scale_dtype=scale_dtype), None
+        weights = dict(_args(4, "float", strategy, block, True), scale_dtype=scale_dtype)
+        if activations != "dynamic":
+            return fmt, weights, None
+        dynamic, extra = FP4_INPUTS[method]
+        return fmt, weights, dict(weights, dynamic=dynamic, **extra)
     strategy = "channel" if group_size == -1 else "group"
     return "pack-quantized", _args(bits, "int", strategy, None if group_size == -1 else group_size, sym), None
 
 
 def quantization_config(method: str, bits: int = 4, group_size: int = 128, sym: bool = True,
-                        activations: str = "dynamic", fp8_scale: str = "channel",
+                        activations: str | None = None, fp8_scale: str = "channel",
                         ignore: list[str] | None = None) -> dict:
     """The config.json entry llm-compressor writes (ModelCompressor.update_config)."""
     fmt, weights, inputs = scheme(method, bits, group_size, sym, activations, fp8_scale)
