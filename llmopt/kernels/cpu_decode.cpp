@@ -58,9 +58,12 @@ using namespace llmopt_cpu_tiles;
 enum Kind : int64_t { KF32 = 0, KW8 = 1, KW4 = 2, KF8 = 3, KBF16 = 4, KF16 = 5, KW5 = 6, KW6 = 7,
                       KE2M1 = 8, KNF4 = 9, KFP4B = 10 };   // the last three: 4-bit codes into a table (N4)
 
-// grouped integer codes (int8, int4, 5- and 6-bit: cpu_quant.cpp's layouts) and their bits
+// grouped integer codes (int8, int4, 5- and 6-bit: cpu_quant.cpp's layouts) and their bits (E2M1
+// codes: E2M1_BITS, the integer kernels' name for them)
 inline bool is_grouped(int64_t kind) { return kind == KW8 || kind == KW4 || kind == KW5 || kind == KW6; }
-inline int code_bits(int64_t kind) { return kind == KW4 ? 4 : kind == KW5 ? 5 : kind == KW6 ? 6 : 8; }
+inline int code_bits(int64_t kind) {
+    return kind == KW4 ? 4 : kind == KW5 ? 5 : kind == KW6 ? 6 : kind == KE2M1 ? E2M1_BITS : 8;
+}
 
 // 4-bit float codes (FP4 E2M1, NF4, bitsandbytes' FP4) in the int4 layout, a float32 scale a block
 inline bool is_fp4(int64_t kind) { return kind == KE2M1 || kind == KNF4 || kind == KFP4B; }
@@ -207,7 +210,7 @@ void float_linear(Args a, int64_t kind, const uint8_t* w, std::vector<float>& xs
 }
 
 // y[m, 0:N] (row stride ldy) = x[m] @ W^T (+ bias) for M rows of x [M, K]; int8_act: quantized
-// int8 / int4 weights take the integer tiles with x quantized per 32 columns
+// int8 / int4 / 5- and 6-bit / E2M1 weights take the integer tiles with x quantized per 32 columns
 void linear(const Lin& l, const float* x, int64_t M, float* y, int64_t ldy, bool int8_act, Scratch& t) {
     const float* xp = x;
     if (l.perm.defined()) {   // act-order: the columns sorted by group at load, x gathered to match
@@ -231,8 +234,10 @@ void linear(const Lin& l, const float* x, int64_t M, float* y, int64_t ldy, bool
     // int8 activations: the integer panels (VNNI) or tiles; without VNNI, from f32_panel_rows rows the
     // float panels (float activations) beat the AVX2 integer tiles
     if (int8_act && l.idot && (use_vnni || M < f32_panel_rows)) {
-        const bool halves = l.gs == QB / 2;   // half-block sums (the panels'; 5- and 6-bit codes' zero code)
+        const bool halves = l.gs == QB / 2;   // half-block sums (the tiles' for 5- and 6-bit codes' zero code)
         quantize_x(xp, M, l.K, l.gs, t.q, t.d, t.bsum, t.xsum, halves ? &t.hsum : nullptr);
+        if (l.kind == KE2M1)   // the codes are 2v (cpu_idot_tiles.h): dx / 2, exact
+            for (float& d : t.d) d *= 0.5f;
         QX qx{t.q.data(), t.d.data(), t.bsum.data(), halves ? t.hsum.data() : nullptr};
         a.sz = sz;
         if (has_zero(a)) a.xsum = t.xsum.data();
@@ -926,11 +931,11 @@ Lin make_lin(int64_t kind, const at::Tensor& w, const at::Tensor& s, const at::T
                     "szeros must be [N, K / group_size], of the scales' dtype");
         l.sz = sz;
     }
-    // the integer tiles and panels: groups of 32 or more; groups of 16 (Q6_K) on signed codes without a
-    // zero point (int8 ones; 5- and 6-bit ones with their zero code taken off: each half of a 32-column
-    // block summed apart)
-    const bool sgn = (kind == KW8 && l.zc == 0.f) || (hb && zero_code_off(l.zc, bits) != 0);
-    if (is_grouped(kind) &&
+    // the integer tiles and panels: groups of 32 or more; groups of 16 (Q6_K, NVFP4) on signed codes
+    // without a zero point (int8 ones; 5- and 6-bit ones with their zero code taken off; E2M1's 2v:
+    // each half of a 32-column block summed apart). NF4 and bitsandbytes' FP4 levels are no integers.
+    const bool sgn = (kind == KW8 && l.zc == 0.f) || (hb && zero_code_off(l.zc, bits) != 0) || kind == KE2M1;
+    if ((is_grouped(kind) || kind == KE2M1) &&
         (gs % QB == 0 || (gs == QB / 2 && kind != KW4 && sgn && !l.sz.defined() && l.kz.p == nullptr))) {
         l.idot = true;
         if (kind == KW8 && scan) {
@@ -957,7 +962,7 @@ Lin make_lin(int64_t kind, const at::Tensor& w, const at::Tensor& s, const at::T
 struct DecodeLayer : torch::CustomClassHolder {
     int64_t H, Hq, Hkv, D, I, window;
     double eps, scale;
-    bool int8_act = false;   // integer dot products for int8 / int4 weights (set_int8_activations)
+    bool int8_act = false;   // integer dot products for integer and E2M1 weights (set_int8_activations)
     at::Tensor ln1, ln2, qn, kn;
     std::vector<Lin> groups[4];   // q/k/v, o, gate/up, down: each the linears of one input
 
@@ -1216,12 +1221,13 @@ at::Tensor fp4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tens
 }
 
 // y = quantize_x(x) @ W^T through the integer tiles: kind 1 int8 codes [N, K] (no -128), kind 2 the
-// int4 layout [N, K / 2], 6 and 7 the 5- and 6-bit one (HB); what the decode layer's linears compute with int8 activations (tests)
+// int4 layout [N, K / 2], 6 and 7 the 5- and 6-bit one (HB), 8 FP4 E2M1 codes in the int4 layout
+// (float32 scales [N, K / gs]); what the decode layer's linears compute with int8 activations (tests)
 // (checked: the caller knows int8 codes hold no -128, e.g. the int8 LM head; else every call scans them)
 at::Tensor idot_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& szeros,
                      int64_t gs, int64_t kind, bool checked) {
     check_f32(x, "x");
-    TORCH_CHECK(is_grouped(kind), "kind must be 1 (int8), 2 (int4), 6 (5-bit) or 7 (6-bit)");
+    TORCH_CHECK(is_grouped(kind) || kind == KE2M1, "kind must be 1 (int8), 2 (int4), 6 (5-bit), 7 (6-bit) or 8 (E2M1)");
     const at::Tensor none;
     Lin l = make_lin(kind, w, scales, szeros, none, none, gs, !checked);
     TORCH_CHECK(l.idot, "int8 codes must be in [-127, 127] and the group size a multiple of 32 (16 without a zero point)");

@@ -12,6 +12,12 @@
 // maddubs + madd, 16 ymm registers) and, under `#pragma GCC target` for AVX-512 VNNI, in namespace
 // vnni (one vpdpbusd on ymm, 32 registers), picked at run time. Every int32 sum is exact in both
 // (maddubs cannot saturate: |codes| <= 127, |xq| <= 127), so both give the same floats bit for bit.
+//
+// FP4 E2M1 codes (NVFP4, MXFP4; the int4 layout, `bits` E2M1_BITS) take the same kernels, as
+// llama.cpp's MXFP4 dot product does: twice an E2M1 value is an integer in [-12, 12], one vpshufb
+// of a code's nibble away (e2m1_twice), and these 2v are signed int8 codes. The caller halves each
+// dx (linear() in cpu_decode.cpp: exact, a power of two), so block scale x dx_b x (2v . xq)_b is the
+// block's dot product and the sums stay exact int32.
 #ifndef LLMOPT_IDOT_PRELUDE
 #define LLMOPT_IDOT_PRELUDE
 #include <immintrin.h>
@@ -25,6 +31,12 @@
 namespace llmopt_cpu_tiles {
 
 constexpr int64_t QB = 32;   // activation block
+constexpr int E2M1_BITS = -4;   // run_tiles / run_panels' `bits` for FP4 E2M1 codes (the int4 layout)
+
+// E2M1 code -> 2 x its value as int8 (bit 3 the sign; -0 is 0), the vpshufb table of each 128-bit lane
+inline __m256i e2m1_twice() {
+    return _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12));
+}
 
 struct QX {
     const int8_t* q;    // [M, K]
@@ -139,16 +151,19 @@ inline __m256i totals8(const __m256i (&v)[8]) {
 // [-127, 127] through the sign trick (|x| x sign(w, x)); 5- and 6-bit codes (P = 1, 2 high bits:
 // HB<P>) decoded to bytes per block (hb_codes), unsigned as int4's; their implied zero code `off`
 // (then no zero-point term) comes off each block's exact total as off x sum(xq), the same int32
-// as the signed codes' sum.
-template <int MT, bool HALVES, int P>   // HALVES: groups of 16 (Q6_K's; no zero point): each block's
+// as the signed codes' sum. P = -1: E2M1 codes in the int4 layout, each nibble made its signed 2v
+// (e2m1_twice) and multiplied through the sign trick as int8 codes are.
+template <int MT, bool HALVES, int P>   // HALVES: groups of 16 (Q6_K's, NVFP4's; no zero point): each block's
 inline void itile(const Args& a, const QX& qx, const uint8_t* w, bool int4, int64_t n0, int64_t nr, int64_t m0,
                   const float* sp, const float* zp, int off) {   // sp, zp: row n0's float32 scales, scaled zeros (or null)
     // halves end a group each (a template argument: the usual path keeps no branch for it)
     constexpr bool halves = HALVES;
-    const int64_t K = a.K, nb = K / QB, bpg = halves ? 1 : a.gs / QB, rowb = P ? HB<P>::rowb(K) : int4 ? K / 2 : K;
+    const int64_t K = a.K, nb = K / QB, bpg = halves ? 1 : a.gs / QB;
+    int64_t rowb = int4 || P < 0 ? K / 2 : K;
+    if constexpr (P > 0) rowb = HB<P>::rowb(K);
     const uint8_t* row[8];
     for (int r = 0; r < 8; ++r) row[r] = w + (n0 + (r < nr ? r : 0)) * rowb;   // past N: row n0 again, not stored
-    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i low = _mm256_set1_epi8(0x0F), twice = e2m1_twice();
     const __m256i sidx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
                                             _mm256_set1_epi32((int)a.s_stride));
     const __m256i zidx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)a.G));
@@ -164,7 +179,7 @@ inline void itile(const Args& a, const QX& qx, const uint8_t* w, bool int4, int6
                 if ((b & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row[r] + 8 * rowb + (b >> 1) * hb_block<P>), _MM_HINT_T0);
                 wv[r] = hb_codes<P>(row[r], b, 0);   // (unsigned: `off` comes off the totals)
             }
-        } else if (int4) {   // block b: the low (b even) or high (b odd) nibbles of 64-column block b / 2
+        } else if (int4 || P < 0) {   // block b: the low (b even) or high (b odd) nibbles of 64-column block b / 2
             if ((b & 1) == 0) {
                 for (int r = 0; r < 8; ++r) {
                     _mm_prefetch(reinterpret_cast<const char*>(row[r] + 8 * rowb + 16 * b), _MM_HINT_T0);
@@ -177,11 +192,22 @@ inline void itile(const Args& a, const QX& qx, const uint8_t* w, bool int4, int6
                 wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[r] + QB * b));
             }
         }
+        __m256 s0, s1;   // groups of 16: the block's two scales of the 8 rows, for every x row
+        if constexpr (halves) {
+            s0 = _mm256_mask_i32gather_ps(_mm256_setzero_ps(), sp + 2 * b, sidx, valid, 4);
+            s1 = _mm256_mask_i32gather_ps(_mm256_setzero_ps(), sp + 2 * b + 1, sidx, valid, 4);
+        }
         for (int i = 0; i < MT; ++i) {
             const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.q + (m0 + i) * K + b * QB));
             __m256i lanes[8];
             if (P > 0) {   // 5- or 6-bit codes, unsigned (sum (c - off) x = sum c x - off sum x: below)
                 for (int r = 0; r < 8; ++r) lanes[r] = dot_lanes(wv[r], xq);
+            } else if (P < 0) {   // E2M1: the nibbles' 2v, signed (|2v| <= 12)
+                const __m256i ax = _mm256_sign_epi8(xq, xq);
+                for (int r = 0; r < 8; ++r) {
+                    const __m256i c = _mm256_and_si256((b & 1) ? _mm256_srli_epi16(wv[r], 4) : wv[r], low);
+                    lanes[r] = dot_lanes(ax, _mm256_sign_epi8(_mm256_shuffle_epi8(twice, c), xq));
+                }
             } else if (int4) {   // nibbles taken per x row: kept across rows they cost the AVX2 path (16
                                  // registers) 5-10% at 2 and 4 rows, for 2-7% on VNNI
                 for (int r = 0; r < 8; ++r)
@@ -198,8 +224,6 @@ inline void itile(const Args& a, const QX& qx, const uint8_t* w, bool int4, int6
                     hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(off * qx.h[((m0 + i) * nb + b) * 2 + 1]));
                 }
                 const __m256 dx = _mm256_set1_ps(qx.d[(m0 + i) * nb + b]);
-                const __m256 s0 = _mm256_mask_i32gather_ps(_mm256_setzero_ps(), sp + 2 * b, sidx, valid, 4);
-                const __m256 s1 = _mm256_mask_i32gather_ps(_mm256_setzero_ps(), sp + 2 * b + 1, sidx, valid, 4);
                 acc[i] = _mm256_fmadd_ps(s0, _mm256_mul_ps(_mm256_cvtepi32_ps(lo), dx), acc[i]);
                 acc[i] = _mm256_fmadd_ps(s1, _mm256_mul_ps(_mm256_cvtepi32_ps(hi), dx), acc[i]);
                 continue;
@@ -263,12 +287,14 @@ inline void run_tiles_p(const Args& a0, const QX& qx, const uint8_t* w, bool int
 }
 
 // codes of `bits`: 8 int8 codes [N, K], 4 the int4 layout, 5 and 6 the HB layout (their implied
-// zero code, if any, taken off in the decode: take_zero_code)
+// zero code, if any, taken off in the decode: take_zero_code), E2M1_BITS E2M1 codes in the int4
+// layout (qx's dx halved)
 inline void run_tiles(const Args& a0, const QX& qx, const uint8_t* w, int bits) {
     Args a = a0;
     const int off = take_zero_code(a, bits);
     if (bits == 5) run_tiles_p<1>(a, qx, w, false, off);
     else if (bits == 6) run_tiles_p<2>(a, qx, w, false, off);
+    else if (bits == E2M1_BITS) run_tiles_p<-1>(a, qx, w, false, 0);
     else run_tiles_p<0>(a, qx, w, bits == 4, 0);
 }
 
@@ -277,15 +303,20 @@ inline void run_tiles(const Args& a0, const QX& qx, const uint8_t* w, int bits) 
 // through hadd; here each output's 32-column block sum is one int32 lane already). PR = 8 output
 // rows are unpacked and interleaved into a per-thread buffer once, then every x row passes over it:
 // buffer[k4] (one ymm) holds columns 4k4..4k4+3 of the 8 rows, so vpdpbusd with x's 4 bytes
-// broadcast adds 32 products into the 8 rows' sums. The u8 operand is the weight: int4 codes as they
-// are; int8 codes + 128, whose extra 128 * sum(xq_b) starts the block's accumulator negated. Each
-// block sum is exact; then per block * dx (float), per group * the rows' scales, minus the zero-point
-// term, in that order (a row's result does not depend on the panel, N or M).
+// broadcast adds 32 products into the 8 rows' sums. Unsigned codes (int4; 5- and 6-bit with a zero
+// point) are the u8 operand, x the s8 one. Signed codes (int8; E2M1's 2v; 5- and 6-bit less their
+// zero code) are the s8 operand and x + 128 the u8 one: the extra 128 x (the rows' code sum), a
+// weight's alone, is taken off where each block's accumulators start (Panel::c, made at packing:
+// nothing per x row; at 64 rows 1.2-1.3x faster for NVFP4, up to 1.15x for int8, than x's sums
+// taken off per x row, Ice Lake). Each block sum is exact (vpdpbusd does not saturate); then per block * dx
+// (float), per group * the rows' scales, minus the zero-point term, in that order (a row's result
+// does not depend on the panel, N or M).
 constexpr int64_t PR = 8;
 
 struct Panel {
     std::vector<uint8_t> w;     // [K / 4][8][4]
     std::vector<float> s, sz;   // [G][8]
+    std::vector<int32_t> c;     // signed codes: -128 x the 8 rows' code sums per 16 columns [K / 16][8]
 };
 
 // 8 rows of 32 bytes (rows[r]) -> out[j * 32 + 4r .. +3] = bytes 4j..4j+3 of row r (transpose8)
@@ -296,15 +327,18 @@ inline void interleave8(const __m256i (&v)[8], uint8_t* out) {
     for (int j = 0; j < 8; ++j) _mm256_storeu_ps(reinterpret_cast<float*>(out + 32 * j), r[j]);
 }
 
-// rows n0..n0+7 (past N: zeros) of codes of `bits` (run_tiles; 5 and 6 less `off`: signed then, held
-// + 128 as int8 codes are) into p
+// whether run_panels holds codes of `bits` (5 and 6 less `off`) signed
+inline bool signed_codes(int bits, int off) { return bits == 8 || bits == E2M1_BITS || off != 0; }
+
+// rows n0..n0+7 (past N: zeros) of codes of `bits` (run_tiles; 5 and 6 less `off`) into p
 inline void pack_panel(const Args& a, const uint8_t* w, int bits, int off, int64_t n0, Panel& p) {
-    const bool int4 = bits == 4;
-    const int64_t K = a.K, G = a.G, rowb = bits == 5 ? HB<1>::rowb(K) : bits == 6 ? HB<2>::rowb(K) : bits == 4 ? K / 2 : K;
+    const bool int4 = bits == 4, e2m1 = bits == E2M1_BITS;
+    const int64_t K = a.K, G = a.G;
+    const int64_t rowb = bits == 5 ? HB<1>::rowb(K) : bits == 6 ? HB<2>::rowb(K) : int4 || e2m1 ? K / 2 : K;
     p.w.resize(K * PR);
     p.s.assign(G * PR, 0.f);
     p.sz.assign(G * PR, 0.f);
-    const __m256i zero = _mm256_setzero_si256(), flip = _mm256_set1_epi8((char)0x80), low = _mm256_set1_epi8(0x0F);
+    const __m256i zero = _mm256_setzero_si256(), low = _mm256_set1_epi8(0x0F), twice = e2m1_twice();
     for (int64_t c = 0; c < K; c += 64) {   // 64 columns = two 32-column chunks of 8 rows
         __m256i v0[8], v1[8];
         for (int r = 0; r < PR; ++r) {
@@ -317,22 +351,33 @@ inline void pack_panel(const Args& a, const uint8_t* w, int bits, int off, int64
                 const int64_t b = c / QB;
                 v0[r] = bits == 5 ? hb_codes<1>(row, b, off) : hb_codes<2>(row, b, off);
                 v1[r] = bits == 5 ? hb_codes<1>(row, b + 1, off) : hb_codes<2>(row, b + 1, off);
-                if (off) {
-                    v0[r] = _mm256_xor_si256(v0[r], flip);
-                    v1[r] = _mm256_xor_si256(v1[r], flip);
-                }
-            } else if (int4) {
+            } else if (int4 || e2m1) {
                 __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c / 2));
                 v0[r] = _mm256_and_si256(v, low);
                 v1[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                if (e2m1) {
+                    v0[r] = _mm256_shuffle_epi8(twice, v0[r]);
+                    v1[r] = _mm256_shuffle_epi8(twice, v1[r]);
+                }
             } else {
-                v0[r] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c)), flip);
-                v1[r] = c + 32 < K ? _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c + 32)), flip)
-                                   : zero;
+                v0[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c));
+                v1[r] = c + 32 < K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c + 32)) : zero;
             }
         }
         interleave8(v0, p.w.data() + c * PR);
         if (c + 32 < K) interleave8(v1, p.w.data() + (c + 32) * PR);
+    }
+    if (signed_codes(bits, off)) {   // per 16 columns (4 interleaved vectors): sum of codes, a lane a row
+        p.c.resize(K / 16 * PR);
+        const __m256i one = _mm256_set1_epi8(1);
+        for (int64_t h = 0; h < K / 16; ++h) {
+            const uint8_t* wh = p.w.data() + h * 16 * PR;
+            __m256i t = zero;
+            for (int j = 0; j < 4; ++j)
+                t = _mm256_dpbusd_epi32(t, one, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wh + 32 * j)));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.c.data() + h * PR),
+                                _mm256_sub_epi32(zero, _mm256_slli_epi32(t, 7)));
+        }
     }
     for (int r = 0; r < PR && n0 + r < a.N; ++r)
         for (int64_t g = 0; g < G; ++g) {
@@ -341,24 +386,32 @@ inline void pack_panel(const Args& a, const uint8_t* w, int bits, int off, int64
         }
 }
 
-// y[m0 + i, n0..n0+nr) for MT x rows over the packed panel
-template <int MT>
-inline void panel_pass(const Args& a, const QX& qx, const Panel& p, bool int8, int64_t n0, int64_t nr, int64_t m0) {
+// ia += the 32 products of x's 4 bytes at xb (SGN: x + 128, u8) with the packed codes wv
+template <bool SGN>
+inline __m256i dot4(__m256i ia, __m256i wv, const void* xb) {
+    int32_t xv;
+    std::memcpy(&xv, xb, 4);
+    return SGN ? _mm256_dpbusd_epi32(ia, _mm256_set1_epi32(xv), wv) : _mm256_dpbusd_epi32(ia, wv, _mm256_set1_epi32(xv));
+}
+
+// y[m0 + i, n0..n0+nr) for MT x rows over the packed panel; SGN: signed codes, x read from xu (x + 128).
+// Not inlined: inlined into run_panels' loop, the unsigned codes' pass ran 1.3x slower (Ice Lake).
+template <int MT, bool SGN>
+[[gnu::noinline]] inline void panel_pass(const Args& a, const QX& qx, const uint8_t* xu, const Panel& p, int64_t n0,
+                                         int64_t nr, int64_t m0) {
     const int64_t K = a.K, nb = K / QB, bpg = a.gs / QB;
+    const uint8_t* xs = SGN ? xu : reinterpret_cast<const uint8_t*>(qx.q);
     __m256 acc[MT];
     for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; a.gs == QB / 2 && b < nb; ++b) {   // groups of 16 (int8 codes, no zero point): as
-        const uint8_t* wb = p.w.data() + b * QB * PR;      // the tiles, each half's total * dx * its scale
+    for (int64_t b = 0; SGN && a.gs == QB / 2 && b < nb; ++b) {   // groups of 16 (signed codes, no zero
+        const uint8_t* wb = p.w.data() + b * QB * PR;            // point): as the tiles, each half's total * dx * its scale
         for (int h = 0; h < 2; ++h) {
+            const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.c.data() + (2 * b + h) * PR));
             __m256i ia[MT];
-            for (int i = 0; i < MT; ++i) ia[i] = _mm256_set1_epi32(-128 * qx.h[((m0 + i) * nb + b) * 2 + h]);
+            for (int i = 0; i < MT; ++i) ia[i] = c;
             for (int j = 4 * h; j < 4 * h + 4; ++j) {
                 const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));
-                for (int i = 0; i < MT; ++i) {
-                    int32_t xv;
-                    std::memcpy(&xv, qx.q + (m0 + i) * K + b * QB + 4 * j, 4);
-                    ia[i] = _mm256_dpbusd_epi32(ia[i], wv, _mm256_set1_epi32(xv));
-                }
+                for (int i = 0; i < MT; ++i) ia[i] = dot4<SGN>(ia[i], wv, xs + (m0 + i) * K + b * QB + 4 * j);
             }
             const __m256 sv = _mm256_loadu_ps(p.s.data() + (2 * b + h) * PR);
             for (int i = 0; i < MT; ++i)
@@ -370,17 +423,16 @@ inline void panel_pass(const Args& a, const QX& qx, const Panel& p, bool int8, i
         __m256 fb[MT];
         for (int i = 0; i < MT; ++i) fb[i] = _mm256_setzero_ps();
         for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+            __m256i c = _mm256_setzero_si256();
+            if (SGN)
+                c = _mm256_add_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.c.data() + 2 * b * PR)),
+                                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.c.data() + (2 * b + 1) * PR)));
             __m256i ia[MT];
-            for (int i = 0; i < MT; ++i)
-                ia[i] = int8 ? _mm256_set1_epi32(-128 * qx.b[(m0 + i) * nb + b]) : _mm256_setzero_si256();
+            for (int i = 0; i < MT; ++i) ia[i] = c;
             const uint8_t* wb = p.w.data() + b * QB * PR;
             for (int j = 0; j < QB / 4; ++j) {
                 const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));
-                for (int i = 0; i < MT; ++i) {
-                    int32_t xv;
-                    std::memcpy(&xv, qx.q + (m0 + i) * K + b * QB + 4 * j, 4);
-                    ia[i] = _mm256_dpbusd_epi32(ia[i], wv, _mm256_set1_epi32(xv));
-                }
+                for (int i = 0; i < MT; ++i) ia[i] = dot4<SGN>(ia[i], wv, xs + (m0 + i) * K + b * QB + 4 * j);
             }
             for (int i = 0; i < MT; ++i)
                 fb[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[i]), _mm256_set1_ps(qx.d[(m0 + i) * nb + b]), fb[i]);
@@ -404,13 +456,32 @@ inline void panel_pass(const Args& a, const QX& qx, const Panel& p, bool int8, i
     }
 }
 
+// every x row over the packed panel, 8 at a time
+template <bool SGN>
+inline void panel_rows(const Args& a, const QX& qx, const uint8_t* xu, const Panel& p, int64_t n0, int64_t nr) {
+    int64_t m = 0;
+    for (; m + 8 <= a.M; m += 8) panel_pass<8, SGN>(a, qx, xu, p, n0, nr, m);
+    switch (a.M - m) {
+        case 7: panel_pass<7, SGN>(a, qx, xu, p, n0, nr, m); break;
+        case 6: panel_pass<6, SGN>(a, qx, xu, p, n0, nr, m); break;
+        case 5: panel_pass<5, SGN>(a, qx, xu, p, n0, nr, m); break;
+        case 4: panel_pass<4, SGN>(a, qx, xu, p, n0, nr, m); break;
+        case 3: panel_pass<3, SGN>(a, qx, xu, p, n0, nr, m); break;
+        case 2: panel_pass<2, SGN>(a, qx, xu, p, n0, nr, m); break;
+        case 1: panel_pass<1, SGN>(a, qx, xu, p, n0, nr, m); break;
+        default: break;
+    }
+}
+
 // y = quantize_x(x) @ W^T for codes of `bits` (run_tiles; int8 ones without -128); gs % 32 == 0, or
-// 16 for signed codes without a zero point (QX::h given)
+// 16 for signed codes without a zero point (int8, E2M1, 5- and 6-bit less their zero code)
 inline void run_panels(const Args& a1, const QX& qx, const uint8_t* w, int bits) {
     const int64_t P = (a1.N + PR - 1) / PR;
     Args a0 = a1;
     const int off = take_zero_code(a0, bits);
-    const bool sgn = bits == 8 || off != 0;   // codes held + 128 (panel_pass's int8)
+    const bool sgn = signed_codes(bits, off);
+    std::vector<uint8_t> xu(sgn ? a0.M * a0.K : 0);   // x + 128 (signed codes' u8 operand)
+    for (size_t i = 0; i < xu.size(); ++i) xu[i] = uint8_t(qx.q[i]) ^ 0x80;
     const bool wide = Widened::needed(a0, false);
 #pragma omp parallel
     {
@@ -421,18 +492,8 @@ inline void run_panels(const Args& a1, const QX& qx, const uint8_t* w, int bits)
             const int64_t n0 = pi * PR, nr = std::min<int64_t>(PR, a0.N - n0);
             const Args a = wide ? wb.rows(a0, n0, n0 + nr) : a0;   // (K-quant scales, implied zeros)
             pack_panel(a, w, bits, off, n0, p);
-            int64_t m = 0;
-            for (; m + 8 <= a.M; m += 8) panel_pass<8>(a, qx, p, sgn, n0, nr, m);
-            switch (a.M - m) {
-                case 7: panel_pass<7>(a, qx, p, sgn, n0, nr, m); break;
-                case 6: panel_pass<6>(a, qx, p, sgn, n0, nr, m); break;
-                case 5: panel_pass<5>(a, qx, p, sgn, n0, nr, m); break;
-                case 4: panel_pass<4>(a, qx, p, sgn, n0, nr, m); break;
-                case 3: panel_pass<3>(a, qx, p, sgn, n0, nr, m); break;
-                case 2: panel_pass<2>(a, qx, p, sgn, n0, nr, m); break;
-                case 1: panel_pass<1>(a, qx, p, sgn, n0, nr, m); break;
-                default: break;
-            }
+            if (sgn) panel_rows<true>(a, qx, xu.data(), p, n0, nr);
+            else panel_rows<false>(a, qx, nullptr, p, n0, nr);
         }
     }
 }

@@ -115,7 +115,7 @@ class CpuDecode:
         self.int8_activations = defaults.CPU_DECODE_INT8_ACTIVATIONS
 
     def set_int8_activations(self, on: bool) -> None:
-        """Integer tiles with int8 activations for int8/int4 weights (the layers and the int8 head)."""
+        """Integer tiles with int8 activations for int8/int4 and FP4 E2M1 weights (the layers and the int8 head)."""
         self.int8_activations = on
         for layer in self.layers:
             layer.set_int8_activations(on)

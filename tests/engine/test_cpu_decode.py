@@ -185,7 +185,8 @@ FP4_CHECKPOINTS = {"nvfp4": ("nvfp4", "compressed-tensors"), "mxfp4-gguf": ("mxf
 @pytest.mark.parametrize("name", list(FP4_CHECKPOINTS))
 def test_cpu_decode_fp4_checkpoints(tiny_factory, tmp_path, name):
     """4-bit float codes (E2M1 with E4M3 or E8M0 block scales, NF4 with a double-quantized absmax)
-    decoded inside the C++ layers' tiles: the Python layers' numbers."""
+    decoded inside the C++ layers' tiles: the Python layers' numbers with float activations; with int8
+    activations E2M1 takes the integer tiles (within x's rounding, as AWQ's), NF4 stays float."""
     from typer.testing import CliRunner
     from llmopt.cli.app import app
     from llmopt.layers.modules_fp4 import Fp4Linear
@@ -198,17 +199,41 @@ def test_cpu_decode_fp4_checkpoints(tiny_factory, tmp_path, name):
                                    "--num-samples", "4", "--seq-len", "32", "--quiet", "--method", method,
                                    "--format", fmt])
     assert res.exit_code == 0, res.output
-    engine = _engine(out)
+    engine = _engine(out, lm_head_dtype="float")   # (no int8 head: the int8 activations are the layers' alone)
+    assert not engine.runner.cpu_decode.int8_head
     down = engine.runner.model.model.layers[0].mlp.down_proj
     assert isinstance(down, Fp4Linear) and down.nibbles
     got, want = _decode_logits(engine.runner, int8_act=False)
     assert _rel(got, want) <= 1e-5
+    got, want = _decode_logits(engine.runner, int8_act=True)
+    if down.table_name == "e2m1":   # x rounded to 8 bits per 32 columns: ~0.4% per element
+        assert 1e-4 < _rel(got, want) <= 0.05
+    else:                           # NF4's levels are no integers: float activations still
+        assert _rel(got, want) <= 1e-5
+
+
+def _e2m1_case(n: int, k: int, block: int, g):
+    """(codes in the int4 layout, scales, float64 W) of random FP4 E2M1 codes: NVFP4's scales (block
+    16: an E4M3 value over a global scale) or MXFP4's (block 32: powers of two), as Fp4Linear holds them."""
+    from llmopt.layers.formats.fp4 import TABLES
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    if block == 16:
+        scales = (torch.rand(n, k // block, generator=g) * 448).to(torch.float8_e4m3fn).float() / (448 * 6 / 2.5)
+    else:
+        scales = torch.exp2(torch.randint(-8, 3, (n, k // block), generator=g).float())
+    w = torch.tensor(TABLES["e2m1"], dtype=torch.float64)[codes.long()]
+    w = (w.view(n, -1, block) * scales.double()[..., None]).view(n, k)
+    return cpu_quant.pack_int4(codes), scales, w
 
 
 def _grouped_case(kind: str, n: int, k: int, gs: int, g):
     """(codes in the kernels' layout, scales, szeros, Kind, float64 W) of random grouped codes: int8
     (no zero point), int4 with stored zeros, 5- and 6-bit ones with stored zeros ("w5z") or one
-    zero code, half their range ("w5c": what the integer kernels take off as they decode)."""
+    zero code, half their range ("w5c": what the integer kernels take off as they decode), FP4 E2M1
+    ("e2m1": _e2m1_case)."""
+    if kind == "e2m1":
+        packed, scales, w = _e2m1_case(n, k, gs, g)
+        return packed, scales, torch.empty(0), cpu_quant.FP4_KINDS["e2m1"], w
     scales = torch.rand(n, k // gs, generator=g) * 0.1 + 0.01
     if kind == "int8":
         codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
@@ -244,12 +269,48 @@ def test_integer_tiles_equal_float64_of_quantized_activations(idot_path, kind, g
     assert float(((x.double() @ w.t()) - want).abs().max() / want.abs().max()) > 1e-4   # the rounding is real
 
 
+@pytest.mark.parametrize("idot_path", list(IDOT_PATHS), indirect=True)
+@pytest.mark.parametrize("block", [16, 32, 64])   # NVFP4 (groups of 16: each half block), MXFP4, wider
+@pytest.mark.parametrize("m", [1, 3, 16, 64])
+def test_e2m1_integer_path_equals_float64_of_quantized_activations(idot_path, block, m):
+    """FP4 E2M1 codes through the integer kernels (their 2v, integers in [-12, 12], with dx halved):
+    exactly the dot product of the int8-quantized x with the dequantized weight, up to float32
+    rounding of the block and group sums. Without VNNI, linears of CPU_F32_PANEL_MIN_ROWS rows or
+    more take the float panels with float activations (as int4's do), so x's own product is the reference."""
+    g = torch.Generator().manual_seed(block + m)
+    n, k = 43, 640
+    x = torch.randn(m, k, generator=g) * 3
+    x[:, 5] = 0.0
+    if m > 1:
+        x[1, :64] = 0.0   # an all-zero block: scale 0
+    packed, scales, w = _e2m1_case(n, k, block, g)
+    y = torch.ops.llmopt_cpu.idot_gemm(x, packed, scales, torch.empty(0), block, cpu_quant.FP4_KINDS["e2m1"])
+    int8_act = idot_path != "avx2-tiles" or m < defaults.CPU_F32_PANEL_MIN_ROWS
+    want = quantize_x(x) @ w.t() if int8_act else x.double() @ w.t()
+    assert float((y.double() - want).abs().max() / want.abs().max()) <= 2e-6
+    if int8_act:
+        assert float(((x.double() @ w.t()) - want).abs().max() / want.abs().max()) > 1e-4   # the rounding is real
+        last = torch.ops.llmopt_cpu.idot_gemm(x[-1:].contiguous(), packed, scales, torch.empty(0), block,
+                                              cpu_quant.FP4_KINDS["e2m1"])
+        assert torch.equal(last, y[-1:])   # a row's bits whatever the row count
+    # float activations (fp4_gemm: what the C++ layer runs with int8 activations off) keep the float path
+    y_float = torch.ops.llmopt_cpu.fp4_gemm(x, packed, scales, block, cpu_quant.FP4_KINDS["e2m1"])
+    assert float((y_float.double() - x.double() @ w.t()).abs().max() / want.abs().max()) <= 2e-6
+
+
+def test_idot_refuses_nf4():
+    codes = torch.zeros(8, 32, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="kind must be"):
+        torch.ops.llmopt_cpu.idot_gemm(torch.randn(1, 64), codes, torch.ones(8, 2), torch.empty(0), 32,
+                                       cpu_quant.FP4_KINDS["nf4"])
+
+
 @pytest.mark.parametrize("kind,gs", [("int8", 64), ("int8", 16), ("int4", 32), ("int4", 128), ("w5c", 32),
-                                     ("w5z", 64), ("w6c", 16), ("w6z", 32)])
+                                     ("w5z", 64), ("w6c", 16), ("w6z", 32), ("e2m1", 16), ("e2m1", 32)])
 def test_integer_paths_give_each_row_the_same_bits_at_any_row_count(kind, gs):
-    """AVX2 tiles, VNNI tiles and VNNI panels sum each 32-column block (groups of 16, Q6_K's: each
-    half) exactly and then scale in one order: a row's output is the same bits on every path and at
-    every M (a verified draft gets plain decoding's logits; a sequence's logits do not depend on its
+    """AVX2 tiles, VNNI tiles and VNNI panels sum each 32-column block (groups of 16, Q6_K's and
+    NVFP4's: each half) exactly and then scale in one order: a row's output is the same bits on every
+    path and at every M (a verified draft gets plain decoding's logits; a sequence's logits do not depend on its
     step's batch)."""
     g = torch.Generator().manual_seed(7)
     n, k = 43, 640
