@@ -30,8 +30,6 @@ FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)   # 448
 FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)                 # vLLM's floor for a per-token fp8 scale
 KINDS = ("fp8", "int8")
 FP4_KINDS = {"nvfp4": 16, "mxfp4": 32}   # W4A4 activations -> block size
-_E2M1_MIDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)   # between consecutive E2M1 magnitudes
-_E2M1_MAGS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 def quantize_tokens_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,13 +64,11 @@ def fake_quantize_tokens(x: torch.Tensor, kind: str) -> torch.Tensor:
 
 def round_e2m1(y: torch.Tensor) -> torch.Tensor:
     """The E2M1 value nearest to clamp(y, ±6), ties to even, in y's dtype; a negative y rounding to 0
-    gives -0.0 (compressed-tensors' cast_to_fp4)."""
-    a = y.abs().clamp(max=6.0).float()
-    mids = torch.tensor(_E2M1_MIDS, device=y.device)
-    idx = torch.bucketize(a, mids)                    # a == mids[i] gives i, the smaller magnitude
-    at_mid = (idx < len(_E2M1_MIDS)) & (a == mids[idx.clamp(max=len(_E2M1_MIDS) - 1)])
-    v = torch.tensor(_E2M1_MAGS, device=y.device)[idx + (at_mid & (idx % 2 == 1)).long()]
-    return torch.where(y < 0, -v, v).to(y.dtype)
+    gives -0.0 (compressed-tensors' cast_to_fp4). E2M1's steps are 0.5 below 2, 1 below 4 and 2 up
+    to 6, so each range is torch.round (half to even) at its step: the even E2M1 mantissa wins a tie."""
+    a = y.abs().float().clamp_(max=6.0)
+    q = torch.where(a < 2, torch.round(a * 2) * 0.5, torch.where(a < 4, torch.round(a), torch.round(a * 0.5) * 2))
+    return torch.where(y < 0, -q, q).to(y.dtype)
 
 
 def fake_quantize_fp4(x: torch.Tensor, kind: str, global_scale: torch.Tensor | None = None) -> torch.Tensor:
