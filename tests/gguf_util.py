@@ -29,18 +29,20 @@ def _gguf_name(hf_name: str) -> str:
 
 # block scales that keep random K-quant weights at |w| ~ 0.1-1: (d, dmin) ranges per type
 _K_SCALES = {"Q4_K": (4e-4, 4e-4), "Q5_K": (2e-4, 2e-4), "Q6_K": (6e-5, None)}
+_RANDOM_SCALES = {**_K_SCALES, "Q4_0": (3e-3, None)}   # Q4_0: |w| = |d (q - 8)| up to ~0.02
 
 
 def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """uint8 [rows, bytes a row] of valid K-quant blocks: random codes and sub-block scales, the
-    fp16 super-block scales drawn in a range that gives weights of order 0.1."""
+    """uint8 [rows, bytes a row] of valid K-quant (or Q4_0) blocks: random codes and sub-block
+    scales, the fp16 super-block scales drawn in a range that gives weights of order 0.1 (Q4_0's:
+    0.02)."""
     import gguf
     from llmopt.layers.formats.ggml import BLOCKS
     rng = np.random.default_rng(seed)
     block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
     raw = rng.integers(0, 256, (rows, cols // block * size), dtype=np.uint8)
     b = raw.view(BLOCKS[type_name])
-    d, dmin = _K_SCALES[type_name]
+    d, dmin = _RANDOM_SCALES[type_name]
     b["d"] = rng.uniform(-d, d, b["d"].shape).astype(np.float16)
     if dmin is not None:
         b["dmin"] = rng.uniform(0, dmin, b["dmin"].shape).astype(np.float16)
@@ -93,8 +95,9 @@ def _finish(w) -> None:
 
 def write_random_gguf(path, c, qtype: str) -> int:
     """A llama GGUF of config `c` (a SimpleNamespace; vocabulary 97) whose 2-D weights are random
-    `qtype` blocks (gguf_util's ggml_bytes of random floats a tensor at a time: the file is written
-    without the model ever existing in float); returns the file's tensor bytes."""
+    `qtype` blocks (random_blocks where it has the type, else ggml_bytes of random floats, a tensor
+    at a time: the file is written without the model ever existing in float); returns the file's
+    tensor bytes."""
     import gguf
     rng = np.random.default_rng(0)
     w = _metadata(path, c)
@@ -114,7 +117,8 @@ def write_random_gguf(path, c, qtype: str) -> int:
             a = np.ones(shape, np.float32)
             w.add_tensor(name, a)
         else:
-            a = ggml_bytes((rng.standard_normal(shape, dtype=np.float32) * 0.02), qtype)
+            a = (random_blocks(qtype, *shape, seed=int(rng.integers(1 << 31))) if qtype in _RANDOM_SCALES
+                 else ggml_bytes((rng.standard_normal(shape, dtype=np.float32) * 0.02), qtype))
             w.add_tensor(name, a, raw_dtype=gguf.GGMLQuantizationType[qtype])
         total += a.nbytes
     _finish(w)

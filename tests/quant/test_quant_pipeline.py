@@ -148,18 +148,18 @@ def shallow_copy(src: Path, dst: Path, layers: int) -> Path:
 def test_peak_memory_does_not_grow_with_depth(tmp_path):
     calib = tmp_path / "calib.txt"
     calib.write_text("calibration text for a synthetic model. " * 20)
-    deep = write_checkpoint(tmp_path / "m16", hidden=2048, inter=4096, layers=16, heads=16, kv_heads=16)
-    layer_bytes = (deep / "model-00001-of-00016.safetensors").stat().st_size
+    deep = write_checkpoint(tmp_path / "m10", hidden=2048, inter=4096, layers=10, heads=16, kv_heads=16)
+    layer_bytes = (deep / "model-00001-of-00010.safetensors").stat().st_size
     assert 2 * layer_bytes > 150e6       # bf16 on disk, float32 in memory: a layer dominates the interpreter
     peaks = {}
-    for layers, src in ((4, shallow_copy(deep, tmp_path / "m4", 4)), (16, deep)):
+    for layers, src in ((4, shallow_copy(deep, tmp_path / "m4", 4)), (10, deep)):
         r = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(src), str(tmp_path / f"q{layers}"), str(calib)],
                            capture_output=True, text=True, cwd=TESTS, timeout=600)
         assert r.returncode == 0, r.stderr[-2000:]
         peaks[layers] = int(r.stdout.split()[-1])
         assert len(list((tmp_path / f"q{layers}").glob("model-*.safetensors"))) == layers + 1
     print(peaks)
-    assert peaks[16] < 1.5 * peaks[4], peaks
+    assert peaks[10] < 1.5 * peaks[4], peaks   # (growing with depth: ~2x, a float32 layer ~336 MB)
 
 
 def test_cli_recipe_with_flag_override_and_one_line_errors(tiny, tmp_path):
