@@ -284,6 +284,9 @@ def test_gptq_fp4(kind, act_order):
     (dict(method="nf4", fp4_algorithm="gptq"), "--fp4-algorithm applies"),
     (dict(method="mxfp4", fp4_algorithm="gptq", act_order="group"), "g_idx"),
     (dict(method="rtn", format="bitsandbytes"), "holds --method nf4"),
+    (dict(method="nf4", activations="dynamic"), "weights only"),     # W4A4: nvfp4 / mxfp4 in compressed-tensors
+    (dict(method="mxfp4", format="gguf", activations="dynamic"), "--format gguf holds MXFP4 weights only"),
+    (dict(method="nvfp4", activations="static"), "--activations 'static'"),
 ])
 def test_bad_fp4_settings_are_one_line_errors(kw, fragment):
     with pytest.raises(UserInputError) as e:
