@@ -245,11 +245,11 @@ def weight_memory(arch: ModelArch, fmt: str = "auto", group_size: int | None = N
     for p in model_params(arch):
         # the int8 table: the head, or with a tied head the embedding it shares
         q_head = int8_head and p.group == ("embed" if arch.tie_word_embeddings else "head")
-        b = param_bytes(p, p.shape, fmt, group, base, cpu, q_head) + (input_scale if p.is_linear else 0)
+        extra = input_scale if p.is_linear else 0   # (replicated: each rank holds the whole scale)
+        b = param_bytes(p, p.shape, fmt, group, base, cpu, q_head) + extra
         by[p.group] = by.get(p.group, 0) + b
         total += b
-        rank += (param_bytes(p, _shard(p, arch, tp), fmt, group, base, cpu, q_head)
-                 + (input_scale if p.is_linear else 0)) if tp > 1 else b
+        rank += param_bytes(p, _shard(p, arch, tp), fmt, group, base, cpu, q_head) + extra if tp > 1 else b
         n += p.numel
     label = (f"int4 (group {group})" if fmt == "int4" else fmt) + (", int8 head" if int8_head else "")
     return WeightMemory(label, "config", n, total, rank, by)
