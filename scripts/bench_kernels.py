@@ -12,7 +12,8 @@
   float panels, as a CPU without VNNI runs them), VNNI tiles, VNNI panels, switched through
   `llmopt_cpu::tiles_config`) on int4 and int8 codes, the float ones (`llmopt_cpu::f32_gemm`: one weight
   row at a time up to CPU_F32_STREAM_MAX_ROWS rows, also timed through the tile it replaced; the float
-  tile below CPU_F32_PANEL_MIN_ROWS rows, the panels from there) against MKL's `x @ w.t()`, each over
+  tile below CPU_F32_PANEL_MIN_ROWS rows, from there to CPU_F32_BCAST_MAX_ROWS the weights broadcast as
+  stored, also timed through the float panels they replaced, the panels beyond) against MKL's `x @ w.t()`, each over
   `--matrices` distinct 1536 x 576 weights (streamed from memory where they outgrow the L3), in G
   multiply-adds/s; then `llmopt_cpu::decode_attention` for 64 rows over 200 keys with one distinct cache
   per layer, as a decode step reads them.
@@ -163,8 +164,16 @@ def linears(args) -> None:
         stream_rows = getattr(defaults, "CPU_F32_STREAM_MAX_ROWS", 0)
         ours = best_of(lambda w: ops.f32_gemm(x, w), floats)
         mkl = best_of(lambda w: x @ w.t(), floats)
-        kind = "panels" if config is not None and m >= f32_rows else "rows" if m <= stream_rows else "tile"
+        bcast_rows = getattr(defaults, "CPU_F32_BCAST_MAX_ROWS", 0)
+        kind = ("bcast" if config is not None and f32_rows <= m <= bcast_rows else
+                "panels" if config is not None and m >= f32_rows else "rows" if m <= stream_rows else "tile")
         print(f"{m:>4} {f'float32, ours ({kind})':<28} {ours * 1e3:>8.3f} {rate(ours):>8.1f}")
+        if kind == "bcast":   # the float panels these rows took before f32_bcast, in the same run
+            config(-1, 0, 0, -1, -1, 0)
+            panels = best_of(lambda w: ops.f32_gemm(x, w), floats)
+            config(-1, 0, 0, -1, -1, bcast_rows)
+            print(f"{m:>4} {'float32, ours (panels, before)':<28} {panels * 1e3:>8.3f} {rate(panels):>8.1f}   "
+                  f"bcast/panels {panels / ours:.2f}x")
         if kind == "rows":   # the tile these rows took before row_f32, in the same run
             config(-1, 0, 0, 0)
             tile = best_of(lambda w: ops.f32_gemm(x, w), floats)

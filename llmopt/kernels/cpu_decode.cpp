@@ -25,6 +25,7 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <cmath>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -132,6 +133,7 @@ bool cpu_has_bf16() {
 bool use_vnni = cpu_has_vnni();   // the integer kernels: AVX-512 VNNI where the CPU has it
 int64_t panel_rows = 5;           // with VNNI, int8-activation linears of this many rows take the panels
 int64_t f32_panel_rows = 32;      // float linears of this many rows take the float panels
+int64_t f32_bcast_rows = 64;      // ... float32 ones of at most this many, with AVX-512, f32_bcast instead
 bool use_bf16dot = false;   // ... and bfloat16 ones AVX-512 BF16 dot products there (tiles_config), or
 bool use_amx = false;       // AMX tiles
 
@@ -141,6 +143,19 @@ struct Lin {
     bool idot;   // integer dot products with int8 activations allowed (cpu_idot_tiles.h)
     float zc;    // an implied zero code (szeros given as one value, Args::zc), else 0
     KScales ks, kz;   // K-quant sub-scales (Args::ks, kz), pointing into s / sz
+};
+
+// a float buffer grown as needed, never initialized
+struct Grown {
+    std::unique_ptr<float[]> p;
+    int64_t n = 0;
+    float* get(int64_t m) {
+        if (m > n) {
+            p.reset(new float[m]);
+            n = m;
+        }
+        return p.get();
+    }
 };
 
 struct Scratch {   // per-call buffers of the linears
@@ -159,7 +174,9 @@ void float_linear(Args a, int64_t kind, const uint8_t* w, std::vector<float>& xs
     }
     switch (kind) {
         case KF32:
-            if (panels) f32_panels(a, SrcF32{reinterpret_cast<const float*>(w)});
+            if (panels && f32_avx512 && a.M <= f32_bcast_rows && a.K % 8 == 0)
+                f32_bcast(a, reinterpret_cast<const float*>(w));
+            else if (panels) f32_panels(a, SrcF32{reinterpret_cast<const float*>(w)});
             else if (a.M <= f32_stream_rows) f32_rows<F32>(a, w);
             else run(a, Fn8<F32>{w});
             break;
@@ -1014,16 +1031,19 @@ struct DecodeLayer : torch::CustomClassHolder {
         float* xs = x.data_ptr<float>();
         const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
         const int64_t* sl = slots.data_ptr<int64_t>();
-        std::vector<float> h(M * std::max(H, I)), qkv(M * NQ), att(M * Hq * D), gu(M * 2 * I);
-        Scratch t;
+        // the calling thread's buffers, reused and grown uninitialized (vectors zeroed M x 6,720 floats a
+        // layer on one core while the other waited)
+        static thread_local Grown bh, bq, ba, bg, bd;
+        float *h = bh.get(M * std::max(H, I)), *qkv = bq.get(M * NQ), *att = ba.get(M * Hq * D), *gu = bg.get(M * 2 * I);
+        static thread_local Scratch t;   // (reused: resizing to the same size zeroes nothing)
 
-        rms_norm(xs, ln1.data_ptr<float>(), M, H, (float)eps, h.data());
-        linears(groups[0], h.data(), M, qkv.data(), int8_act, t);
+        rms_norm(xs, ln1.data_ptr<float>(), M, H, (float)eps, h);
+        linears(groups[0], h, M, qkv, int8_act, t);
         for (int64_t m = 0; m < M; ++m)   // checked before the rows run in parallel
             TORCH_CHECK(sl[m] < c.nb * c.bs, "slot out of range");
 #pragma omp parallel for schedule(static) if (M >= 16)   // rows write distinct slots
         for (int64_t m = 0; m < M; ++m) {
-            float *q = qkv.data() + m * NQ, *k = q + Hq * D, *v = k + Hkv * D;
+            float *q = qkv + m * NQ, *k = q + Hq * D, *v = k + Hkv * D;
             if (qn.defined()) {
                 rms_norm(q, qn.data_ptr<float>(), Hq, D, (float)eps, q);
                 rms_norm(k, kn.data_ptr<float>(), Hkv, D, (float)eps, k);
@@ -1032,17 +1052,17 @@ struct DecodeLayer : torch::CustomClassHolder {
             rope(k, Hkv, D, cp + m * D, sp + m * D);
             if (sl[m] >= 0) write_slot(c, sl[m], k, v, Hkv, D);
         }
-        attention(qkv.data(), NQ, M, Hq, Hkv, D, c, (float)scale, window, att.data());
-        linears(groups[1], att.data(), M, h.data(), int8_act, t);
+        attention(qkv, NQ, M, Hq, Hkv, D, c, (float)scale, window, att);
+        linears(groups[1], att, M, h, int8_act, t);
 #pragma omp parallel for schedule(static) if (M >= 16)
         for (int64_t i = 0; i < M * H; ++i) xs[i] += h[i];
 
-        rms_norm(xs, ln2.data_ptr<float>(), M, H, (float)eps, h.data());
-        linears(groups[2], h.data(), M, gu.data(), int8_act, t);
+        rms_norm(xs, ln2.data_ptr<float>(), M, H, (float)eps, h);
+        linears(groups[2], h, M, gu, int8_act, t);
 #pragma omp parallel for schedule(static) if (M >= 16)
         for (int64_t m = 0; m < M; ++m) {   // silu(gate) * up, into h [M, I]
-            const float *g = gu.data() + m * 2 * I, *u = g + I;
-            float* out = h.data() + m * I;
+            const float *g = gu + m * 2 * I, *u = g + I;
+            float* out = h + m * I;
             int64_t i = 0;
             for (; i + 8 <= I; i += 8) {
                 __m256 gv = _mm256_loadu_ps(g + i);
@@ -1051,8 +1071,8 @@ struct DecodeLayer : torch::CustomClassHolder {
             }
             for (; i < I; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
         }
-        std::vector<float> d(M * H);
-        linears(groups[3], h.data(), M, d.data(), int8_act, t);
+        float* d = bd.get(M * H);
+        linears(groups[3], h, M, d, int8_act, t);
 #pragma omp parallel for schedule(static) if (M >= 16)
         for (int64_t i = 0; i < M * H; ++i) xs[i] += d[i];
     }
@@ -1245,8 +1265,11 @@ at::Tensor idot_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 // setting); f32_stream: float linears of at most this many rows (8 at most) stream each weight row
 // alone (row_f32; 0 = never, -1: keep); bf16: bfloat16 weights' float panels by AMX tiles, else
 // AVX-512 BF16 dot products, where the CPU has them (cpu_bf16_panels.h, x rounded to bfloat16), 1,
-// or float32 products, 0 (-1: keep). Returns the instruction set in use.
-int64_t tiles_config(int64_t isa, int64_t panel, int64_t f32_panel, int64_t f32_stream, int64_t bf16) {
+// or float32 products, 0 (-1: keep); f32_bcast: float32 weights' linears of f32_panel to this many rows
+// take f32_bcast where the float panels are AVX-512 (the same bits; 0 = never, -1: keep). Returns
+// the instruction set in use.
+int64_t tiles_config(int64_t isa, int64_t panel, int64_t f32_panel, int64_t f32_stream, int64_t bf16,
+                     int64_t f32_bcast) {
     TORCH_CHECK(panel >= 0 && f32_panel >= 0, "panel and f32_panel must be >= 0");
     TORCH_CHECK(f32_stream >= -1 && f32_stream <= 8, "f32_stream must be -1 (keep) or 0 to 8");
     TORCH_CHECK(bf16 >= -1 && bf16 <= 1, "bf16 must be -1 (keep), 0 or 1");
@@ -1257,6 +1280,8 @@ int64_t tiles_config(int64_t isa, int64_t panel, int64_t f32_panel, int64_t f32_
     if (panel > 0) panel_rows = panel;
     if (f32_panel > 0) f32_panel_rows = f32_panel;
     if (f32_stream >= 0) f32_stream_rows = f32_stream;
+    TORCH_CHECK(f32_bcast >= -1, "f32_bcast must be -1 (keep) or >= 0");
+    if (f32_bcast >= 0) f32_bcast_rows = f32_bcast;
     const bool has = cpu_has_vnni();
     TORCH_CHECK(isa >= -1 && isa <= 1, "isa must be -1, 0 or 1");
     TORCH_CHECK(isa != 1 || has, "this CPU has no AVX-512 VNNI");
@@ -1268,7 +1293,8 @@ int64_t tiles_config(int64_t isa, int64_t panel, int64_t f32_panel, int64_t f32_
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmopt_cpu, m) {
-    m.def("tiles_config(int isa=-1, int panel=0, int f32_panel=0, int f32_stream=-1, int bf16=-1) -> int",
+    m.def("tiles_config(int isa=-1, int panel=0, int f32_panel=0, int f32_stream=-1, int bf16=-1, "
+          "int f32_bcast=-1) -> int",
           TORCH_FN(tiles_config));   // no tensors: a catch-all kernel
     m.def("decode_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
           "float scale, int window, float k_scale=1.0, float v_scale=1.0, Tensor? k_scale_cache=None, "

@@ -93,7 +93,8 @@ def ops():
         if available():
             _register_fakes()
             torch.ops.llmopt_cpu.tiles_config(-1, defaults.CPU_IDOT_PANEL_MIN_ROWS, defaults.CPU_F32_PANEL_MIN_ROWS,
-                                              defaults.CPU_F32_STREAM_MAX_ROWS, int(defaults.CPU_BF16_DOT_PRODUCTS))
+                                              defaults.CPU_F32_STREAM_MAX_ROWS, int(defaults.CPU_BF16_DOT_PRODUCTS),
+                                              defaults.CPU_F32_BCAST_MAX_ROWS)
             _OPS.append(torch.ops.llmopt_cpu)
         else:
             _OPS.append(None)

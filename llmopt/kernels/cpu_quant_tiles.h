@@ -795,6 +795,103 @@ void f32_panels(const Args& a0, Src src) {
     }
 }
 
+// The float GEMM for float32 weights at up to a few blocks of 64 rows (AVX-512), with the roles
+// turned: W's rows are read as stored and broadcast a float at a time, x is the packed operand
+// (xt [M / 64][K][64], transposed once per call; a k's 64 rows are 4 zmm). 6 weight rows x 4 zmm of
+// rows take 24 accumulators (per k, 4 loads, 6 broadcasts, 24 FMAs) and no weight is ever
+// repacked: the float panels' transposes of each streamed weight are gone. Outputs collect in
+// yt [N][64 * blocks] and are transposed into y by the thread that made them. Each output sums k in
+// order within a chunk of FK and adds the chunks in order, as f32_panels does: the same bits.
+constexpr int64_t BM = 64;   // rows of x a block
+constexpr int64_t BR = 6;    // weight rows a tile
+constexpr int64_t BPF = 48;  // floats ahead that a tile prefetches its weight rows (32-64 alike on Ice Lake)
+
+template <int MV>
+__attribute__((target("avx512f"))) void bcast_tile(const float* w, int64_t K, int64_t nr, const float* xt,
+                                                   int64_t kc, float* yt, int64_t ldt, bool add) {
+    const float* r[BR];
+    for (int i = 0; i < BR; ++i) r[i] = w + std::min<int64_t>(i, nr - 1) * K;   // past N: the last row again
+    __m512 c[BR][MV];
+    for (int i = 0; i < BR; ++i)
+        for (int v = 0; v < MV; ++v) c[i][v] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k < kc; ++k) {
+        if ((k & 15) == 0)   // a cache line of each row: the one BPF floats on asked for first
+            for (int i = 0; i < BR; ++i) _mm_prefetch(reinterpret_cast<const char*>(r[i] + k + BPF), _MM_HINT_T0);
+        __m512 xv[MV];
+        for (int v = 0; v < MV; ++v) xv[v] = _mm512_loadu_ps(xt + k * BM + 16 * v);
+        for (int i = 0; i < BR; ++i) {
+            const __m512 wb = _mm512_set1_ps(r[i][k]);
+            for (int v = 0; v < MV; ++v) c[i][v] = _mm512_fmadd_ps(wb, xv[v], c[i][v]);
+        }
+    }
+    for (int i = 0; i < BR; ++i)
+        for (int v = 0; v < MV; ++v) {
+            float* o = yt + i * ldt + 16 * v;
+            _mm512_storeu_ps(o, add ? _mm512_add_ps(_mm512_loadu_ps(o), c[i][v]) : c[i][v]);
+        }
+}
+
+// out[j * ldo + i] = in[i * ldi + j] for i < ni, j < nj: 8 x 8 blocks where whole
+inline void transpose_f32(const float* in, int64_t ldi, int64_t ni, int64_t nj, float* out, int64_t ldo) {
+    int64_t i = 0;
+    for (; i + 8 <= ni; i += 8) {
+        int64_t j = 0;
+        for (; j + 8 <= nj; j += 8) {
+            __m256 r[8];
+            for (int q = 0; q < 8; ++q) r[q] = _mm256_loadu_ps(in + (i + q) * ldi + j);
+            transpose8(r);
+            for (int q = 0; q < 8; ++q) _mm256_storeu_ps(out + (j + q) * ldo + i, r[q]);
+        }
+        for (; j < nj; ++j)
+            for (int q = 0; q < 8; ++q) out[j * ldo + i + q] = in[(i + q) * ldi + j];
+    }
+    for (; i < ni; ++i)
+        for (int64_t j = 0; j < nj; ++j) out[j * ldo + i] = in[i * ldi + j];
+}
+
+// y = x @ W^T, W float32 [N, K] as stored; K a multiple of 8
+inline void f32_bcast(const Args& a, const float* w) {
+    const int64_t M = a.M, K = a.K, N = a.N, B = (M + BM - 1) / BM, ldt = B * BM;
+    const int64_t units = (N + 4 * BR - 1) / (4 * BR);   // threads take whole units of 24 rows (8-aligned)
+    static thread_local std::vector<float> xbuf, ybuf;   // the calling thread's, reused across calls
+    xbuf.resize(B * K * BM);
+    ybuf.resize((units * 4 * BR) * ldt);
+    float* const xt = xbuf.data();
+    float* const yt = ybuf.data();
+#pragma omp parallel
+    {
+        const int64_t KB = (K + BM - 1) / BM;
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < B * KB; ++i) {   // xt[b][k][j] = x[64b + j][k], rows past M zero; 64 k a task
+            const int64_t b = i / KB, k0 = i % KB * BM, kn = std::min(BM, K - k0), rows = std::min(BM, M - b * BM);
+            float* o = xt + (b * K + k0) * BM;
+            transpose_f32(a.x + b * BM * K + k0, K, rows, kn, o, BM);
+            if (rows < BM)
+                for (int64_t k = 0; k < kn; ++k) std::fill(o + k * BM + rows, o + (k + 1) * BM, 0.f);
+        }
+        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t n0 = std::min(N, units * t / nt * 4 * BR), n1 = std::min(N, units * (t + 1) / nt * 4 * BR);
+        for (int64_t k0 = 0; k0 < K; k0 += FK) {   // a chunk of xt stays in L2 across the thread's tiles
+            const int64_t kc = std::min<int64_t>(FK, K - k0);
+            for (int64_t n = n0; n < n1; n += BR) {
+                const int64_t nr = std::min<int64_t>(BR, N - n);
+                for (int64_t b = 0; b < B; ++b) {
+                    const float* xb = xt + (b * K + k0) * BM;
+                    float* yb = yt + n * ldt + b * BM;
+                    const int64_t mv = std::min<int64_t>(4, (M - b * BM + 15) / 16);
+                    const float* wn = w + n * K + k0;
+                    if (mv == 4) bcast_tile<4>(wn, K, nr, xb, kc, yb, ldt, k0 > 0);
+                    else if (mv == 3) bcast_tile<3>(wn, K, nr, xb, kc, yb, ldt, k0 > 0);
+                    else if (mv == 2) bcast_tile<2>(wn, K, nr, xb, kc, yb, ldt, k0 > 0);
+                    else bcast_tile<1>(wn, K, nr, xb, kc, yb, ldt, k0 > 0);
+                }
+            }
+        }
+        if (n1 > n0) transpose_f32(yt + n0 * ldt, ldt, n1 - n0, M, a.y + n0, a.ldy);
+    }
+}
+
 template <class D>
 struct Fn8 {
     const uint8_t* w;

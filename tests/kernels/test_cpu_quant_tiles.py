@@ -148,6 +148,35 @@ def test_float32_many_rows_within_rounding_and_the_same_bits_at_any_tiling(ops):
             assert torch.equal(ops.f32_gemm(x, w[3:].contiguous()), full[:, 3:]), (n, k)
 
 
+def test_float32_weights_broadcast_as_stored_give_the_panels_bits(ops):
+    """f32_bcast (float32 weights read as stored, x transposed into blocks of 64 rows; from
+    f32_panel_rows to tiles_config's f32_bcast rows where the panels are AVX-512) against the float
+    panels (f32_bcast 0) on the same call: the same bits for row counts around the 16-row vectors
+    and the 64-row blocks and widths off the 6-row tiles and the 24-row thread units; within
+    float32 rounding of a float64 product; a row's bits the same whether its step takes the
+    broadcast (128 rows) or the panels (200)."""
+    from llmopt import defaults
+    g = torch.Generator().manual_seed(64)
+    try:
+        for n, k in ((1, 8), (7, 40), (25, 200), (193, 576), (576, 1536)):
+            w = torch.randn(n, k, generator=g)
+            x = torch.randn(200, k, generator=g)
+            ops.tiles_config(-1, 0, 0, -1, -1, 0)
+            panels = ops.f32_gemm(x, w)
+            ops.tiles_config(-1, 0, 0, -1, -1, 128)
+            assert torch.equal(ops.f32_gemm(x, w), panels), (n, k)   # 200 rows: the panels in both
+            ref = x.double() @ w.double().t()
+            bound = 1e-6 * (x.double().abs() @ w.double().abs().t()) + 1e-7
+            for m in (32, 47, 64, 65, 100, 128):
+                y = ops.f32_gemm(x[:m].contiguous(), w)
+                assert torch.equal(y, panels[:m]), (n, k, m)
+                assert bool(((y.double() - ref[:m]).abs() <= bound[:m]).all()), (n, k, m)
+        with pytest.raises(RuntimeError, match="f32_bcast"):
+            ops.tiles_config(-1, 0, 0, -1, -1, -2)
+    finally:
+        ops.tiles_config(-1, 0, 0, -1, -1, defaults.CPU_F32_BCAST_MAX_ROWS)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16bit_weights_multiply_as_their_float32_copy(ops, dtype, float32_products):
     """bfloat16 / float16 weights widened inside the loop: for 1, 3, 16 and 64 rows of x (the row
