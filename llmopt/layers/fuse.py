@@ -10,8 +10,10 @@ owner fall back to separate calls for good; a hooked one is called on its own wh
 Quantized modules fuse when they share a layout: PackedIntLinear (AWQ, GPTQ, compressed-tensors
 pack-quantized, repacked for llmopt.kernels.cpu_quant: int4 grouped nibbles or int8 codes) with
 equal bits, group size and act-order permutation (GPTQ's g_idx gives q/k/v one permutation when
-they were quantized from one Hessian; different permutations stay unfused), and W8Linear (int8 /
-fp8, weight-only or dynamic W8A8; a per-tensor scale becomes per-row rows).
+they were quantized from one Hessian; different permutations stay unfused), W8Linear (int8 /
+fp8, weight-only or dynamic W8A8; a per-tensor scale becomes per-row rows) and Fp4Linear
+(NVFP4, MXFP4, NF4 / FP4 weight-only, loaded: one code table and block; every scale level is
+already multiplied into the float32 block scales, so their rows concatenate).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 
 from llmopt.layers.modules import PackedIntLinear
 from llmopt.layers.modules16 import Linear16
+from llmopt.layers.modules_fp4 import Fp4Linear
 from llmopt.layers.modules_w8a8 import W8Linear
 
 
@@ -144,6 +147,13 @@ def fuse_quantized(lins) -> nn.Module | None:
         fused._cpu = first._cpu
         split = ("cpu_codes", "cpu_scales", "cpu_szeros")
         fused.register_buffer("cpu_perm", first.cpu_perm, persistent=False)
+    elif all(isinstance(lin, Fp4Linear) and lin.act_kind is None and "codes" in lin._buffers for lin in lins):
+        if not _same(lins, "table_name", "block", "nibbles", "in_features") or \
+                len({lin.codes.device for lin in lins}) > 1:
+            return None
+        fused = Fp4Linear(first.in_features, total, bias, first.table_name, first.block)
+        fused.nibbles = first.nibbles
+        split = ("codes", "scales")
     elif all(type(lin) is W8Linear and not lin.weight.is_meta for lin in lins):
         if not _same(lins, "kind", "activations", "in_features") or len({lin.weight.device for lin in lins}) > 1:
             return None

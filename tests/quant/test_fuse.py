@@ -96,6 +96,35 @@ def test_fused_w8_equals_separate(kind, acts, per_channel):
     _check_fused(mods, wants, xs)
 
 
+@pytest.mark.parametrize("table_name,block", [("e2m1", 16), ("e2m1", 32), ("nf4", 64), ("bnb_fp4", 64)])
+def test_fused_fp4_equals_separate(table_name, block):
+    """NVFP4 (E2M1, block 16), MXFP4 (32) and bitsandbytes NF4 / FP4 (64) weights as the loaded
+    Fp4Linear holds them (nibbles, float32 block scales): the fused call equals each module's
+    product with its weight decoded from the 16-value table in float64."""
+    from llmopt.kernels import cpu_quant
+    from llmopt.layers.formats.fp4 import table
+    from llmopt.layers.modules_fp4 import Fp4Linear
+    g = torch.Generator().manual_seed(block)
+    values = table(table_name).double()
+    mods, weights = [], []
+    for out in SIZES:
+        codes = torch.randint(0, 16, (out, IN), generator=g, dtype=torch.uint8)
+        scales = torch.rand(out, IN // block, generator=g) + 0.05
+        mod = Fp4Linear(IN, out, True, table_name, block)
+        mod.nibbles = True
+        mod.register_buffer("codes", cpu_quant.pack_int4(codes), persistent=False)
+        mod.register_buffer("scales", scales, persistent=False)
+        mod.bias = nn.Parameter(torch.randn(out, generator=g), requires_grad=False)
+        mods.append(mod)
+        weights.append(values[codes.long()] * scales.double().repeat_interleave(block, 1))
+    xs = {m: torch.randn(m, IN, generator=torch.Generator().manual_seed(m)) for m in MS}
+    wants = {m: [(x.double() @ w.t() + mod.bias.double(), w) for mod, w in zip(mods, weights)] for m, x in xs.items()}
+    _check_fused(mods, wants, xs)
+    w4a4 = Fp4Linear(IN, 32, False, "e2m1", 16)
+    w4a4.act_kind = "nvfp4"
+    assert fuse_quantized([mods[1], mods[2]]) is not None and fuse_quantized([mods[1], w4a4]) is None
+
+
 def test_layouts_that_differ_stay_unfused():
     """Act-order permutations that differ (one g_idx per projection), mixed bits or formats: None."""
     a, _ = _int_modules("gptq", 4, True, True, 64, sizes=(96,), seed=0)
