@@ -799,9 +799,10 @@ void f32_panels(const Args& a0, Src src) {
 // turned: W's rows are read as stored and broadcast a float at a time, x is the packed operand
 // (xt [M / 64][K][64], transposed once per call; a k's 64 rows are 4 zmm). 6 weight rows x 4 zmm of
 // rows take 24 accumulators (per k, 4 loads, 6 broadcasts, 24 FMAs) and no weight is ever
-// repacked: the float panels' transposes of each streamed weight are gone. Outputs collect in
-// yt [N][64 * blocks] and are transposed into y by the thread that made them. Each output sums k in
-// order within a chunk of FK and adds the chunks in order, as f32_panels does: the same bits.
+// repacked: the float panels' transposes of each streamed weight are gone. A thread takes 24
+// weight rows over all of K at a time, collects their outputs in a [24][64 * blocks] buffer and
+// transposes it into y. Each output sums k in order within a chunk of FK and adds the chunks in
+// order, as f32_panels does: the same bits.
 constexpr int64_t BM = 64;   // rows of x a block
 constexpr int64_t BR = 6;    // weight rows a tile
 constexpr int64_t BPF = 48;  // floats ahead that a tile prefetches its weight rows (32-64 alike on Ice Lake)
@@ -853,12 +854,10 @@ inline void transpose_f32(const float* in, int64_t ldi, int64_t ni, int64_t nj, 
 // y = x @ W^T, W float32 [N, K] as stored; K a multiple of 8
 inline void f32_bcast(const Args& a, const float* w) {
     const int64_t M = a.M, K = a.K, N = a.N, B = (M + BM - 1) / BM, ldt = B * BM;
-    const int64_t units = (N + 4 * BR - 1) / (4 * BR);   // threads take whole units of 24 rows (8-aligned)
-    static thread_local std::vector<float> xbuf, ybuf;   // the calling thread's, reused across calls
+    const int64_t units = (N + 4 * BR - 1) / (4 * BR);   // 24 weight rows, all of K, by one thread
+    static thread_local std::vector<float> xbuf;   // the calling thread's, reused across calls
     xbuf.resize(B * K * BM);
-    ybuf.resize((units * 4 * BR) * ldt);
     float* const xt = xbuf.data();
-    float* const yt = ybuf.data();
 #pragma omp parallel
     {
         const int64_t KB = (K + BM - 1) / BM;
@@ -870,25 +869,30 @@ inline void f32_bcast(const Args& a, const float* w) {
             if (rows < BM)
                 for (int64_t k = 0; k < kn; ++k) std::fill(o + k * BM + rows, o + (k + 1) * BM, 0.f);
         }
-        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-        const int64_t n0 = std::min(N, units * t / nt * 4 * BR), n1 = std::min(N, units * (t + 1) / nt * 4 * BR);
-        for (int64_t k0 = 0; k0 < K; k0 += FK) {   // a chunk of xt stays in L2 across the thread's tiles
-            const int64_t kc = std::min<int64_t>(FK, K - k0);
-            for (int64_t n = n0; n < n1; n += BR) {
-                const int64_t nr = std::min<int64_t>(BR, N - n);
-                for (int64_t b = 0; b < B; ++b) {
-                    const float* xb = xt + (b * K + k0) * BM;
-                    float* yb = yt + n * ldt + b * BM;
-                    const int64_t mv = std::min<int64_t>(4, (M - b * BM + 15) / 16);
-                    const float* wn = w + n * K + k0;
-                    if (mv == 4) bcast_tile<4>(wn, K, nr, xb, kc, yb, ldt, k0 > 0);
-                    else if (mv == 3) bcast_tile<3>(wn, K, nr, xb, kc, yb, ldt, k0 > 0);
-                    else if (mv == 2) bcast_tile<2>(wn, K, nr, xb, kc, yb, ldt, k0 > 0);
-                    else bcast_tile<1>(wn, K, nr, xb, kc, yb, ldt, k0 > 0);
+        static thread_local std::vector<float> ubuf;   // this thread's unit of outputs, [24][ldt]
+        ubuf.resize(4 * BR * ldt);
+        float* const yt = ubuf.data();
+#pragma omp for schedule(dynamic, 1)   // units taken as threads come free: a slower core takes fewer
+        for (int64_t u = 0; u < units; ++u) {
+            const int64_t n0 = u * 4 * BR, n1 = std::min(N, n0 + 4 * BR);
+            for (int64_t k0 = 0; k0 < K; k0 += FK) {
+                const int64_t kc = std::min<int64_t>(FK, K - k0);
+                for (int64_t n = n0; n < n1; n += BR) {
+                    const int64_t nr = std::min<int64_t>(BR, N - n);
+                    for (int64_t b = 0; b < B; ++b) {
+                        const float* xb = xt + (b * K + k0) * BM;
+                        float* yb = yt + (n - n0) * ldt + b * BM;
+                        const int64_t mv = std::min<int64_t>(4, (M - b * BM + 15) / 16);
+                        const float* wn = w + n * K + k0;
+                        if (mv == 4) bcast_tile<4>(wn, K, nr, xb, kc, yb, ldt, k0 > 0);
+                        else if (mv == 3) bcast_tile<3>(wn, K, nr, xb, kc, yb, ldt, k0 > 0);
+                        else if (mv == 2) bcast_tile<2>(wn, K, nr, xb, kc, yb, ldt, k0 > 0);
+                        else bcast_tile<1>(wn, K, nr, xb, kc, yb, ldt, k0 > 0);
+                    }
                 }
             }
+            transpose_f32(yt, ldt, n1 - n0, M, a.y + n0, a.ldy);   // the unit's outputs while in L1
         }
-        if (n1 > n0) transpose_f32(yt + n0 * ldt, ldt, n1 - n0, M, a.y + n0, a.ldy);
     }
 }
 
