@@ -25,7 +25,6 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <cmath>
-#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -143,19 +142,6 @@ struct Lin {
     bool idot;   // integer dot products with int8 activations allowed (cpu_idot_tiles.h)
     float zc;    // an implied zero code (szeros given as one value, Args::zc), else 0
     KScales ks, kz;   // K-quant sub-scales (Args::ks, kz), pointing into s / sz
-};
-
-// a float buffer grown as needed, never initialized
-struct Grown {
-    std::unique_ptr<float[]> p;
-    int64_t n = 0;
-    float* get(int64_t m) {
-        if (m > n) {
-            p.reset(new float[m]);
-            n = m;
-        }
-        return p.get();
-    }
 };
 
 struct Scratch {   // per-call buffers of the linears
@@ -1273,6 +1259,7 @@ int64_t tiles_config(int64_t isa, int64_t panel, int64_t f32_panel, int64_t f32_
     TORCH_CHECK(panel >= 0 && f32_panel >= 0, "panel and f32_panel must be >= 0");
     TORCH_CHECK(f32_stream >= -1 && f32_stream <= 8, "f32_stream must be -1 (keep) or 0 to 8");
     TORCH_CHECK(bf16 >= -1 && bf16 <= 1, "bf16 must be -1 (keep), 0 or 1");
+    TORCH_CHECK(f32_bcast >= -1, "f32_bcast must be -1 (keep) or >= 0");
     if (bf16 >= 0) {
         use_bf16dot = bf16 == 1 && cpu_has_bf16();
         use_amx = use_bf16dot && bf16dot::amx::available();
@@ -1280,7 +1267,6 @@ int64_t tiles_config(int64_t isa, int64_t panel, int64_t f32_panel, int64_t f32_
     if (panel > 0) panel_rows = panel;
     if (f32_panel > 0) f32_panel_rows = f32_panel;
     if (f32_stream >= 0) f32_stream_rows = f32_stream;
-    TORCH_CHECK(f32_bcast >= -1, "f32_bcast must be -1 (keep) or >= 0");
     if (f32_bcast >= 0) f32_bcast_rows = f32_bcast;
     const bool has = cpu_has_vnni();
     TORCH_CHECK(isa >= -1 && isa <= 1, "isa must be -1, 0 or 1");

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 #ifdef _OPENMP
@@ -795,6 +796,19 @@ void f32_panels(const Args& a0, Src src) {
     }
 }
 
+// a float buffer grown as needed, never initialized (a thread's scratch reused across calls)
+struct Grown {
+    std::unique_ptr<float[]> p;
+    int64_t n = 0;
+    float* get(int64_t m) {
+        if (m > n) {
+            p.reset(new float[m]);
+            n = m;
+        }
+        return p.get();
+    }
+};
+
 // The float GEMM for float32 weights at up to a few blocks of 64 rows (AVX-512), with the roles
 // turned: W's rows are read as stored and broadcast a float at a time, x is the packed operand
 // (xt [M / 64][K][64], transposed once per call; a k's 64 rows are 4 zmm). 6 weight rows x 4 zmm of
@@ -855,9 +869,8 @@ inline void transpose_f32(const float* in, int64_t ldi, int64_t ni, int64_t nj, 
 inline void f32_bcast(const Args& a, const float* w) {
     const int64_t M = a.M, K = a.K, N = a.N, B = (M + BM - 1) / BM, ldt = B * BM;
     const int64_t units = (N + 4 * BR - 1) / (4 * BR);   // 24 weight rows, all of K, by one thread
-    static thread_local std::vector<float> xbuf;   // the calling thread's, reused across calls
-    xbuf.resize(B * K * BM);
-    float* const xt = xbuf.data();
+    static thread_local Grown xbuf;   // the calling thread's
+    float* const xt = xbuf.get(B * K * BM);
 #pragma omp parallel
     {
         const int64_t KB = (K + BM - 1) / BM;
@@ -869,9 +882,8 @@ inline void f32_bcast(const Args& a, const float* w) {
             if (rows < BM)
                 for (int64_t k = 0; k < kn; ++k) std::fill(o + k * BM + rows, o + (k + 1) * BM, 0.f);
         }
-        static thread_local std::vector<float> ubuf;   // this thread's unit of outputs, [24][ldt]
-        ubuf.resize(4 * BR * ldt);
-        float* const yt = ubuf.data();
+        static thread_local Grown ubuf;   // this thread's unit of outputs, [24][ldt]
+        float* const yt = ubuf.get(4 * BR * ldt);
 #pragma omp for schedule(dynamic, 1)   // units taken as threads come free: a slower core takes fewer
         for (int64_t u = 0; u < units; ++u) {
             const int64_t n0 = u * 4 * BR, n1 = std::min(N, n0 + 4 * BR);
