@@ -63,9 +63,8 @@ CPU_F32_PANEL_MIN_ROWS = 32
 CPU_BF16_DOT_PRODUCTS = True
 # float32 weights' linears of CPU_F32_PANEL_MIN_ROWS to this many rows, with AVX-512: the weights read
 # as stored and broadcast, x the packed operand (cpu_quant_tiles.h f32_bcast: the same bits as the
-# panels, no weight transposed). Ice Lake, weights streamed from memory, in one run: 1.25x / 1.43x /
-# 1.35x the panels at 32 / 48 / 64 rows (docs/benchmarks.md); from 65 rows a half-filled second
-# block of 64 lost to the panels (96 rows 0.88x)
+# panels, no weight transposed; faster at 32-64 rows: docs/benchmarks.md, "kernels"); from 65 rows a
+# half-filled second block of 64 lost to the panels (96 rows 0.88x)
 CPU_F32_BCAST_MAX_ROWS = 64
 # float linears of 1 to this many rows (at most 8) read each weight row once, front to back
 # (cpu_quant_tiles.h row_f32: 1.5-2x the tiles on the AMD EPYC machine)
