@@ -467,6 +467,72 @@ inline void accumulate_rows(const float* pg, const uint8_t* first, int64_t rb, i
     }
 }
 
+// score_rows for G heads of one GQA group at once (their queries D apart from qg; pg[h] and mx[h] head
+// h's): each key row is widened once for the G heads, and each head's sums run in score_rows' order
+// and reduction, so its scores are the same bits
+template <class E, int G>
+inline void score_rows_group(const float* qg, const uint8_t* first, int64_t rb, int64_t D, int64_t j0, int64_t j1,
+                             float kscale, const float* kf, int64_t Hkv, float* const* pg, float* mx) {
+    int64_t j = j0;
+    if (D % 8 == 0)
+        for (; j + 4 <= j1; j += 4) {
+            const uint8_t* k0 = first + (j - j0) * rb;
+            __m256 a[G][4];
+            for (int h = 0; h < G; ++h)
+                for (int r = 0; r < 4; ++r) a[h][r] = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d += 8)
+                for (int r = 0; r < 4; ++r) {
+                    const __m256 kv = E::at(k0 + r * rb, d);
+                    for (int h = 0; h < G; ++h) a[h][r] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + h * D + d), kv, a[h][r]);
+                }
+            const __m128 kfs = kf ? _mm_setr_ps(kf[j * Hkv], kf[(j + 1) * Hkv], kf[(j + 2) * Hkv], kf[(j + 3) * Hkv])
+                                  : _mm_set1_ps(1.f);
+            for (int h = 0; h < G; ++h) {
+                const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a[h][0], a[h][1]), _mm256_hadd_ps(a[h][2], a[h][3]));
+                __m128 sc = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)),
+                                       _mm_set1_ps(kscale));
+                if (kf) sc = _mm_mul_ps(sc, kfs);
+                float* ph = pg[h] + j;
+                _mm_storeu_ps(ph, sc);
+                mx[h] = std::max(mx[h], std::max(std::max(ph[0], ph[1]), std::max(ph[2], ph[3])));
+            }
+        }
+    if (j < j1)
+        for (int h = 0; h < G; ++h)
+            score_rows<E>(qg + h * D, first + (j - j0) * rb, rb, D, j, j1, 0.f, kscale, kf, Hkv, pg[h], mx[h]);
+}
+
+// out[h][d0, d0 + 32) = (sum over keys j in [lo, L) of w_h(j) * value row j) * inv[h] for G heads of one
+// GQA group, w_h(j) = pg[h][j] (times vf[j * Hkv] when vf: int8 values' scales): each value row is
+// widened once for the G heads; each column's sum runs over the keys in order from zero, as one head's
+// 64-column pass, so the outputs are the same bits (D % 32 == 0)
+template <class E, int G>
+inline void values_group(const Cache& c, const int32_t* table, int64_t hk, int64_t Hkv, int64_t rb, int64_t hb,
+                         int64_t lo, int64_t L, int64_t d0, const float* const* pg, const float* inv,
+                         float* const* out) {
+    __m256 acc[G][4];
+    for (int h = 0; h < G; ++h)
+        for (int i = 0; i < 4; ++i) acc[h][i] = _mm256_setzero_ps();
+    for (int64_t b = lo / c.bs; b * c.bs < L; ++b) {
+        const int64_t j0 = std::max(lo, b * c.bs), j1 = std::min(L, (b + 1) * c.bs);
+        const uint8_t* vb = c.v + ((int64_t)table[b] * c.bs) * rb + hk * hb;
+        const float* vf = c.vsc ? c.vsc + ((int64_t)table[b] * c.bs - b * c.bs) * Hkv + hk : nullptr;
+        for (int64_t j = j0; j < j1; ++j) {
+            __m256 w[G];
+            for (int h = 0; h < G; ++h) w[h] = _mm256_set1_ps(vf ? pg[h][j] * vf[j * Hkv] : pg[h][j]);
+            const uint8_t* vv = vb + (j - b * c.bs) * rb;
+            for (int i = 0; i < 4; ++i) {
+                const __m256 x = E::at(vv, d0 + 8 * i);
+                for (int h = 0; h < G; ++h) acc[h][i] = _mm256_fmadd_ps(w[h], x, acc[h][i]);
+            }
+        }
+    }
+    for (int h = 0; h < G; ++h) {
+        const __m256 iv = _mm256_set1_ps(inv[h]);
+        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out[h] + d0 + 8 * i, _mm256_mul_ps(acc[h][i], iv));
+    }
+}
+
 // kivi2's 2-bit pages (llmopt/kernels/kivi.py): code c of a token's row in bits 2 * (c % 4) of byte
 // c / 4. codes16: 16 codes from column c (a multiple of 4) as floats, codes c.. c + 7 in lo, the next 8
 // in hi (one 4-byte word broadcast, shifted per lane); codes8: 8 codes; code1: one
@@ -624,10 +690,10 @@ void attention_t(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv
                 prefetch_rows<_MM_HINT_T0>(c.k + ((int64_t)table[b + 2] * c.bs) * rb + hk * hb, c.bs, rb, hb);
             prefetch_rows<_MM_HINT_T1>(c.v + ((int64_t)table[b] * c.bs) * rb + hk * hb, c.bs, rb, hb);
             const float* kf = c.ksc ? c.ksc + ((int64_t)table[b] * c.bs - b * c.bs) * Hkv + hk : nullptr;  // kf[j * Hkv]
-            for (int64_t g = 0; g < group; ++g) {
-                const float* qg = q + m * ldq + (hk * group + g) * D;
-                float* pg = p.data() + g * (n + 8) - lo;   // pg[j], j in [lo, L)
-                if constexpr (std::is_same_v<E, Q4>) {   // per block: d * (q . (codes - 8)), one d a block
+            if constexpr (std::is_same_v<E, Q4>) {   // per block: d * (q . (codes - 8)), one d a block
+                for (int64_t g = 0; g < group; ++g) {
+                    const float* qg = q + m * ldq + (hk * group + g) * D;
+                    float* pg = p.data() + g * (n + 8) - lo;   // pg[j], j in [lo, L)
                     int64_t j = j0;
                     for (; j + 4 <= j1; j += 4) {   // 4 keys at once: one 4-way horizontal sum
                         const uint8_t* k0 = kb + (j - b * c.bs) * rb;
@@ -669,8 +735,16 @@ void attention_t(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv
                         pg[j] = hsum(a) * kscale;
                         mx[g] = std::max(mx[g], pg[j]);
                     }
-                } else {
-                    score_rows<E>(qg, kb + (j0 - b * c.bs) * rb, rb, D, j0, j1, 0.f, kscale, kf, Hkv, pg, mx[g]);
+                }
+            } else {
+                for (int64_t g = 0; g < group; g += 3) {   // the group's heads three at a time
+                    const float* qg = q + m * ldq + (hk * group + g) * D;
+                    float* pg[3];
+                    for (int64_t h = 0; h < 3 && g + h < group; ++h) pg[h] = p.data() + (g + h) * (n + 8) - lo;
+                    const uint8_t* first = kb + (j0 - b * c.bs) * rb;
+                    if (group - g >= 3) score_rows_group<E, 3>(qg, first, rb, D, j0, j1, kscale, kf, Hkv, pg, mx + g);
+                    else if (group - g == 2) score_rows_group<E, 2>(qg, first, rb, D, j0, j1, kscale, kf, Hkv, pg, mx + g);
+                    else score_rows<E>(qg, first, rb, D, j0, j1, 0.f, kscale, kf, Hkv, pg[0], mx[g]);
                 }
             }
         }
@@ -695,6 +769,24 @@ void attention_t(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv
             if (c.kp) {   // kivi2: p @ V block by block
                 page_attend_values<E>(c, m, hk, Hkv, D, lo, L, p.data(), n + 8, group, inv, o + (m * Hq + hk * group) * D,
                                       rows.data(), acc.data());
+                continue;
+            }
+        }
+        if constexpr (!std::is_same_v<E, Q4>) {
+            if (D % 32 == 0) {   // p @ V: 32 columns of three heads at a time in registers over all keys
+                for (int64_t g = 0; g < group; g += 3) {
+                    const float* pg[3];
+                    float* out[3];
+                    for (int64_t h = 0; h < 3 && g + h < group; ++h) {
+                        pg[h] = p.data() + (g + h) * (n + 8) - lo;
+                        out[h] = o + (m * Hq + hk * group + g + h) * D;
+                    }
+                    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+                        if (group - g >= 3) values_group<E, 3>(c, table, hk, Hkv, rb, hb, lo, L, d0, pg, inv + g, out);
+                        else if (group - g == 2) values_group<E, 2>(c, table, hk, Hkv, rb, hb, lo, L, d0, pg, inv + g, out);
+                        else values_group<E, 1>(c, table, hk, Hkv, rb, hb, lo, L, d0, pg, inv + g, out);
+                    }
+                }
                 continue;
             }
         }

@@ -349,14 +349,14 @@ KV_SCALES = {"fp8_e4m3": (0.5, 0.25), "fp8_e5m2": (2.0, 0.5)}   # fp8 caches wit
 
 
 @pytest.mark.parametrize("window", [-1, 5])
-@pytest.mark.parametrize("d", [6, 16, 72])   # the plain loops, 4-key sums, 64 + 8 columns in registers
+@pytest.mark.parametrize("d", [6, 16, 72, 96])   # plain loops, 4-key sums, 64 + 8 columns, 3 x 32 columns
 @pytest.mark.parametrize("kv", ["float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"])
 def test_decode_attention_op_equals_the_reference(window, d, kv):
     """The op over every cache dtype against float64 attention over the dequantized cache (int4:
     heads of 32, 64 and 96, its blocks of 32 on and off the 64 columns held in registers)."""
     from llmopt.kernels import reference
     if kv == "int4":
-        d = {6: 32, 16: 64, 72: 96}[d]
+        d = {6: 32, 16: 64, 72: 96, 96: 128}[d]
     g = torch.Generator().manual_seed(3)
     nb, bs, hkv, hq = 12, 4, 2, 6
     ks, vs = KV_SCALES.get(kv, (1.0, 1.0))
@@ -375,6 +375,30 @@ def test_decode_attention_op_equals_the_reference(window, d, kv):
     if kv == "int8":
         with pytest.raises(RuntimeError, match="scale caches"):
             torch.ops.llmopt_cpu.decode_attention(q, kc, vc, tables, lens, 0.25, window)
+
+
+@pytest.mark.parametrize("d", [16, 64, 72])
+@pytest.mark.parametrize("kv", ["float32", "bfloat16", "float16", "fp8_e4m3", "int8", "int4"])
+def test_decode_attention_gqa_groups_equal_repeated_heads_bit_for_bit(d, kv):
+    """A GQA group's query heads share each key and value row (read once for up to three heads): the
+    output equals, bit for bit, attention over the same cache with every kv head repeated per query head
+    (one head a group), for groups of 1 to 5 heads (three, two and one at a time)."""
+    if kv == "int4":
+        d = {16: 32, 64: 64, 72: 96}[d]
+    g = torch.Generator().manual_seed(5)
+    nb, bs, hkv = 10, 4, 2
+    ks, vs = KV_SCALES.get(kv, (1.0, 1.0))
+    kc, vc, ksc, vsc = _filled_cache(kv, nb, bs, hkv, d, g, ks, vs)
+    tables = torch.tensor([[3, 7, 1, 0], [5, 0, 0, 0], [2, 4, 6, 8]], dtype=torch.int32)
+    lens = torch.tensor([14, 3, 15], dtype=torch.int32)
+    for group in range(1, 6):
+        q = torch.randn(3, hkv * group, d, generator=g)
+        rep = [None if t is None else t.repeat_interleave(group, dim=2) for t in (kc, vc, ksc, vsc)]
+        for window in (-1, 6):
+            got = torch.ops.llmopt_cpu.decode_attention(q, kc, vc, tables, lens, 0.25, window, ks, vs, ksc, vsc)
+            want = torch.ops.llmopt_cpu.decode_attention(q, rep[0], rep[1], tables, lens, 0.25, window, ks, vs,
+                                                         rep[2], rep[3])
+            assert torch.equal(got, want), (group, window)
 
 
 def _fp8_grid(dt: torch.dtype) -> torch.Tensor:
