@@ -813,22 +813,29 @@ struct Grown {
 // turned: W's rows are read as stored and broadcast a float at a time, x is the packed operand
 // (xt [M / 64][K][64], transposed once per call; a k's 64 rows are 4 zmm). 6 weight rows x 4 zmm of
 // rows take 24 accumulators (per k, 4 loads, 6 broadcasts, 24 FMAs) and no weight is ever
-// repacked: the float panels' transposes of each streamed weight are gone. A thread takes 24
-// weight rows over all of K at a time, collects their outputs in a [24][64 * blocks] buffer and
-// transposes it into y. Each output sums k in order within a chunk of FK and adds the chunks in
-// order, as f32_panels does: the same bits.
+// repacked: the float panels' transposes of each streamed weight are gone. A thread takes 48
+// weight rows (8 tiles) over all of K at a time, collects their outputs in a [48][64 * blocks]
+// buffer and transposes it into y. Each output sums k in order within a chunk of FK and adds the
+// chunks in order, as f32_panels does: the same bits. A chunk runs in passes of BK k for the unit's
+// 8 tiles, a tile's partial sums kept exactly between passes, so that the pass's x stays in L1.
 constexpr int64_t BM = 64;   // rows of x a block
 constexpr int64_t BR = 6;    // weight rows a tile
 constexpr int64_t BPF = 48;  // floats ahead that a tile prefetches its weight rows (32-64 alike on Ice Lake)
 
+constexpr int64_t BK = 128; // k a pass: a block's 64 x 128 floats of x (32 KB) stay in L1 over a unit's tiles
+constexpr int64_t BU = 8;    // tiles a thread's unit
+
+// acc: the tile's partial sums between the passes of a chunk (first: the chunk's first pass, from
+// zero); last: the chunk's last pass, its sums into yt (added to it with add), else kept in acc
 template <int MV>
 __attribute__((target("avx512f"))) void bcast_tile(const float* w, int64_t K, int64_t nr, const float* xt,
-                                                   int64_t kc, float* yt, int64_t ldt, bool add) {
+                                                   int64_t kc, float* acc, bool first, bool last, float* yt,
+                                                   int64_t ldt, bool add) {
     const float* r[BR];
     for (int i = 0; i < BR; ++i) r[i] = w + std::min<int64_t>(i, nr - 1) * K;   // past N: the last row again
     __m512 c[BR][MV];
     for (int i = 0; i < BR; ++i)
-        for (int v = 0; v < MV; ++v) c[i][v] = _mm512_setzero_ps();
+        for (int v = 0; v < MV; ++v) c[i][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + (i * 4 + v) * 16);
     int64_t k = 0;
     for (; k < kc; ++k) {
         if ((k & 15) == 0)   // a cache line of each row: the one BPF floats on asked for first
@@ -842,6 +849,10 @@ __attribute__((target("avx512f"))) void bcast_tile(const float* w, int64_t K, in
     }
     for (int i = 0; i < BR; ++i)
         for (int v = 0; v < MV; ++v) {
+            if (!last) {
+                _mm512_storeu_ps(acc + (i * 4 + v) * 16, c[i][v]);
+                continue;
+            }
             float* o = yt + i * ldt + 16 * v;
             _mm512_storeu_ps(o, add ? _mm512_add_ps(_mm512_loadu_ps(o), c[i][v]) : c[i][v]);
         }
@@ -868,7 +879,7 @@ inline void transpose_f32(const float* in, int64_t ldi, int64_t ni, int64_t nj, 
 // y = x @ W^T, W float32 [N, K] as stored; K a multiple of 8
 inline void f32_bcast(const Args& a, const float* w) {
     const int64_t M = a.M, K = a.K, N = a.N, B = (M + BM - 1) / BM, ldt = B * BM;
-    const int64_t units = (N + 4 * BR - 1) / (4 * BR);   // 24 weight rows, all of K, by one thread
+    const int64_t units = (N + BU * BR - 1) / (BU * BR);   // 48 weight rows, all of K, by one thread
     static thread_local Grown xbuf;   // the calling thread's
     float* const xt = xbuf.get(B * K * BM);
 #pragma omp parallel
@@ -882,24 +893,30 @@ inline void f32_bcast(const Args& a, const float* w) {
             if (rows < BM)
                 for (int64_t k = 0; k < kn; ++k) std::fill(o + k * BM + rows, o + (k + 1) * BM, 0.f);
         }
-        static thread_local Grown ubuf;   // this thread's unit of outputs, [24][ldt]
-        float* const yt = ubuf.get(4 * BR * ldt);
+        static thread_local Grown ubuf, abuf;   // this thread's unit of outputs [24][ldt]; partial sums
+        float* const yt = ubuf.get(BU * BR * ldt);
+        float* const acc = abuf.get(BU * B * BR * BM);
 #pragma omp for schedule(dynamic, 1)   // units taken as threads come free: a slower core takes fewer
         for (int64_t u = 0; u < units; ++u) {
-            const int64_t n0 = u * 4 * BR, n1 = std::min(N, n0 + 4 * BR);
-            for (int64_t k0 = 0; k0 < K; k0 += FK) {
-                const int64_t kc = std::min<int64_t>(FK, K - k0);
-                for (int64_t n = n0; n < n1; n += BR) {
-                    const int64_t nr = std::min<int64_t>(BR, N - n);
-                    for (int64_t b = 0; b < B; ++b) {
-                        const float* xb = xt + (b * K + k0) * BM;
-                        float* yb = yt + (n - n0) * ldt + b * BM;
-                        const int64_t mv = std::min<int64_t>(4, (M - b * BM + 15) / 16);
-                        const float* wn = w + n * K + k0;
-                        if (mv == 4) bcast_tile<4>(wn, K, nr, xb, kc, yb, ldt, k0 > 0);
-                        else if (mv == 3) bcast_tile<3>(wn, K, nr, xb, kc, yb, ldt, k0 > 0);
-                        else if (mv == 2) bcast_tile<2>(wn, K, nr, xb, kc, yb, ldt, k0 > 0);
-                        else bcast_tile<1>(wn, K, nr, xb, kc, yb, ldt, k0 > 0);
+            const int64_t n0 = u * BU * BR, n1 = std::min(N, n0 + BU * BR);
+            for (int64_t k0 = 0; k0 < K; k0 += FK) {   // chunks of FK, each in passes of BK
+                const int64_t k1 = std::min<int64_t>(k0 + FK, K);
+                for (int64_t s = k0; s < k1; s += BK) {
+                    const int64_t kc = std::min<int64_t>(BK, k1 - s);
+                    for (int64_t n = n0; n < n1; n += BR) {
+                        const int64_t nr = std::min<int64_t>(BR, N - n);
+                        for (int64_t b = 0; b < B; ++b) {
+                            const float* xb = xt + (b * K + s) * BM;
+                            float* yb = yt + (n - n0) * ldt + b * BM;
+                            float* ab = acc + ((n - n0) / BR * B + b) * BR * BM;
+                            const int64_t mv = std::min<int64_t>(4, (M - b * BM + 15) / 16);
+                            const float* wn = w + n * K + s;
+                            const bool first = s == k0, last = s + kc == k1, add = k0 > 0;
+                            if (mv == 4) bcast_tile<4>(wn, K, nr, xb, kc, ab, first, last, yb, ldt, add);
+                            else if (mv == 3) bcast_tile<3>(wn, K, nr, xb, kc, ab, first, last, yb, ldt, add);
+                            else if (mv == 2) bcast_tile<2>(wn, K, nr, xb, kc, ab, first, last, yb, ldt, add);
+                            else bcast_tile<1>(wn, K, nr, xb, kc, ab, first, last, yb, ldt, add);
+                        }
                     }
                 }
             }
