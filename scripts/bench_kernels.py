@@ -16,7 +16,7 @@
   stored, also timed through the float panels they replaced, the panels beyond) against MKL's `x @ w.t()`, each over
   `--matrices` distinct 1536 x 576 weights (streamed from memory where they outgrow the L3), in G
   multiply-adds/s; then `llmopt_cpu::decode_attention` for 64 rows over 200 keys with one distinct cache
-  per layer, as a decode step reads them.
+  per layer, as a decode step reads them, for float32, bfloat16, float16 and int8 caches.
 `w4a16` (CUDA only): every quantized module on CUDA (GPTQ act-order, AutoAWQ GEMM, compressed-tensors
   W4A16, FP8 and INT8 W8A8) against the same module's CPU path; then the Triton W4A16 kernel against a
   bf16 matmul at decode and prefill shapes, in us (median of 50).
@@ -190,14 +190,22 @@ def linears(args) -> None:
         print(f"{m:>4} {'float32, MKL x @ w.t()':<28} {mkl * 1e3:>8.3f} {rate(mkl):>8.1f}   ours/MKL {mkl / ours:.2f}x")
     rows, hq, hkv, d, bs, ctx, layers = 64, 9, 3, 64, 16, 200, 30
     w = (ctx + bs - 1) // bs
-    caches = [(torch.randn(rows * w, bs, hkv, d), torch.randn(rows * w, bs, hkv, d)) for _ in range(layers)]
     perm = torch.randperm(rows * w, generator=g).to(torch.int32).view(rows, w)
     lens = torch.full((rows,), ctx, dtype=torch.int32)
     q = torch.randn(rows, hq, d)
-    s = best_of(lambda c: ops.decode_attention(q, c[0], c[1], perm, lens, d ** -0.5, -1), caches)
-    mb = rows * ctx * hkv * d * 8 / 1e6
-    print(f"attention: {rows} rows x {ctx} keys, {layers} distinct caches: {s * 1e3:.3f} ms a layer "
-          f"({mb:.1f} MB of K/V, {mb / 1e3 / s:.1f} GB/s)")
+    shape = (rows * w, bs, hkv, d)
+    for kv in ("float32", "bfloat16", "float16", "int8"):   # int8: codes and per-(slot, head) scales
+        if kv == "int8":
+            caches = [tuple(torch.randint(-127, 128, shape, dtype=torch.int8, generator=g) for _ in "kv")
+                      + tuple(torch.rand(shape[:3], generator=g) / 40 + 0.01 for _ in "kv") for _ in range(layers)]
+        else:
+            caches = [tuple(torch.randn(shape, generator=g).to(getattr(torch, kv)) for _ in "kv") + (None, None)
+                      for _ in range(layers)]
+        s = best_of(lambda c: ops.decode_attention(q, c[0], c[1], perm, lens, d ** -0.5, -1, 1.0, 1.0, c[2], c[3]),
+                    caches)
+        mb = rows * ctx * hkv * 2 * (d * caches[0][0].element_size() + (4 if kv == "int8" else 0)) / 1e6
+        print(f"attention, {kv} cache: {rows} rows x {ctx} keys, {layers} distinct caches: {s * 1e3:.3f} ms a layer "
+              f"({mb:.1f} MB of K/V, {mb / 1e3 / s:.1f} GB/s)")
 
 
 
