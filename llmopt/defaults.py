@@ -63,9 +63,10 @@ CPU_F32_PANEL_MIN_ROWS = 32
 CPU_BF16_DOT_PRODUCTS = True
 # float32 weights' linears of CPU_F32_PANEL_MIN_ROWS to this many rows, with AVX-512: the weights read
 # as stored and broadcast, x the packed operand (cpu_quant_tiles.h f32_bcast: the same bits as the
-# panels, no weight transposed; faster at 32-64 rows: docs/benchmarks.md, "kernels"); from 65 rows a
-# half-filled second block of 64 lost to the panels (96 rows 0.88x)
-CPU_F32_BCAST_MAX_ROWS = 64
+# panels, no weight transposed; faster at 32-64 rows: docs/benchmarks.md, "kernels"). At 80-128 rows
+# it also beat the panels on every decode-layer shape and the LM head (Ice Lake); from 160 rows the
+# LM head's 49152 x 576 lost (0.75-1.17x at 160-512 rows)
+CPU_F32_BCAST_MAX_ROWS = 128
 # float linears of 1 to this many rows (at most 8) read each weight row once, front to back
 # (cpu_quant_tiles.h row_f32: 1.5-2x the tiles on the AMD EPYC machine)
 CPU_F32_STREAM_MAX_ROWS = 8

@@ -132,7 +132,7 @@ bool cpu_has_bf16() {
 bool use_vnni = cpu_has_vnni();   // the integer kernels: AVX-512 VNNI where the CPU has it
 int64_t panel_rows = 5;           // with VNNI, int8-activation linears of this many rows take the panels
 int64_t f32_panel_rows = 32;      // float linears of this many rows take the float panels
-int64_t f32_bcast_rows = 64;      // ... float32 ones of at most this many, with AVX-512, f32_bcast instead
+int64_t f32_bcast_rows = 128;     // ... float32 ones of at most this many, with AVX-512, f32_bcast instead
 bool use_bf16dot = false;   // ... and bfloat16 ones AVX-512 BF16 dot products there (tiles_config), or
 bool use_amx = false;       // AMX tiles
 
