@@ -502,17 +502,17 @@ inline void score_rows_group(const float* qg, const uint8_t* first, int64_t rb, 
             score_rows<E>(qg + h * D, first + (j - j0) * rb, rb, D, j, j1, 0.f, kscale, kf, Hkv, pg[h], mx[h]);
 }
 
-// out[h][d0, d0 + 32) = (sum over keys j in [lo, L) of w_h(j) * value row j) * inv[h] for G heads of one
-// GQA group, w_h(j) = pg[h][j] (times vf[j * Hkv] when vf: int8 values' scales): each value row is
-// widened once for the G heads; each column's sum runs over the keys in order from zero, as one head's
-// 64-column pass, so the outputs are the same bits (D % 32 == 0)
-template <class E, int G>
+// out[h][d0, d0 + 8 * W) = (sum over keys j in [lo, L) of w_h(j) * value row j) * inv[h] for G heads of
+// one GQA group (W <= 4), w_h(j) = pg[h][j] (times vf[j * Hkv] when vf: int8 values' scales): each value
+// row is widened once for the G heads; each column sums the keys in order from zero, as a head alone
+// would, so the outputs are the same bits
+template <class E, int G, int W>
 inline void values_group(const Cache& c, const int32_t* table, int64_t hk, int64_t Hkv, int64_t rb, int64_t hb,
                          int64_t lo, int64_t L, int64_t d0, const float* const* pg, const float* inv,
                          float* const* out) {
-    __m256 acc[G][4];
+    __m256 acc[G][W];
     for (int h = 0; h < G; ++h)
-        for (int i = 0; i < 4; ++i) acc[h][i] = _mm256_setzero_ps();
+        for (int i = 0; i < W; ++i) acc[h][i] = _mm256_setzero_ps();
     for (int64_t b = lo / c.bs; b * c.bs < L; ++b) {
         const int64_t j0 = std::max(lo, b * c.bs), j1 = std::min(L, (b + 1) * c.bs);
         const uint8_t* vb = c.v + ((int64_t)table[b] * c.bs) * rb + hk * hb;
@@ -521,7 +521,7 @@ inline void values_group(const Cache& c, const int32_t* table, int64_t hk, int64
             __m256 w[G];
             for (int h = 0; h < G; ++h) w[h] = _mm256_set1_ps(vf ? pg[h][j] * vf[j * Hkv] : pg[h][j]);
             const uint8_t* vv = vb + (j - b * c.bs) * rb;
-            for (int i = 0; i < 4; ++i) {
+            for (int i = 0; i < W; ++i) {
                 const __m256 x = E::at(vv, d0 + 8 * i);
                 for (int h = 0; h < G; ++h) acc[h][i] = _mm256_fmadd_ps(w[h], x, acc[h][i]);
             }
@@ -529,8 +529,19 @@ inline void values_group(const Cache& c, const int32_t* table, int64_t hk, int64
     }
     for (int h = 0; h < G; ++h) {
         const __m256 iv = _mm256_set1_ps(inv[h]);
-        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out[h] + d0 + 8 * i, _mm256_mul_ps(acc[h][i], iv));
+        for (int i = 0; i < W; ++i) _mm256_storeu_ps(out[h] + d0 + 8 * i, _mm256_mul_ps(acc[h][i], iv));
     }
+}
+
+// values_group over all D columns (D % 8 == 0): 32 at a time, then the rest
+template <class E, int G>
+inline void values_heads(const Cache& c, const int32_t* table, int64_t hk, int64_t Hkv, int64_t rb, int64_t hb,
+                         int64_t lo, int64_t L, int64_t D, const float* const* pg, const float* inv, float* const* out) {
+    int64_t d0 = 0;
+    for (; d0 + 32 <= D; d0 += 32) values_group<E, G, 4>(c, table, hk, Hkv, rb, hb, lo, L, d0, pg, inv, out);
+    if (D - d0 == 24) values_group<E, G, 3>(c, table, hk, Hkv, rb, hb, lo, L, d0, pg, inv, out);
+    else if (D - d0 == 16) values_group<E, G, 2>(c, table, hk, Hkv, rb, hb, lo, L, d0, pg, inv, out);
+    else if (D - d0 == 8) values_group<E, G, 1>(c, table, hk, Hkv, rb, hb, lo, L, d0, pg, inv, out);
 }
 
 // kivi2's 2-bit pages (llmopt/kernels/kivi.py): code c of a token's row in bits 2 * (c % 4) of byte
@@ -773,7 +784,7 @@ void attention_t(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv
             }
         }
         if constexpr (!std::is_same_v<E, Q4>) {
-            if (D % 32 == 0) {   // p @ V: 32 columns of three heads at a time in registers over all keys
+            if (D % 8 == 0) {   // p @ V: up to 32 columns of three heads at a time in registers over all keys
                 for (int64_t g = 0; g < group; g += 3) {
                     const float* pg[3];
                     float* out[3];
@@ -781,21 +792,18 @@ void attention_t(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv
                         pg[h] = p.data() + (g + h) * (n + 8) - lo;
                         out[h] = o + (m * Hq + hk * group + g + h) * D;
                     }
-                    for (int64_t d0 = 0; d0 < D; d0 += 32) {
-                        if (group - g >= 3) values_group<E, 3>(c, table, hk, Hkv, rb, hb, lo, L, d0, pg, inv + g, out);
-                        else if (group - g == 2) values_group<E, 2>(c, table, hk, Hkv, rb, hb, lo, L, d0, pg, inv + g, out);
-                        else values_group<E, 1>(c, table, hk, Hkv, rb, hb, lo, L, d0, pg, inv + g, out);
-                    }
+                    if (group - g >= 3) values_heads<E, 3>(c, table, hk, Hkv, rb, hb, lo, L, D, pg, inv + g, out);
+                    else if (group - g == 2) values_heads<E, 2>(c, table, hk, Hkv, rb, hb, lo, L, D, pg, inv + g, out);
+                    else values_heads<E, 1>(c, table, hk, Hkv, rb, hb, lo, L, D, pg, inv + g, out);
                 }
                 continue;
             }
         }
-        for (int64_t g = 0; g < group; ++g) {   // p @ V: 64 columns of one head in registers over all keys
+        for (int64_t g = 0; g < group; ++g) {   // p @ V a head at a time: int4 (64 columns in registers), odd D
             float* out = o + (m * Hq + hk * group + g) * D;
             const float* pg = p.data() + g * (n + 8) - lo;   // pg[j], j in [lo, L)
-            int64_t d0 = 0;
             if constexpr (std::is_same_v<E, Q4>) {   // per key and block: (w * d) * (codes - 8), one d a block
-                for (; d0 < D; d0 += 64) {
+                for (int64_t d0 = 0; d0 < D; d0 += 64) {
                     const int64_t nb = std::min<int64_t>(64, D - d0) / 32;   // blocks in this chunk: 1 or 2
                     __m256 acc[8], cv[4];
                     for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
@@ -814,40 +822,18 @@ void attention_t(const float* q, int64_t ldq, int64_t M, int64_t Hq, int64_t Hkv
                     const __m256 iv = _mm256_set1_ps(inv[g]);
                     for (int i = 0; i < 4 * nb; ++i) _mm256_storeu_ps(out + d0 + 8 * i, _mm256_mul_ps(acc[i], iv));
                 }
-            } else {
-                for (; D % 8 == 0 && d0 < D; d0 += 64) {
-                    const int64_t w8 = std::min<int64_t>(64, D - d0) / 8;
-                    __m256 acc[8];
-                    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-                    for (int64_t b = lo / c.bs; b * c.bs < L; ++b) {
-                        const int64_t j0 = std::max(lo, b * c.bs), j1 = std::min(L, (b + 1) * c.bs);
-                        const uint8_t* vb = c.v + ((int64_t)table[b] * c.bs) * rb + hk * hb;
-                        const float* vf = c.vsc ? c.vsc + ((int64_t)table[b] * c.bs - b * c.bs) * Hkv + hk : nullptr;
-                        for (int64_t j = j0; j < j1; ++j) {
-                            const __m256 w = _mm256_set1_ps(vf ? pg[j] * vf[j * Hkv] : pg[j]);
-                            const uint8_t* vv = vb + (j - b * c.bs) * rb;
-                            if (w8 == 8)
-                                for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(w, E::at(vv, d0 + 8 * i), acc[i]);
-                            else
-                                for (int i = 0; i < w8; ++i) acc[i] = _mm256_fmadd_ps(w, E::at(vv, d0 + 8 * i), acc[i]);
-                        }
+            } else {   // odd head sizes (D % 8 != 0): the plain loops
+                std::fill(out, out + D, 0.f);
+                for (int64_t b = lo / c.bs; b * c.bs < L; ++b) {
+                    const int64_t j0 = std::max(lo, b * c.bs), j1 = std::min(L, (b + 1) * c.bs);
+                    const uint8_t* vb = c.v + ((int64_t)table[b] * c.bs) * rb + hk * hb;
+                    const float* vf = c.vsc ? c.vsc + ((int64_t)table[b] * c.bs - b * c.bs) * Hkv + hk : nullptr;
+                    for (int64_t j = j0; j < j1; ++j) {
+                        const float w = vf ? pg[j] * vf[j * Hkv] : pg[j];
+                        for (int64_t d = 0; d < D; ++d) out[d] += w * E::one(vb + (j - b * c.bs) * rb, d);
                     }
-                    const __m256 iv = _mm256_set1_ps(inv[g]);
-                    for (int i = 0; i < w8; ++i) _mm256_storeu_ps(out + d0 + 8 * i, _mm256_mul_ps(acc[i], iv));
                 }
-                if (D % 8 != 0) {   // odd head sizes: the plain loops
-                    std::fill(out, out + D, 0.f);
-                    for (int64_t b = lo / c.bs; b * c.bs < L; ++b) {
-                        const int64_t j0 = std::max(lo, b * c.bs), j1 = std::min(L, (b + 1) * c.bs);
-                        const uint8_t* vb = c.v + ((int64_t)table[b] * c.bs) * rb + hk * hb;
-                        const float* vf = c.vsc ? c.vsc + ((int64_t)table[b] * c.bs - b * c.bs) * Hkv + hk : nullptr;
-                        for (int64_t j = j0; j < j1; ++j) {
-                            const float w = vf ? pg[j] * vf[j * Hkv] : pg[j];
-                            for (int64_t d = 0; d < D; ++d) out[d] += w * E::one(vb + (j - b * c.bs) * rb, d);
-                        }
-                    }
-                    for (int64_t d = 0; d < D; ++d) out[d] *= inv[g];
-                }
+                for (int64_t d = 0; d < D; ++d) out[d] *= inv[g];
             }
         }
     }

@@ -893,7 +893,7 @@ inline void f32_bcast(const Args& a, const float* w) {
             if (rows < BM)
                 for (int64_t k = 0; k < kn; ++k) std::fill(o + k * BM + rows, o + (k + 1) * BM, 0.f);
         }
-        static thread_local Grown ubuf, abuf;   // this thread's unit of outputs [24][ldt]; partial sums
+        static thread_local Grown ubuf, abuf;   // this thread's unit of outputs [48][ldt]; partial sums
         float* const yt = ubuf.get(BU * BR * ldt);
         float* const acc = abuf.get(BU * B * BR * BM);
 #pragma omp for schedule(dynamic, 1)   // units taken as threads come free: a slower core takes fewer
